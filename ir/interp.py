@@ -1,0 +1,93 @@
+"""The reference interpreter: runs any graph with the ops' numpy references.
+
+It is the oracle. Passes must leave its output unchanged and compiled kernels
+are tested against it, so it stays simple: one op at a time, in order.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .graph import Graph, Value, WeightRef
+from .ops import WeightData, get_op
+from .types import DTYPES, TensorType
+
+
+class WeightStore:
+    """Memory-maps each model file once and hands out weights' raw bytes."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, np.memmap] = {}
+
+    def raw(self, ref: WeightRef) -> np.ndarray:
+        m = self._maps.get(ref.path)
+        if m is None:
+            m = np.memmap(ref.path, dtype=np.uint8, mode="r")
+            self._maps[ref.path] = m
+        if ref.offset < 0 or ref.offset + ref.nbytes > m.shape[0]:
+            raise ValueError(f"{ref.path}: weight bytes {ref.offset}..{ref.offset + ref.nbytes} "
+                             f"outside the file ({m.shape[0]} bytes)")
+        return m[ref.offset: ref.offset + ref.nbytes]
+
+    def get(self, v: Value) -> WeightData:
+        assert v.ref is not None
+        return WeightData(self.raw(v.ref), v.type)
+
+
+def new_state(graph: Graph) -> dict[str, np.ndarray]:
+    """Zeroed buffers for the graph's state (the KV cache)."""
+    return {name: np.zeros(tuple(int(d) for d in v.type.shape), DTYPES[v.type.dtype])
+            for name, v in graph.states.items()}
+
+
+def bind_symbols(graph: Graph, feeds: dict[str, np.ndarray]) -> dict[str, int]:
+    """Values of symbolic dims (``T``) from the shapes of the fed inputs."""
+    syms: dict[str, int] = {}
+    for v in graph.inputs:
+        arr = np.asarray(feeds[v.name])
+        if arr.ndim != v.type.rank:
+            raise ValueError(f"input {v.name}: expected rank {v.type.rank}, got shape {arr.shape}")
+        for d, n in zip(v.type.shape, arr.shape):
+            if isinstance(d, str):
+                if syms.setdefault(d, n) != n:
+                    raise ValueError(f"symbol {d} bound to {syms[d]} and {n}")
+            elif d != n:
+                raise ValueError(f"input {v.name}: expected {v.type}, got shape {arr.shape}")
+    return syms
+
+
+def run(graph: Graph, feeds: dict[str, Any], state: dict[str, np.ndarray],
+        weights: WeightStore | None = None, keep: bool = False) -> dict[str, np.ndarray]:
+    """Execute ``graph``. ``state`` buffers are updated in place. Returns the
+    outputs by name (every value by name when ``keep``, for debugging)."""
+    weights = weights or WeightStore()
+    feeds = {k: np.asarray(v, DTYPES[_input_type(graph, k).dtype]) for k, v in feeds.items()}
+    bind_symbols(graph, feeds)
+    env: dict[int, Any] = {}
+    for v in graph.inputs:
+        env[id(v)] = feeds[v.name]
+    for name, v in graph.states.items():
+        env[id(v)] = state[name]
+    for v in graph.weights.values():
+        env[id(v)] = weights.get(v)
+    names: dict[str, np.ndarray] = {}
+    for node in graph.nodes:
+        op = get_op(node.op)
+        args = [env[id(v)] for v in node.inputs]
+        out = op.ref(*args, **node.attrs)
+        env[id(node.output)] = out
+        if keep:
+            names[node.output.name] = out
+    result = {v.name: env[id(v)] for v in graph.outputs}
+    if keep:
+        names.update(result)
+        return names
+    return result
+
+
+def _input_type(graph: Graph, name: str) -> TensorType:
+    for v in graph.inputs:
+        if v.name == name:
+            return v.type
+    raise KeyError(f"graph {graph.name} has no input {name!r}")

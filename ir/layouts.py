@@ -1,0 +1,105 @@
+"""Quant layouts: how a weight's numbers are stored in its file.
+
+A layout knows the byte size of a tensor of a given shape and how to turn its
+raw bytes (a whole tensor, or one row of it) into float32. These dequantizers
+are the numpy references that fused kernels are tested against; no kernel
+ever writes a dequantized matrix out.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from .types import Dim
+
+
+def _rows_cols(shape: tuple[Dim, ...]) -> tuple[int, int]:
+    cols = int(shape[-1])
+    rows = 1
+    for d in shape[:-1]:
+        rows *= int(d)
+    return rows, cols
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Base: plain little-endian element storage (F32, F16)."""
+
+    name: str
+    itemsize: int
+    np_dtype: str
+
+    def nbytes(self, shape: tuple[Dim, ...]) -> int:
+        rows, cols = _rows_cols(shape)
+        return rows * cols * self.itemsize
+
+    def dequantize(self, raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """Raw bytes of the whole tensor -> float32 array of ``shape``."""
+        return np.frombuffer(raw, dtype=self.np_dtype).astype(np.float32).reshape(shape)
+
+    def dequantize_rows(self, raw: np.ndarray, shape: tuple[int, ...], rows: np.ndarray) -> np.ndarray:
+        """Only the given rows of a 2-D tensor (an embedding lookup reads one row)."""
+        _, cols = _rows_cols(shape)
+        mat = np.frombuffer(raw, dtype=self.np_dtype, count=shape[0] * cols).reshape(shape[0], cols)
+        return mat[rows].astype(np.float32)
+
+
+@dataclass(frozen=True)
+class PlanarQ8Layout(Layout):
+    """llama2.c version-2 checkpoints (runq.c): all int8 values of a tensor,
+    then one float32 scale per ``group`` values. Planar, not interleaved."""
+
+    group: int = 64
+
+    def nbytes(self, shape: tuple[Dim, ...]) -> int:
+        rows, cols = _rows_cols(shape)
+        n = rows * cols
+        if n % self.group:
+            raise ValueError(f"{self.name}: {n} values are not a multiple of the group size {self.group}")
+        return n + n // self.group * 4
+
+    def _split(self, raw: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        buf = np.frombuffer(raw, dtype=np.uint8, count=self.nbytes((n,)))
+        q = buf[:n].view(np.int8)
+        s = buf[n:].view("<f4")
+        return q, s
+
+    def dequantize(self, raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        rows, cols = _rows_cols(shape)
+        q, s = self._split(raw, rows * cols)
+        g = self.group
+        return (q.reshape(-1, g).astype(np.float32) * s[:, None]).reshape(shape)
+
+    def dequantize_rows(self, raw: np.ndarray, shape: tuple[int, ...], rows: np.ndarray) -> np.ndarray:
+        nrows, cols = _rows_cols(shape)
+        q, s = self._split(raw, nrows * cols)
+        q = q.reshape(nrows, cols)[rows].astype(np.float32)
+        s = s.reshape(nrows, cols // self.group)[rows]
+        out_shape = q.shape
+        g = self.group
+        return (q.reshape(-1, g) * s.reshape(-1)[:, None]).reshape(out_shape)
+
+
+_FIXED: dict[str, Layout] = {
+    "F32": Layout("F32", 4, "<f4"),
+    "F16": Layout("F16", 2, "<f2"),
+}
+
+_PLANAR_Q8 = re.compile(r"^L2C_Q8G(\d+)$")
+
+
+def get_layout(name: str) -> Layout:
+    """Look a layout up by its name (``F32``, ``L2C_Q8G64`` ...)."""
+    if name in _FIXED:
+        return _FIXED[name]
+    m = _PLANAR_Q8.match(name)
+    if m and int(m.group(1)) > 0:
+        return PlanarQ8Layout(name, 1, "i1", int(m.group(1)))
+    raise KeyError(f"unknown quant layout {name!r}")
+
+
+def planar_q8(group: int) -> str:
+    """Layout name of llama2.c's Q8_0 with the given group size."""
+    return f"L2C_Q8G{group}"

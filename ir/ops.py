@@ -1,0 +1,305 @@
+"""The op registry: each op has a shape rule and one numpy reference.
+
+The references are the semantics of the IR. ``ir.interp`` runs graphs with
+them, and every pass and compiled kernel is checked against them. They work
+in float32 like the C programs we compare with (llama2.c's run.c), so the
+interpreter reproduces their token choices.
+
+Conventions: activations are ``[..., features]`` (a decode step has no
+leading axis, a prefill chunk has a leading ``T``); a weight matrix is stored
+``[out, in]`` row-major as in the model files, so ``matmul(x, W) = x @ W.T``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from .layouts import get_layout
+from .types import Dim, TensorType
+
+
+class ShapeError(ValueError):
+    """An op was applied to values whose types do not fit its rule."""
+
+
+@dataclass
+class WeightData:
+    """A weight as the interpreter sees it: its raw stored bytes and type."""
+
+    raw: np.ndarray  # uint8, usually a read-only memory map
+    type: TensorType
+
+    def to_f32(self) -> np.ndarray:
+        layout = get_layout(self.type.layout or "F32")
+        shape = tuple(int(d) for d in self.type.shape)
+        return layout.dequantize(self.raw, shape)
+
+    def rows(self, idx: np.ndarray) -> np.ndarray:
+        layout = get_layout(self.type.layout or "F32")
+        shape = tuple(int(d) for d in self.type.shape)
+        return layout.dequantize_rows(self.raw, shape, idx)
+
+
+def f32_of(x: Any) -> np.ndarray:
+    """The float32 numbers behind an operand (weights are dequantized)."""
+    if isinstance(x, WeightData):
+        return x.to_f32()
+    return np.asarray(x, dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    infer: Callable[[list[TensorType], dict[str, Any]], TensorType]
+    ref: Callable[..., np.ndarray]
+    n_inputs: int
+    #: True when the op writes into its first (state) operand and returns it.
+    updates_state: bool = False
+    elementwise: bool = False
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def register(name: str, n_inputs: int, infer: Callable[[list[TensorType], dict[str, Any]], TensorType],
+             updates_state: bool = False, elementwise: bool = False):
+    def deco(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+        OPS[name] = OpDef(name, infer, fn, n_inputs, updates_state, elementwise)
+        return fn
+
+    return deco
+
+
+def get_op(name: str) -> OpDef:
+    try:
+        return OPS[name]
+    except KeyError:
+        raise ShapeError(f"unknown op {name!r}") from None
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ShapeError(msg)
+
+
+def _same_dim(a: Dim, b: Dim) -> bool:
+    return a == b
+
+
+# --- shape rules --------------------------------------------------------------
+def _same_as_first(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    return TensorType(ts[0].shape, "f32")
+
+
+def _binary(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    a, b = ts
+    _need(a.shape == b.shape, f"shapes differ: {a} and {b}")
+    return TensorType(a.shape, "f32")
+
+
+def _embedding(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    w, ids = ts
+    _need(w.rank == 2, f"embedding table must be 2-D, got {w}")
+    _need(ids.dtype == "i32", f"token ids must be i32, got {ids}")
+    return TensorType(ids.shape + (w.shape[1],), "f32")
+
+
+def _matmul(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    x, w = ts
+    _need(w.rank == 2, f"weight must be 2-D, got {w}")
+    _need(x.rank >= 1 and _same_dim(x.shape[-1], w.shape[1]), f"matmul: {x} does not fit weight {w}")
+    if "layout" in attrs:
+        _need(w.layout == attrs["layout"], f"qmatmul[{attrs['layout']}] on a {w.layout} weight")
+    return TensorType(x.shape[:-1] + (w.shape[0],), "f32")
+
+
+def _dequant(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    (w,) = ts
+    _need(w.layout is not None, "dequant needs a stored weight")
+    return TensorType(w.shape, "f32")
+
+
+def _rmsnorm(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    x, w = ts
+    _need(w.rank == 1, f"norm weight must be 1-D, got {w}")
+    n = x.shape[-1]
+    _need(isinstance(n, int) and n % int(w.shape[0]) == 0, f"rmsnorm: {w} does not divide {x}")
+    return TensorType(x.shape, "f32")
+
+
+def _rope(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    x, pos = ts
+    hd = attrs["head_dim"]
+    _need(int(x.shape[-1]) % hd == 0 and hd % 2 == 0, f"rope: head_dim {hd} does not fit {x}")
+    _need(attrs.get("style") in ("interleaved", "neox"), f"rope: unknown style {attrs.get('style')!r}")
+    _need(pos.dtype == "i32" and pos.rank == 0, "rope: pos must be an i32 scalar")
+    return TensorType(x.shape, "f32")
+
+
+def _kv_write(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    cache, x, pos = ts
+    _need(cache.rank == 2 and x.shape[-1] == cache.shape[1], f"kv_write: {x} does not fit cache {cache}")
+    return cache
+
+
+def _attention(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    q, kc, vc, pos = ts
+    h, kvh, hd = attrs["n_heads"], attrs["n_kv_heads"], attrs["head_dim"]
+    _need(q.shape[-1] == h * hd, f"attention: {q} is not {h} heads of {hd}")
+    _need(kc.shape == vc.shape and kc.shape[-1] == kvh * hd, f"attention: caches {kc}, {vc} do not fit")
+    _need(h % kvh == 0, f"attention: {h} query heads not a multiple of {kvh} kv heads")
+    return TensorType(q.shape, "f32")
+
+
+def _take_last(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    (x,) = ts
+    _need(x.rank == 2, f"take_last needs [T, n], got {x}")
+    return TensorType(x.shape[1:], "f32")
+
+
+# --- references -----------------------------------------------------------------
+@register("embedding", 2, _embedding)
+def embedding_ref(w: WeightData, ids: np.ndarray) -> np.ndarray:
+    ids = np.asarray(ids, dtype=np.int64)
+    vocab = int(w.type.shape[0])
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise IndexError(f"token id out of range [0, {vocab})")
+    return w.rows(ids.reshape(-1)).reshape(ids.shape + (int(w.type.shape[1]),))
+
+
+@register("rmsnorm", 2, _rmsnorm)
+def rmsnorm_ref(x: np.ndarray, w: Any, *, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) * w, over chunks the size of w (whole rows,
+    or each head for per-head Q/K norms). Float32 throughout, as run.c."""
+    wv = f32_of(w)
+    n = wv.shape[0]
+    xs = np.asarray(x, np.float32).reshape(-1, n)
+    ss = np.float32(1.0) / np.sqrt(np.mean(xs * xs, axis=1, dtype=np.float32) + np.float32(eps))
+    return (wv * (xs * ss[:, None])).astype(np.float32).reshape(np.shape(x))
+
+
+@register("matmul", 2, _matmul)
+def matmul_ref(x: np.ndarray, w: Any) -> np.ndarray:
+    return np.asarray(x, np.float32) @ f32_of(w).T
+
+
+@register("dequant", 1, _dequant)
+def dequant_ref(w: WeightData) -> np.ndarray:
+    return w.to_f32()
+
+
+@register("qmatmul", 2, _matmul)
+def qmatmul_ref(x: np.ndarray, w: WeightData, *, layout: str) -> np.ndarray:
+    """matmul with a stored (quantized) weight; the reference dequantizes."""
+    return np.asarray(x, np.float32) @ w.to_f32().T
+
+
+def rope_tables(n_pos: int, pos: int, head_dim: int, theta: float, dims: int | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [n_pos, rot/2] for positions pos..pos+n_pos-1, in float32 as run.c:
+    freq_i = 1 / theta^(2i/head_dim), angle = position * freq_i."""
+    rot = dims or head_dim
+    i2 = np.arange(0, rot, 2, dtype=np.float32)
+    freq = np.float32(1.0) / np.power(np.float32(theta), i2 / np.float32(head_dim))
+    p = np.arange(pos, pos + n_pos, dtype=np.float32)
+    ang = (p[:, None] * freq[None, :]).astype(np.float32)
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+@register("rope", 2, _rope)
+def rope_ref(x: np.ndarray, pos: Any, *, head_dim: int, theta: float, style: str) -> np.ndarray:
+    """Rotary position embedding. ``interleaved`` rotates (x[2i], x[2i+1]) as
+    llama2.c and GGUF llama; ``neox`` rotates (x[i], x[i + head_dim/2])."""
+    x = np.asarray(x, np.float32)
+    lead = x.shape[:-1]
+    t = x.reshape(-1, x.shape[-1])
+    n_rows = t.shape[0]
+    cos, sin = rope_tables(n_rows, int(pos), head_dim, theta)
+    heads = t.reshape(n_rows, -1, head_dim)
+    if style == "interleaved":
+        a, b = heads[..., 0::2], heads[..., 1::2]
+    else:
+        a, b = heads[..., : head_dim // 2], heads[..., head_dim // 2:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    ra, rb = a * c - b * s, a * s + b * c
+    out = np.empty_like(heads)
+    if style == "interleaved":
+        out[..., 0::2], out[..., 1::2] = ra, rb
+    else:
+        out[..., : head_dim // 2], out[..., head_dim // 2:] = ra, rb
+    return out.reshape(lead + (x.shape[-1],))
+
+
+@register("kv_write", 3, _kv_write, updates_state=True)
+def kv_write_ref(cache: np.ndarray, x: np.ndarray, pos: Any) -> np.ndarray:
+    """Store the new rows at positions pos.. (in place: the cache is state)."""
+    rows = np.asarray(x, np.float32).reshape(-1, cache.shape[1])
+    p = int(pos)
+    if p < 0 or p + rows.shape[0] > cache.shape[0]:
+        raise IndexError(f"kv_write at {p}..{p + rows.shape[0]} outside a cache of {cache.shape[0]}")
+    cache[p: p + rows.shape[0]] = rows
+    return cache
+
+
+@register("attention", 4, _attention)
+def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: Any, *, n_heads: int,
+                  n_kv_heads: int, head_dim: int, scale: float, window: int = 0) -> np.ndarray:
+    """Causal grouped-query attention against the cache. Row t of q sits at
+    position pos+t and sees positions <= pos+t (and > pos+t-window if set)."""
+    q = np.asarray(q, np.float32)
+    lead = q.shape[:-1]
+    qs = q.reshape(-1, n_heads, head_dim)
+    p0 = int(pos)
+    group = n_heads // n_kv_heads
+    out = np.empty_like(qs)
+    for t in range(qs.shape[0]):
+        end = p0 + t + 1
+        start = max(0, end - window) if window else 0
+        k = kc[start:end].reshape(end - start, n_kv_heads, head_dim)
+        v = vc[start:end].reshape(end - start, n_kv_heads, head_dim)
+        for h in range(n_heads):
+            kv = h // group
+            sc = (k[:, kv, :] @ qs[t, h]) * np.float32(scale)
+            sc = np.exp(sc - sc.max())
+            sc /= sc.sum(dtype=np.float32)
+            out[t, h] = sc @ v[:, kv, :]
+    return out.reshape(lead + (n_heads * head_dim,))
+
+
+@register("add", 2, _binary, elementwise=True)
+def add_ref(a: np.ndarray, b: Any) -> np.ndarray:
+    return (np.asarray(a, np.float32) + f32_of(b)).astype(np.float32)
+
+
+@register("mul", 2, _binary, elementwise=True)
+def mul_ref(a: np.ndarray, b: Any) -> np.ndarray:
+    return (np.asarray(a, np.float32) * f32_of(b)).astype(np.float32)
+
+
+@register("silu", 1, _same_as_first, elementwise=True)
+def silu_ref(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float32)
+    return (x * (np.float32(1.0) / (np.float32(1.0) + np.exp(-x)))).astype(np.float32)
+
+
+_GELU_C = np.float32(math.sqrt(2.0 / math.pi))
+
+
+@register("gelu_tanh", 1, _same_as_first, elementwise=True)
+def gelu_tanh_ref(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float32)
+    return (np.float32(0.5) * x * (np.float32(1.0) + np.tanh(_GELU_C * (x + np.float32(0.044715) * x * x * x)))
+            ).astype(np.float32)
+
+
+@register("scale", 1, _same_as_first, elementwise=True)
+def scale_ref(x: np.ndarray, *, factor: float) -> np.ndarray:
+    return (np.asarray(x, np.float32) * np.float32(factor)).astype(np.float32)
+
+
+@register("take_last", 1, _take_last)
+def take_last_ref(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, np.float32)[-1].copy()

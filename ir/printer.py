@@ -1,0 +1,50 @@
+"""The stable text form of a graph: one node a line, like MLIR or TVMScript.
+
+    %12 = qmatmul[Q4_K](%11, @blk.3.ffn_up) : f32[2048]
+
+Attributes print sorted by name; ``layout`` goes in brackets after the op.
+Tests and ``--dump-after`` diffs rely on this form staying put.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .graph import Graph, Node, Value
+
+
+def _fmt_attr(v: Any) -> str:
+    if isinstance(v, float):
+        return repr(v)
+    if isinstance(v, str):
+        return v
+    return str(v)
+
+
+def ref(v: Value) -> str:
+    return f"{v.sigil}{v.name}"
+
+
+def print_node(node: Node) -> str:
+    attrs = {k: v for k, v in node.attrs.items() if k != "layout"}
+    head = node.op + (f"[{node.attrs['layout']}]" if "layout" in node.attrs else "")
+    args = ", ".join(ref(v) for v in node.inputs)
+    tail = ""
+    if attrs:
+        tail = " {" + ", ".join(f"{k}={_fmt_attr(attrs[k])}" for k in sorted(attrs)) + "}"
+    return f"{ref(node.output)} = {head}({args}){tail} : {node.output.type}"
+
+
+def print_graph(graph: Graph) -> str:
+    lines = [f"graph {graph.name}("
+             + ", ".join(f"{ref(v)}: {v.type}" for v in graph.inputs) + ") {"]
+    for v in graph.weights.values():
+        r = v.ref
+        lines.append(f"  weight {ref(v)} : {v.type} = file({r.path.rsplit('/', 1)[-1]!r}, "
+                     f"offset={r.offset}, bytes={r.nbytes})")
+    for v in graph.states.values():
+        lines.append(f"  state {ref(v)} : {v.type}")
+    for node in graph.nodes:
+        lines.append("  " + print_node(node))
+    lines.append("  return " + ", ".join(ref(v) for v in graph.outputs))
+    lines.append("}")
+    return "\n".join(lines) + "\n"

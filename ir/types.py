@@ -1,0 +1,75 @@
+"""Static types of IR values: shape, dtype and (for weights) a quant layout.
+
+Shapes are tuples of ints, or of symbol names for the few dynamic quantities
+(the number of tokens ``T`` in a prefill chunk). Everything else is static so
+that later passes can plan memory and the code generator can emit constants.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+
+Dim = Union[int, str]
+
+#: dtype name -> numpy dtype; the IR speaks names, numpy only in references.
+DTYPES: dict[str, np.dtype] = {
+    "f32": np.dtype(np.float32),
+    "f16": np.dtype(np.float16),
+    "i32": np.dtype(np.int32),
+    "i8": np.dtype(np.int8),
+    "u8": np.dtype(np.uint8),
+}
+
+
+@dataclass(frozen=True)
+class TensorType:
+    """Type of one value. ``layout`` is set only for quantized weights."""
+
+    shape: tuple[Dim, ...]
+    dtype: str = "f32"
+    layout: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+        object.__setattr__(self, "shape", tuple(self.shape))
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def is_static(self) -> bool:
+        return all(isinstance(d, int) for d in self.shape)
+
+    def numel(self, symbols: dict[str, int] | None = None) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d if isinstance(d, int) else (symbols or {})[d]
+        return n
+
+    def nbytes(self, symbols: dict[str, int] | None = None) -> int:
+        """Bytes of the value in memory (for weights: of the stored layout)."""
+        if self.layout is not None:
+            from .layouts import get_layout
+
+            return get_layout(self.layout).nbytes(self.shape)
+        return self.numel(symbols) * DTYPES[self.dtype].itemsize
+
+    def with_shape(self, shape: tuple[Dim, ...]) -> "TensorType":
+        return TensorType(tuple(shape), self.dtype, self.layout)
+
+    def __str__(self) -> str:
+        dims = ", ".join(str(d) for d in self.shape)
+        base = f"{self.dtype}[{dims}]"
+        return f"{self.layout}:{base}" if self.layout else base
+
+
+def f32(*shape: Dim) -> TensorType:
+    return TensorType(tuple(shape), "f32")
+
+
+def i32(*shape: Dim) -> TensorType:
+    return TensorType(tuple(shape), "i32")
