@@ -1,0 +1,215 @@
+"""The architecture table: one transformer graph builder driven by a config.
+
+A model family is a row of ``ARCHITECTURES`` (what differs: FFN activation,
+norm placement, biases, RoPE layout ...), never a new code path. Frontends
+only translate their file's header/metadata into a ``ModelConfig`` and their
+tensors into weights named as in GGUF (``blk.N.attn_q`` ...).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from ir.graph import Graph, Value, WeightRef
+from ir.types import TensorType
+
+
+class ModelError(ValueError):
+    """A model file that cannot be used; the message names the file."""
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What distinguishes a family. Defaults are llama's."""
+
+    ffn_act: str = "silu"          # gated FFN: act(gate(h)) * up(h)
+    rope_style: str = "interleaved"  # or "neox"
+    qkv_bias: bool = False
+    qk_norm: bool = False          # per-head RMSNorm on Q and K
+    post_norms: bool = False       # RMSNorm after attention and after FFN
+    embed_scale: bool = False      # embeddings times sqrt(dim)
+    swa_every: int = 0             # every n-th layer global, others sliding-window
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "llama": ArchSpec(),
+}
+
+
+@dataclass
+class ModelConfig:
+    """Hyper-parameters of one model, whatever file they came from."""
+
+    arch: str
+    dim: int
+    hidden_dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    seq_len: int
+    head_dim: int = 0
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tied_output: bool = True
+    bos_id: int = 1
+    eos_id: int = 2
+    #: tokens that end generation; llama2.c stops when it samples BOS
+    stop_ids: tuple[int, ...] = (1, 2)
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            self.head_dim = self.dim // self.n_heads
+
+    @property
+    def spec(self) -> ArchSpec:
+        return ARCHITECTURES[self.arch]
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class WeightInfo:
+    type: TensorType
+    ref: WeightRef
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight the family needs, with its [out, in] shape."""
+    s = cfg.spec
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd": (cfg.vocab_size, cfg.dim),
+        "output_norm": (cfg.dim,),
+    }
+    if not cfg.tied_output:
+        shapes["output"] = (cfg.vocab_size, cfg.dim)
+    for i in range(cfg.n_layers):
+        b = f"blk.{i}."
+        shapes.update({
+            b + "attn_norm": (cfg.dim,),
+            b + "attn_q": (cfg.q_dim, cfg.dim),
+            b + "attn_k": (cfg.kv_dim, cfg.dim),
+            b + "attn_v": (cfg.kv_dim, cfg.dim),
+            b + "attn_output": (cfg.dim, cfg.q_dim),
+            b + "ffn_norm": (cfg.dim,),
+            b + "ffn_gate": (cfg.hidden_dim, cfg.dim),
+            b + "ffn_up": (cfg.hidden_dim, cfg.dim),
+            b + "ffn_down": (cfg.dim, cfg.hidden_dim),
+        })
+        if s.qkv_bias:
+            shapes.update({b + "attn_q.bias": (cfg.q_dim,), b + "attn_k.bias": (cfg.kv_dim,),
+                           b + "attn_v.bias": (cfg.kv_dim,)})
+        if s.qk_norm:
+            shapes.update({b + "attn_q_norm": (cfg.head_dim,), b + "attn_k_norm": (cfg.head_dim,)})
+        if s.post_norms:
+            shapes.update({b + "post_attention_norm": (cfg.dim,), b + "post_ffw_norm": (cfg.dim,)})
+    return shapes
+
+
+def check_weights(cfg: ModelConfig, weights: dict[str, WeightInfo], path: str) -> None:
+    """Every needed tensor is present with the shape the config implies."""
+    for name, shape in expected_shapes(cfg).items():
+        w = weights.get(name)
+        if w is None:
+            raise ModelError(f"{path}: missing tensor {name}")
+        if tuple(w.type.shape) != shape:
+            raise ModelError(f"{path}: tensor {name} has shape {tuple(w.type.shape)}, the config needs {shape}")
+
+
+class _Builder:
+    def __init__(self, g: Graph, cfg: ModelConfig, weights: dict[str, WeightInfo]) -> None:
+        self.g, self.cfg, self.weights = g, cfg, weights
+
+    def w(self, name: str) -> Value:
+        info = self.weights[name]
+        return self.g.add_weight(name, info.type, info.ref)
+
+    def op(self, op: str, *inputs: Value, **attrs) -> Value:
+        return self.g.add_node(op, list(inputs), attrs)
+
+    def linear(self, x: Value, name: str) -> Value:
+        """x @ W.T (+ bias). Quantized weights go through an explicit dequant,
+        which ``fuse_dequant`` folds into the matmul."""
+        w = self.w(name)
+        if w.type.layout not in (None, "F32"):
+            w = self.op("dequant", w)
+        y = self.op("matmul", x, w)
+        if name + ".bias" in self.weights:
+            y = self.op("add", y, self.w(name + ".bias"))
+        return y
+
+
+def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "decode",
+                ctx: int | None = None, all_logits: bool = False, name: str = "model") -> Graph:
+    """The token-step graph. ``decode`` takes one ``token``; ``prefill`` takes
+    ``tokens[T]`` (matrix-matrix products), returning the last row's logits or,
+    with ``all_logits``, one row per token. The KV cache holds ``ctx`` positions."""
+    if mode not in ("decode", "prefill"):
+        raise ValueError(f"unknown graph mode {mode!r}")
+    s = cfg.spec
+    ctx = ctx or cfg.seq_len
+    g = Graph(f"{name}.{mode}")
+    g.meta.update(arch=cfg.arch, mode=mode, ctx=ctx)
+    b = _Builder(g, cfg, weights)
+    if mode == "decode":
+        tok = g.add_input("token", TensorType((), "i32"))
+    else:
+        tok = g.add_input("tokens", TensorType(("T",), "i32"))
+    pos = g.add_input("pos", TensorType((), "i32"))
+
+    x = b.op("embedding", b.w("token_embd"), tok)
+    if s.embed_scale:
+        x = b.op("scale", x, factor=float(math.sqrt(cfg.dim)))
+    eps = float(cfg.norm_eps)
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        kc = g.add_state(f"k_cache.{i}", TensorType((ctx, cfg.kv_dim), "f32"))
+        vc = g.add_state(f"v_cache.{i}", TensorType((ctx, cfg.kv_dim), "f32"))
+        glob = not s.swa_every or (i + 1) % s.swa_every == 0
+        theta = cfg.rope_theta if glob else float(cfg.extra.get("rope_local_theta", cfg.rope_theta))
+        window = 0 if glob else int(cfg.extra.get("sliding_window", 0))
+
+        h = b.op("rmsnorm", x, b.w(p + "attn_norm"), eps=eps)
+        q = b.linear(h, p + "attn_q")
+        k = b.linear(h, p + "attn_k")
+        v = b.linear(h, p + "attn_v")
+        if s.qk_norm:
+            q = b.op("rmsnorm", q, b.w(p + "attn_q_norm"), eps=eps)
+            k = b.op("rmsnorm", k, b.w(p + "attn_k_norm"), eps=eps)
+        q = b.op("rope", q, pos, head_dim=cfg.head_dim, theta=float(theta), style=s.rope_style)
+        k = b.op("rope", k, pos, head_dim=cfg.head_dim, theta=float(theta), style=s.rope_style)
+        kc = b.op("kv_write", kc, k, pos)
+        vc = b.op("kv_write", vc, v, pos)
+        a = b.op("attention", q, kc, vc, pos, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                 head_dim=cfg.head_dim, scale=1.0 / math.sqrt(cfg.head_dim), window=window)
+        o = b.linear(a, p + "attn_output")
+        if s.post_norms:
+            o = b.op("rmsnorm", o, b.w(p + "post_attention_norm"), eps=eps)
+        x = b.op("add", x, o)
+
+        h = b.op("rmsnorm", x, b.w(p + "ffn_norm"), eps=eps)
+        gate = b.op(s.ffn_act, b.linear(h, p + "ffn_gate"))
+        up = b.linear(h, p + "ffn_up")
+        f = b.linear(b.op("mul", gate, up), p + "ffn_down")
+        if s.post_norms:
+            f = b.op("rmsnorm", f, b.w(p + "post_ffw_norm"), eps=eps)
+        x = b.op("add", x, f)
+
+    if mode == "prefill" and not all_logits:
+        x = b.op("take_last", x)
+    x = b.op("rmsnorm", x, b.w("output_norm"), eps=eps)
+    logits = b.linear(x, "token_embd" if cfg.tied_output else "output")
+    logits.name = "logits"
+    g.set_outputs(logits)
+    return g
+
+
+def with_context(cfg: ModelConfig, ctx: int) -> ModelConfig:
+    return replace(cfg, seq_len=ctx)

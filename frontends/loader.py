@@ -1,0 +1,56 @@
+"""Open any supported model file: find its format, config, weights, tokenizer."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .arch import ModelConfig, ModelError, WeightInfo
+
+
+@dataclass
+class LoadedModel:
+    """A model as the compiler sees it: no weights read, only referenced."""
+
+    path: str
+    format: str          # "llama2c-v0", "llama2c-v2", ...
+    config: ModelConfig
+    weights: dict[str, WeightInfo]
+    tokenizer: Any       # has encode(text, bos) / decode(ids) / vocab_size
+
+    @property
+    def name(self) -> str:
+        return os.path.splitext(os.path.basename(self.path))[0]
+
+
+def _find_llama2c_tokenizer(model_path: str, vocab_size: int) -> str:
+    """run.c wants -z; as a convenience look beside the model for tok{V}.bin,
+    then tokenizer.bin."""
+    folder = os.path.dirname(os.path.abspath(model_path))
+    for cand in (f"tok{vocab_size}.bin", "tokenizer.bin"):
+        p = os.path.join(folder, cand)
+        if os.path.exists(p):
+            return p
+    raise ModelError(f"{model_path}: no tokenizer found beside it (tok{vocab_size}.bin or tokenizer.bin); "
+                     "pass one with -z")
+
+
+def load_model(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None) -> LoadedModel:
+    """Detect the format of ``path`` and read its header/metadata (not weights)."""
+    from .llama2c import load_llama2c
+    from .llama2c_tokenizer import Llama2cTokenizer
+
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ModelError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise ModelError(f"{path}: is a directory, not a model file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        raise ModelError(f"{path}: GGUF models are not supported yet")
+    ckpt = load_llama2c(path)
+    cfg = ckpt.config
+    tok_path = os.fspath(tokenizer) if tokenizer is not None else _find_llama2c_tokenizer(path, cfg.vocab_size)
+    tok = Llama2cTokenizer.from_file(tok_path, cfg.vocab_size)
+    return LoadedModel(path, f"llama2c-v{ckpt.version}", cfg, ckpt.weights, tok)
