@@ -1,0 +1,1 @@
+"""The compiler: model loading, the pass pipeline and (later) native code."""

@@ -1,0 +1,53 @@
+"""The compiler driver: model file -> loaded model -> planned graphs.
+
+The interpreter backend runs these graphs directly; the native backend
+(next step) lowers the same graphs to machine code.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from frontends.arch import ModelError, build_graph
+from frontends.loader import LoadedModel, load_model
+from ir.graph import Graph
+
+from .pipeline import DEFAULT_PIPELINE, run_pipeline
+
+__all__ = ["CompileOptions", "LoadedModel", "ModelError", "build_graphs", "load_model", "model_graph"]
+
+
+@dataclass
+class CompileOptions:
+    backend: str = "interp"
+    ctx: int | None = None            # KV cache length; default: the model's context
+    passes: tuple[str, ...] = field(default=DEFAULT_PIPELINE)
+    dump_dir: str | None = None
+
+
+def model_graph(model: LoadedModel, mode: str, options: CompileOptions | None = None,
+                all_logits: bool = False, stop_after: str | None = None, run_passes: bool = True) -> Graph:
+    """One graph of ``model`` (decode or prefill), after the pass pipeline."""
+    options = options or CompileOptions()
+    g = build_graph(model.config, model.weights, mode, ctx=options.ctx, all_logits=all_logits, name=model.name)
+    if not run_passes:
+        return g
+    dump = os.path.join(options.dump_dir, g.name) if options.dump_dir else None
+    return run_pipeline(g, options.passes, dump_dir=dump, stop_after=stop_after)
+
+
+def build_graphs(model: LoadedModel, options: CompileOptions | None = None) -> dict[str, Graph]:
+    """The graphs a runtime needs: a decode step, a prefill chunk (last-row
+    logits) and a prefill that returns every row (for ``logits``/perplexity)."""
+    return {
+        "decode": model_graph(model, "decode", options),
+        "prefill": model_graph(model, "prefill", options),
+        "prefill_all": model_graph(model, "prefill", options, all_logits=True),
+    }
+
+
+def load_tokenizer_file(path: str | os.PathLike, vocab_size: int | None = None):
+    """A tokenizer on its own (llama2.c tokenizer.bin)."""
+    from frontends.llama2c_tokenizer import Llama2cTokenizer
+
+    return Llama2cTokenizer.from_file(path, vocab_size)

@@ -1,0 +1,41 @@
+"""The pass pipeline: named phases, the graph verified after each, optional
+text dumps so that any pass's effect is a diff."""
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+import passes
+from ir.graph import Graph
+from ir.printer import print_graph
+from ir.verify import verify
+
+#: Passes run by default, in order.
+DEFAULT_PIPELINE: tuple[str, ...] = ("fuse_dequant",)
+
+
+def run_pipeline(graph: Graph, names: Sequence[str] = DEFAULT_PIPELINE, dump_dir: str | None = None,
+                 stop_after: str | None = None,
+                 on_pass: Callable[[str, Graph], None] | None = None) -> Graph:
+    """Run the named passes in order; verify after each."""
+    verify(graph)
+    if dump_dir:
+        os.makedirs(dump_dir, exist_ok=True)
+        _dump(dump_dir, 0, "input", graph)
+    for i, name in enumerate(names, 1):
+        if name not in passes.PASSES:
+            raise ValueError(f"unknown pass {name!r} (known: {', '.join(sorted(passes.PASSES))})")
+        graph = passes.PASSES[name].run(graph)
+        verify(graph)
+        if dump_dir:
+            _dump(dump_dir, i, name, graph)
+        if on_pass:
+            on_pass(name, graph)
+        if name == stop_after:
+            break
+    return graph
+
+
+def _dump(folder: str, i: int, name: str, graph: Graph) -> None:
+    with open(os.path.join(folder, f"{i:02d}-{name}.txt"), "w") as f:
+        f.write(print_graph(graph))
