@@ -1,0 +1,143 @@
+"""The Python API: ``load(path)`` gives a model that encodes, decodes,
+generates and scores text."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from compiler.driver import CompileOptions, LoadedModel, build_graphs, load_model
+
+from .executor import InterpExecutor
+from .sampling import Sampler, SamplerConfig
+
+
+class RunError(ValueError):
+    """A request the model cannot serve (prompt too long, bad token id ...)."""
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    sample_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        decode_steps = max(self.generated_tokens - 1, 0)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "prefill_s": round(self.prefill_s, 6),
+            "prefill_tok_s": round(self.prompt_tokens / self.prefill_s, 2) if self.prefill_s else None,
+            "decode_s": round(self.decode_s, 6),
+            "decode_tok_s": round(decode_steps / self.decode_s, 2) if self.decode_s else None,
+            "sample_s": round(self.sample_s, 6),
+            **self.extra,
+        }
+
+
+class Model:
+    """A loaded, compiled model with its own KV cache."""
+
+    def __init__(self, loaded: LoadedModel, backend: str = "interp", ctx: int | None = None) -> None:
+        cfg = loaded.config
+        if ctx is not None and not 0 < ctx <= cfg.seq_len:
+            raise RunError(f"--ctx {ctx}: must be between 1 and the model's context {cfg.seq_len}")
+        self.loaded = loaded
+        self.config = cfg
+        self.tokenizer = loaded.tokenizer
+        self.ctx = ctx or cfg.seq_len
+        opts = CompileOptions(backend=backend, ctx=self.ctx)
+        if backend != "interp":
+            raise RunError(f"--backend {backend}: unknown backend (available: interp)")
+        self.graphs = build_graphs(loaded, opts)
+        self.executor = InterpExecutor(self.graphs)
+        self.last_stats = GenerationStats()
+
+    # --- text --------------------------------------------------------------
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, bos=bos)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    # --- numbers -------------------------------------------------------------
+    def _check_ids(self, ids: Sequence[int]) -> list[int]:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
+        if bad:
+            raise RunError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        if not ids:
+            raise RunError("no tokens to run")
+        if len(ids) > self.ctx:
+            raise RunError(f"prompt of {len(ids)} tokens is longer than the context ({self.ctx})")
+        return ids
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Next-token logits after each position: float32 [len(ids), vocab]."""
+        ids = self._check_ids(ids)
+        self.executor.reset()
+        return np.array(self.executor.prefill(ids, 0, all_logits=True), dtype=np.float32)
+
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repeat_penalty: float = 1.0,
+                 seed: int | None = None, stop: bool = True) -> Iterator[int]:
+        """Yield new token ids. The prompt goes through one prefill pass; a
+        sampled stop token is yielded and ends generation."""
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self._check_ids(ids)
+        if max_new_tokens < 0:
+            raise RunError(f"-n {max_new_tokens}: must be >= 0")
+        if len(ids) + max_new_tokens - 1 > self.ctx:
+            room = self.ctx - len(ids) + 1
+            raise RunError(f"-n {max_new_tokens}: the prompt ({len(ids)} tokens) and {max_new_tokens} new tokens "
+                           f"do not fit the context of {self.ctx} (at most -n {room})")
+        cfg = SamplerConfig(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                            repeat_penalty=repeat_penalty, seed=seed)
+        cfg.validate()
+        sampler = Sampler(cfg, self.config.vocab_size)
+        return self._generate(ids, max_new_tokens, sampler, stop)
+
+    def _generate(self, ids: list[int], n: int, sampler: Sampler, stop: bool) -> Iterator[int]:
+        st = self.last_stats = GenerationStats(prompt_tokens=len(ids))
+        if n == 0:
+            return
+        self.executor.reset()
+        t0 = time.perf_counter()
+        logits = self.executor.prefill(ids, 0)
+        st.prefill_s = time.perf_counter() - t0
+        history = list(ids)
+        pos = len(ids)
+        stops = set(self.config.stop_ids) if stop else set()
+        for i in range(n):
+            t0 = time.perf_counter()
+            tok = sampler.sample(logits, history)
+            st.sample_s += time.perf_counter() - t0
+            st.generated_tokens += 1
+            history.append(tok)
+            yield tok
+            if tok in stops or i == n - 1:
+                return
+            t0 = time.perf_counter()
+            logits = self.executor.decode(tok, pos)
+            st.decode_s += time.perf_counter() - t0
+            pos += 1
+
+
+def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, backend: str = "interp",
+         ctx: int | None = None) -> Model:
+    """Load and compile a model file (llama2.c .bin; more formats to come)."""
+    return Model(load_model(path, tokenizer), backend=backend, ctx=ctx)
+
+
+def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None):
+    """The tokenizer alone, from a llama2.c tokenizer.bin."""
+    from compiler.driver import load_tokenizer_file
+
+    return load_tokenizer_file(path, vocab_size)

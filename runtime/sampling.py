@@ -1,0 +1,326 @@
+"""Token samplers over one float32 logits vector.
+
+With only temperature and top-p in play (top_k == 0, min_p == 0,
+repeat_penalty == 1) the sampler is llama2.c ``run.c``'s, bit for bit: the
+same xorshift64* generator, one coin per sampled step, float32 arithmetic in
+the same order, the same comparisons and the same fallbacks. A seed therefore
+reproduces run.c's token stream for the same float32 logits.
+
+Two details make that exact rather than "nearly":
+
+* ``np.exp`` on float32 is not glibc's ``expf`` (about 40% of inputs differ by
+  one ulp, and ``exp`` in float64 rounded to float32 still differs for about
+  0.07%). :func:`expf_glibc` re-computes glibc's algorithm in float64 numpy and
+  is checked against the C library on every float32 input (all 2**32 of them,
+  glibc 2.36 x86-64, whose ``expf`` resolves to the FMA build on any CPU from
+  the last decade).
+* Float32 sums are sequential (``np.cumsum``), never ``np.sum``, which adds
+  pairwise and so rounds differently from run.c's loop.
+
+The extra samplers (repetition penalty, top-k, min-p) follow llama.cpp's
+meaning; see :class:`Sampler` for the order.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from decimal import Decimal, localcontext
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["SamplerConfig", "XorShiftRng", "Sampler", "expf_glibc", "softmax_f32"]
+
+_U64 = (1 << 64) - 1
+
+
+# ----------------------------------------------------------------------------
+# configuration
+
+
+@dataclass
+class SamplerConfig:
+    """Sampling flags. Defaults are "off" for everything except greedy."""
+
+    temperature: float = 0.0  # 0 = greedy argmax
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
+    repeat_penalty: float = 1.0  # 1 = off
+    repeat_last_n: int = 64  # window of the penalty; 0 = off, -1 = whole history
+    seed: int | None = None  # None (or 0, as in run.c) = from the clock
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending command-line flag.
+
+        Written as ``not (ok)`` so NaN fails every check.
+        """
+        if not (self.temperature >= 0.0):
+            raise ValueError("--temp must be >= 0")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError("--top-p must be in (0, 1]")
+        if not (self.top_k >= 0):
+            raise ValueError("--top-k must be >= 0")
+        if not (0.0 <= self.min_p < 1.0):
+            raise ValueError("--min-p must be in [0, 1)")
+        if not (self.repeat_penalty > 0.0):
+            raise ValueError("--repeat-penalty must be > 0")
+        if not (self.repeat_last_n >= -1):
+            raise ValueError("--repeat-last-n must be >= -1")
+
+
+# ----------------------------------------------------------------------------
+# run.c's random numbers
+
+
+def _clock_seed() -> int:
+    # run.c: rng_seed = (unsigned int)time(NULL)
+    return int(time.time()) & 0xFFFFFFFF
+
+
+class XorShiftRng:
+    """xorshift64* exactly as run.c: 64-bit state, 32-bit outputs.
+
+    A seed of None or 0 takes the clock, like run.c (whose ``-s 0`` means
+    "unset"; a zero state would also make xorshift return 0 forever). Other
+    seeds are taken modulo 2**64, as C's conversion to unsigned long long does.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        state = 0 if seed is None else int(seed) & _U64
+        self.state: int = state if state else _clock_seed()
+
+    def random_u32(self) -> int:
+        s = self.state
+        s ^= s >> 12
+        s ^= (s << 25) & _U64
+        s ^= s >> 27
+        self.state = s
+        return ((s * 0x2545F4914F6CDD1D) & _U64) >> 32
+
+    def random_f32(self) -> np.float32:
+        """Uniform float32 in [0, 1) from the top 24 bits (exact: no rounding)."""
+        return np.float32((self.random_u32() >> 8) / 16777216.0)
+
+
+# ----------------------------------------------------------------------------
+# glibc expf, vectorised
+
+
+def _exp2_table() -> np.ndarray:
+    # 2^(i/32) rounded to double, with i << 47 subtracted from the bits so that
+    # adding the whole reduction integer k << 47 later installs 2^(k/32)'s
+    # exponent. Equal to glibc's __exp2f_data.tab (checked).
+    with localcontext() as ctx:
+        ctx.prec = 60
+        vals = [float(Decimal(2) ** (Decimal(i) / Decimal(32))) for i in range(32)]
+    bits = np.array(vals, dtype=np.float64).view(np.uint64)
+    return bits - (np.arange(32, dtype=np.uint64) << np.uint64(47))
+
+
+_EXP2F_T = _exp2_table()
+# glibc's polynomial for 2^(r/32) on |r| <= 1/2 and its scaled 32/ln2.
+# Dividing by 32 is exact, as in glibc's own definitions.
+_C0 = float.fromhex("0x1.c6af84b912394p-5") / 32 / 32 / 32
+_C1 = float.fromhex("0x1.ebfce50fac4f3p-3") / 32 / 32
+_C2 = float.fromhex("0x1.62e42ff0c52d6p-1") / 32
+_INVLN2N = float.fromhex("0x1.71547652b82fep+0") * 32
+_SHIFT = float.fromhex("0x1.8p+52")
+# Veltkamp split of _INVLN2N into 26 + 27 significant bits: either half times
+# a float32 (24 bits) is exact in float64, which gives us the FMA's exact product.
+_SPLIT = 134217729.0 * _INVLN2N
+_INV_HI = _SPLIT - (_SPLIT - _INVLN2N)
+_INV_LO = _INVLN2N - _INV_HI
+_OFLOW = np.float32(float.fromhex("0x1.62e42ep6"))  # above: +inf
+_MAY_UFLOW = np.float32(float.fromhex("-0x1.9d1d9ep6"))  # below: 2^-149
+_UFLOW = np.float32(float.fromhex("-0x1.9fe368p6"))  # below: 0
+
+
+def expf_glibc(x: np.ndarray) -> np.ndarray:
+    """float32 exp, bit-identical to glibc's ``expf`` (x86-64 FMA build).
+
+    glibc reduces x*32/ln2 = k + r with FMAs (``kd = fma(InvLn2N, x, SHIFT)``,
+    ``r = fma(InvLn2N, x, -kd)``), looks 2^(k/32) up in a table and evaluates a
+    cubic in r in double, then rounds once to float. The FMA reduction is
+    reproduced exactly with a split product; in the cubic, FMA or not changes
+    the double by a few ulps only, which (exhaustively checked) never changes
+    the float result. glibc's SSE2 build, used only on CPUs without FMA, rounds
+    the reduction separately and differs for a handful of inputs
+    (e.g. -63.09946 = 0xc27c65d9).
+    """
+    x = np.asarray(x, dtype=np.float32)
+    with np.errstate(all="ignore"):
+        xd = x.astype(np.float64)
+        p1 = _INV_HI * xd
+        p2 = _INV_LO * xd
+        hi = p1 + p2  # fl(InvLn2N * x)
+        lo = (p1 - hi) + p2  # its exact rounding error
+        # round(hi + lo) to an integer, ties to even, as the FMA with SHIFT
+        # does: it differs from rint(hi) only when hi is exactly a half-integer.
+        k = np.rint(hi)
+        half = (hi - np.floor(hi)) == 0.5
+        if half.any():
+            k = np.where(half & (lo > 0), hi + 0.5, np.where(half & (lo < 0), hi - 0.5, k))
+        ki = (k + _SHIFT).view(np.uint64)
+        r = (hi - k) + lo  # hi - k is exact (Sterbenz), so one rounding: the FMA's
+        t = _EXP2F_T[ki & np.uint64(31)] + (ki << np.uint64(47))
+        s = t.view(np.float64)
+        z = _C0 * r + _C1
+        r2 = r * r
+        y = _C2 * r + 1.0
+        y = z * r2 + y
+        out = (y * s).astype(np.float32)
+        # glibc's special cases: |x| >= 88 takes a slow path first.
+        abstop = (x.view(np.uint32) >> np.uint32(20)) & np.uint32(0x7FF)
+        special = abstop >= 0x42B
+        if special.any():
+            out = np.where(special & (x > _OFLOW), np.float32(np.inf), out)
+            out = np.where(special & (x < _MAY_UFLOW), np.float32(2.0**-149), out)
+            out = np.where(special & (x < _UFLOW), np.float32(0.0), out)
+            out = np.where(special & (abstop >= 0x7F8), x + x, out)  # nan, +inf
+            out = np.where(x == np.float32(-np.inf), np.float32(0.0), out)
+    return out
+
+
+def softmax_f32(x: np.ndarray) -> np.ndarray:
+    """run.c's softmax: max-subtracted expf, sequential float32 sum, divide."""
+    m = x.max()
+    if m == -np.inf:
+        raise ValueError("every logit is -inf: nothing to sample")
+    e = expf_glibc(x - m)
+    total = np.cumsum(e)[-1]  # sequential, like `sum += x[i]`
+    return e / total
+
+
+# ----------------------------------------------------------------------------
+# the sampler
+
+
+class Sampler:
+    """Pick the next token id from logits, llama2.c-exact by default.
+
+    Order of the steps:
+      1. repetition penalty over the last ``repeat_last_n`` ids of ``history``
+         (llama.cpp/CTRL: positive logits divided by the penalty, others
+         multiplied; each distinct id once);
+      2. greedy (temperature 0): argmax, first index on ties, no coin drawn;
+      3. top-k: keep the k largest logits (ties at the boundary: lower ids);
+      4. temperature, then softmax;
+      5. one coin from the xorshift generator (always exactly one per sampled
+         step, so the random stream stays aligned with run.c's);
+      6. top-p as run.c truncates it (0 < top_p < 1);
+      7. min-p: drop tokens whose probability < min_p * the largest;
+      8. draw: the first token whose running float32 sum exceeds the coin
+         (scaled by the kept mass when 6 or 7 removed any, which is the
+         renormalisation, and is run.c's ``r = coin * cumulative_prob``).
+
+    Steps 1, 3 and 7 are llama.cpp's samplers; llama.cpp applies temperature
+    last, but here top-p keeps run.c's meaning (after temperature).
+    """
+
+    def __init__(self, config: SamplerConfig, vocab_size: int) -> None:
+        config.validate()
+        if vocab_size < 1:
+            raise ValueError(f"vocab size must be >= 1, got {vocab_size}")
+        self.config = config
+        self.vocab_size = int(vocab_size)
+        self.rng = XorShiftRng(config.seed)
+        # run.c keeps these as C floats; compare and compute in float32 too.
+        self._temperature = np.float32(config.temperature)
+        self._top_p = np.float32(config.top_p)
+        self._min_p = np.float32(config.min_p)
+        self._penalty = np.float32(config.repeat_penalty)
+
+    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        """Return the next token id. ``logits`` is copied, never modified."""
+        x = np.array(logits, dtype=np.float32)  # always a copy
+        if x.shape != (self.vocab_size,):
+            raise ValueError(f"logits must have shape ({self.vocab_size},), got {x.shape}")
+        if np.isnan(x).any() or np.isposinf(x).any():
+            raise ValueError("logits contain NaN or +inf")
+        if self.config.repeat_penalty != 1.0 and len(history) > 0:
+            self._penalise(x, history)
+        if self._temperature == 0.0:
+            return int(np.argmax(x))  # first index on ties, like run.c's `>`
+        ids: np.ndarray | None = None
+        k = self.config.top_k
+        if 0 < k < self.vocab_size:
+            ids = _top_k_ids(x, k)
+            x = x[ids]
+        probs = softmax_f32(x / self._temperature)
+        coin = self.rng.random_f32()
+        j = self._pick(probs, coin)
+        return int(j if ids is None else ids[j])
+
+    def _penalise(self, x: np.ndarray, history: Sequence[int]) -> None:
+        n_last = self.config.repeat_last_n
+        if n_last == 0:
+            return
+        hist = np.asarray(history, dtype=np.int64).reshape(-1)
+        if n_last > 0:
+            hist = hist[-n_last:]
+        ids = np.unique(hist)
+        if ids.size == 0:
+            return
+        if ids[0] < 0 or ids[-1] >= self.vocab_size:
+            raise ValueError(f"history holds a token id outside [0, {self.vocab_size})")
+        v = x[ids]
+        x[ids] = np.where(v > 0, v / self._penalty, v * self._penalty)
+
+    def _pick(self, probs: np.ndarray, coin: np.float32) -> int:
+        """Index into ``probs`` per steps 6-8 of the class docstring."""
+        idx: np.ndarray | None = None  # None: all of probs, in id order
+        p = probs
+        renormalise = False
+        if 0.0 < self._top_p < 1.0:  # run.c: topp <= 0 || topp >= 1 -> sample_mult
+            idx = _top_p_nucleus(probs, self._top_p)
+            p = probs[idx]
+            renormalise = True
+        if self._min_p > 0.0:
+            keep = p >= self._min_p * p.max()
+            p = p[keep]
+            idx = np.flatnonzero(keep) if idx is None else idx[keep]
+            renormalise = True
+        cdf = np.cumsum(p)  # float32, sequential: run.c's `cdf += p[i]`
+        r = coin * cdf[-1] if renormalise else coin  # float32 product
+        # first i with r < cdf[i] (cdf never decreases); else the last, which
+        # is run.c's "in case of rounding errors" fallback.
+        j = min(int(np.searchsorted(cdf, r, side="right")), len(p) - 1)
+        return j if idx is None else int(idx[j])
+
+
+def _top_p_nucleus(probs: np.ndarray, top_p: np.float32) -> np.ndarray:
+    """run.c's sample_topp truncation: indices, most probable first.
+
+    Candidates are those with p >= (1 - topp) / (n - 1), in id order, sorted
+    by descending probability, cut after the first whose running float32 sum
+    exceeds topp (or all of them, if rounding keeps the sum <= topp).
+
+    Ties: the sort is stable, so equal probabilities stay in ascending id
+    order. run.c calls qsort, whose order of equal elements C leaves open;
+    glibc's qsort is a merge sort (falling back to an in-place quicksort only
+    when it cannot get n * 8 bytes of memory), hence stable, and this matches
+    it. musl or BSD libcs may order ties differently.
+    """
+    n = probs.shape[0]
+    if n == 1:
+        return np.zeros(1, dtype=np.intp)  # run.c divides by n - 1 = 0 here
+    cutoff = (np.float32(1.0) - top_p) / np.float32(n - 1)
+    cand = np.flatnonzero(probs >= cutoff)
+    if cand.size == 0:
+        # Only for tiny topp on a near-flat distribution; run.c then reads
+        # probindex[-1] (undefined). Keep every token instead.
+        cand = np.arange(n)
+    order = cand[np.argsort(-probs[cand], kind="stable")]
+    cum = np.cumsum(probs[order])
+    last = min(int(np.searchsorted(cum, top_p, side="right")), cum.shape[0] - 1)
+    return order[: last + 1]
+
+
+def _top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k largest logits, ascending; boundary ties go to lower ids."""
+    n = x.shape[0]
+    thr = np.partition(x, n - k)[n - k]  # the k-th largest value
+    above = np.flatnonzero(x > thr)
+    ties = np.flatnonzero(x == thr)[: k - above.size]
+    return np.sort(np.concatenate([above, ties]))
