@@ -75,11 +75,10 @@ class PlanarQ8Layout(Layout):
     def dequantize_rows(self, raw: np.ndarray, shape: tuple[int, ...], rows: np.ndarray) -> np.ndarray:
         nrows, cols = _rows_cols(shape)
         q, s = self._split(raw, nrows * cols)
-        q = q.reshape(nrows, cols)[rows].astype(np.float32)
-        s = s.reshape(nrows, cols // self.group)[rows]
-        out_shape = q.shape
-        g = self.group
-        return (q.reshape(-1, g) * s.reshape(-1)[:, None]).reshape(out_shape)
+        rows = np.asarray(rows, dtype=np.int64)
+        # flat element index of each value; a group may straddle two rows
+        flat = rows[..., None] * cols + np.arange(cols)
+        return q[flat].astype(np.float32) * s[flat // self.group]
 
 
 _FIXED: dict[str, Layout] = {

@@ -1,0 +1,1 @@
+"""Code generation with llvmlite: target, kernels, lowering, JIT."""

@@ -1,0 +1,365 @@
+"""Helpers for writing kernels with llvmlite: loops, thread shares, vectors.
+
+Every kernel has one ABI, so the step function can call any of them and a
+test (or ``lmc kernel``) can call one on its own through ctypes:
+
+    void kernel(i8* out, i8* in0, i8* in1, i8* in2, i8* in3,
+                i64 pos, i64 T, i64 tid, i64 nthreads, i8* scratch)
+
+``out``/``inN`` point at the operands (weights: their stored bytes), ``pos``
+and ``T`` are the dynamic position and chunk length, ``tid``/``nthreads`` say
+which share of the rows this call computes, ``scratch`` is per-thread space.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import llvmlite.ir as ir
+
+from ir.types import Dim
+
+F32 = ir.FloatType()
+F64 = ir.DoubleType()
+I8 = ir.IntType(8)
+I32 = ir.IntType(32)
+I64 = ir.IntType(64)
+I8P = ir.PointerType(I8)
+F32P = ir.PointerType(F32)
+VOID = ir.VoidType()
+N_INPUTS = 4
+KERNEL_TYPE = ir.FunctionType(VOID, [I8P] * (1 + N_INPUTS) + [I64] * 4 + [I8P])
+FAST = ("reassoc", "nsz", "arcp", "contract", "afn")  # not nnan/ninf: -inf masks and overflow to inf must work
+
+
+def i64(n: int) -> ir.Constant:
+    return ir.Constant(I64, int(n))
+
+
+def f32c(x: float) -> ir.Constant:
+    return ir.Constant(F32, float(x))
+
+
+def _intrinsic_suffix(t: ir.Type) -> str:
+    """LLVM's overload suffix for a type: f32, i64, v8f32 ..."""
+    if isinstance(t, ir.VectorType):
+        return f"v{t.count}{_intrinsic_suffix(t.element)}"
+    return t.intrinsic_name
+
+
+class KernelBuilder:
+    """An IRBuilder positioned in a fresh kernel function, plus helpers."""
+
+    def __init__(self, module: ir.Module, name: str, vector_width: int) -> None:
+        self.module = module
+        self.fn = ir.Function(module, KERNEL_TYPE, name)
+        self.fn.linkage = "internal"
+        self.fn.attributes.add("nounwind")
+        a = self.fn.args
+        a[0].add_attribute("noalias")
+        self.out_raw, self.in_raw = a[0], list(a[1:1 + N_INPUTS])
+        self.pos, self.T, self.tid, self.nthreads, self.scratch = a[1 + N_INPUTS:]
+        self.b = ir.IRBuilder(self.fn.append_basic_block("entry"))
+        self.vw = vector_width
+
+    # --- pointers ---------------------------------------------------------
+    def fptr(self, raw: ir.Value) -> ir.Value:
+        return self.b.bitcast(raw, F32P)
+
+    def out_f32(self) -> ir.Value:
+        return self.fptr(self.out_raw)
+
+    def in_f32(self, i: int) -> ir.Value:
+        return self.fptr(self.in_raw[i])
+
+    def gep(self, ptr: ir.Value, idx: ir.Value | int) -> ir.Value:
+        if isinstance(idx, int):
+            idx = i64(idx)
+        return self.b.gep(ptr, [idx], inbounds=True)
+
+    def load(self, ptr: ir.Value, idx: ir.Value | int) -> ir.Value:
+        return self.b.load(self.gep(ptr, idx), align=4)
+
+    def store(self, val: ir.Value, ptr: ir.Value, idx: ir.Value | int) -> None:
+        self.b.store(val, self.gep(ptr, idx), align=4)
+
+    # --- vectors ------------------------------------------------------------
+    def vtype(self, width: int | None = None, elem: ir.Type = F32) -> ir.VectorType:
+        return ir.VectorType(elem, width or self.vw)
+
+    def vload(self, ptr: ir.Value, idx: ir.Value | int, width: int | None = None) -> ir.Value:
+        vt = self.vtype(width, ptr.type.pointee)
+        p = self.b.bitcast(self.gep(ptr, idx), ir.PointerType(vt))
+        return self.b.load(p, align=1)
+
+    def vstore(self, val: ir.Value, ptr: ir.Value, idx: ir.Value | int) -> None:
+        p = self.b.bitcast(self.gep(ptr, idx), ir.PointerType(val.type))
+        self.b.store(val, p, align=1)
+
+    def splat(self, x: ir.Value, width: int | None = None) -> ir.Value:
+        vt = self.vtype(width, x.type)
+        v = self.b.insert_element(ir.Constant(vt, ir.Undefined), x, i64(0))
+        return self.b.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(I32, vt.count), [0] * vt.count))
+
+    def vzero(self, width: int | None = None) -> ir.Constant:
+        vt = self.vtype(width)
+        return ir.Constant(vt, [0.0] * vt.count)
+
+    def hsum(self, v: ir.Value) -> ir.Value:
+        """Horizontal sum by halving shuffles (log2 steps, reassociated)."""
+        n = v.type.count
+        while n > 1:
+            half = n // 2
+            lo = self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, half), list(range(half))))
+            hi = self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, half), list(range(half, n))))
+            v = self.b.fadd(lo, hi, flags=FAST)
+            n = half
+        return self.b.extract_element(v, i64(0))
+
+    def hmax(self, v: ir.Value) -> ir.Value:
+        n = v.type.count
+        while n > 1:
+            half = n // 2
+            lo = self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, half), list(range(half))))
+            hi = self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, half), list(range(half, n))))
+            v = self.intrinsic("llvm.maxnum", [lo, hi])
+            n = half
+        return self.b.extract_element(v, i64(0))
+
+    def fma(self, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+        return self.intrinsic("llvm.fma", [a, b, c])
+
+    # --- math -----------------------------------------------------------------
+    def intrinsic(self, name: str, args: Sequence[ir.Value]) -> ir.Value:
+        """Call an intrinsic overloaded on its first operand's type and
+        returning that type (exp, sqrt, maxnum, fma, fmuladd, floor, cos ...),
+        scalar or vector. (llvmlite's declare_intrinsic cannot name vector
+        overloads and declares 2-operand ones with one parameter.)"""
+        t = args[0].type
+        full = f"{name}.{_intrinsic_suffix(t)}"
+        fn = self.module.globals.get(full)
+        if fn is None:
+            fn = ir.Function(self.module, ir.FunctionType(t, [a.type for a in args]), full)
+        return self.b.call(fn, list(args))
+
+    def fadd(self, a, b):
+        return self.b.fadd(a, b, flags=FAST)
+
+    def fmul(self, a, b):
+        return self.b.fmul(a, b, flags=FAST)
+
+    def fsub(self, a, b):
+        return self.b.fsub(a, b, flags=FAST)
+
+    def fdiv(self, a, b):
+        return self.b.fdiv(a, b, flags=FAST)
+
+    def exp(self, x: ir.Value) -> ir.Value:
+        return self.intrinsic("llvm.exp", [x])
+
+    def sqrt(self, x: ir.Value) -> ir.Value:
+        return self.intrinsic("llvm.sqrt", [x])
+
+    def fmax(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self.intrinsic("llvm.maxnum", [a, b])
+
+    # --- integers and control flow --------------------------------------------------
+    def imin(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self.b.select(self.b.icmp_signed("<", a, b), a, b)
+
+    def imax(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self.b.select(self.b.icmp_signed(">", a, b), a, b)
+
+    def dim(self, d: Dim) -> ir.Value:
+        """A shape dimension as an i64: a constant, or the dynamic ``T``."""
+        if isinstance(d, int):
+            return i64(d)
+        if d == "T":
+            return self.T
+        raise ValueError(f"unknown symbolic dim {d!r}")
+
+    def rows_of(self, shape: tuple[Dim, ...]) -> ir.Value:
+        """Number of rows (all leading dims) of an activation."""
+        n: ir.Value = i64(1)
+        for d in shape[:-1]:
+            n = self.b.mul(n, self.dim(d))
+        return n
+
+    def thread_share(self, n: ir.Value | int) -> tuple[ir.Value, ir.Value]:
+        """[lo, hi) of ``n`` items for this thread: n*tid/nt .. n*(tid+1)/nt."""
+        n = i64(n) if isinstance(n, int) else n
+        lo = self.b.sdiv(self.b.mul(n, self.tid), self.nthreads)
+        hi = self.b.sdiv(self.b.mul(n, self.b.add(self.tid, i64(1))), self.nthreads)
+        return lo, hi
+
+    @contextlib.contextmanager
+    def loop(self, start: ir.Value | int, stop: ir.Value | int, step: int = 1,
+             name: str = "i") -> Iterator[ir.Value]:
+        """``for (i = start; i < stop; i += step)``; the body is what the
+        with-block emits."""
+        b = self.b
+        start = i64(start) if isinstance(start, int) else start
+        stop = i64(stop) if isinstance(stop, int) else stop
+        pre = b.block
+        head = b.append_basic_block(f"{name}.head")
+        body = b.append_basic_block(f"{name}.body")
+        done = b.append_basic_block(f"{name}.done")
+        b.branch(head)
+        b.position_at_end(head)
+        i = b.phi(I64, name)
+        i.add_incoming(start, pre)
+        b.cbranch(b.icmp_signed("<", i, stop), body, done)
+        b.position_at_end(body)
+        yield i
+        nxt = b.add(i, i64(step))
+        i.add_incoming(nxt, b.block)
+        b.branch(head)
+        b.position_at_end(done)
+
+    @contextlib.contextmanager
+    def loop_carry(self, start, stop, inits: list[ir.Value], step: int = 1, name: str = "i"):
+        """A loop with values carried between iterations (accumulators). The
+        body receives (i, carried) and must call ``set(new_values)``."""
+        b = self.b
+        start = i64(start) if isinstance(start, int) else start
+        stop = i64(stop) if isinstance(stop, int) else stop
+        pre = b.block
+        head = b.append_basic_block(f"{name}.head")
+        body = b.append_basic_block(f"{name}.body")
+        done = b.append_basic_block(f"{name}.done")
+        b.branch(head)
+        b.position_at_end(head)
+        i = b.phi(I64, name)
+        i.add_incoming(start, pre)
+        phis = []
+        for v in inits:
+            p = b.phi(v.type)
+            p.add_incoming(v, pre)
+            phis.append(p)
+        b.cbranch(b.icmp_signed("<", i, stop), body, done)
+        b.position_at_end(body)
+        box: dict[str, list[ir.Value]] = {}
+        yield i, phis, (lambda vals: box.__setitem__("v", list(vals)))
+        nxt = b.add(i, i64(step))
+        end = b.block
+        i.add_incoming(nxt, end)
+        for p, v in zip(phis, box.get("v", phis)):
+            p.add_incoming(v, end)
+        b.branch(head)
+        b.position_at_end(done)
+        # after the loop the phis hold the final values
+        self.last_carry = phis
+
+    @contextlib.contextmanager
+    def if_then(self, cond: ir.Value) -> Iterator[None]:
+        with self.b.if_then(cond):
+            yield
+
+    def finish(self) -> ir.Function:
+        self.b.ret_void()
+        return self.fn
+
+
+
+# --- shared helpers (norm/rope/attention kernels) ------------------------------------
+def pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two that divides ``n`` and is <= ``cap``: a vector
+    width that covers a constant length with no scalar tail."""
+    w = 1
+    while w * 2 <= cap and n % (w * 2) == 0:
+        w *= 2
+    return w
+
+
+def fconst(value: float, width: int | None = None) -> ir.Constant:
+    """A float32 constant, or a splatted <width x float> one."""
+    if width is None:
+        return f32c(value)
+    return ir.Constant(ir.VectorType(F32, width), [float(value)] * width)
+
+
+def const_f32_array(kb: KernelBuilder, name: str, values) -> ir.Value:
+    """An internal constant float32 table in the module; returns a float* to it.
+    ``name`` is prefixed with the kernel's name so tables do not collide."""
+    vals = [float(v) for v in values]
+    at = ir.ArrayType(F32, len(vals))
+    g = ir.GlobalVariable(kb.module, at, f"{kb.fn.name}.{name}")
+    g.linkage = "internal"
+    g.global_constant = True
+    g.initializer = ir.Constant(at, vals)
+    g.align = 64
+    return kb.b.bitcast(g, F32P)
+
+
+def memcpy(kb: KernelBuilder, dst: ir.Value, src: ir.Value, nbytes: ir.Value) -> None:
+    """llvm.memcpy on i8* pointers (non-overlapping)."""
+    fn = kb.module.declare_intrinsic("llvm.memcpy", [I8P, I8P, I64])
+    kb.b.call(fn, [dst, src, nbytes, ir.Constant(ir.IntType(1), 0)])
+
+
+def fmuladd(kb: KernelBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+    """a*b + c, fused where the target has FMA (llvm.fmuladd, never a libcall)."""
+    return kb.intrinsic("llvm.fmuladd", [a, b, c])
+
+
+def _shuffle(kb: KernelBuilder, x: ir.Value, y: ir.Value, idx: list[int]) -> ir.Value:
+    return kb.b.shuffle_vector(x, y, ir.Constant(ir.VectorType(I32, len(idx)), idx))
+
+
+def hsum_many(kb: KernelBuilder, vs: Sequence[ir.Value]) -> ir.Value:
+    """Horizontal sums of n vectors (n a power of two, all one power-of-two
+    width) as ONE <n x float>: lane i = sum of vs[i]. A shuffle/add tree that
+    folds the vectors into each other, cheaper than n separate hsums."""
+    vs = list(vs)
+    n = len(vs)
+    assert n >= 1 and n & (n - 1) == 0, n
+    width = vs[0].type.count
+    seg = width  # each vector holds width/seg segments (one per input), in order
+    while len(vs) > 1:
+        nxt = []
+        for x, y in zip(vs[0::2], vs[1::2]):
+            w = x.type.count
+            if seg > 1:  # fold each segment of x and y in half, keep the width
+                h = seg // 2
+                lo = [s + i for s in range(0, w, seg) for i in range(h)]
+                lo = lo + [w + k for k in lo]
+                hi = [k + h for k in lo]
+                nxt.append(kb.fadd(_shuffle(kb, x, y, lo), _shuffle(kb, x, y, hi)))
+            else:  # fully reduced lanes: concatenate
+                nxt.append(_shuffle(kb, x, y, list(range(2 * w))))
+        vs = nxt
+        if seg > 1:
+            seg //= 2
+    v = vs[0]
+    while seg > 1:  # fold the segments of the last vector in half
+        w, h = v.type.count, seg // 2
+        lo = [s + i for s in range(0, w, seg) for i in range(h)]
+        hi = [k + h for k in lo]
+        v = kb.fadd(_shuffle(kb, v, v, lo), _shuffle(kb, v, v, hi))
+        seg = h
+    return v
+
+
+def exp_poly(kb: KernelBuilder, x: ir.Value) -> ir.Value:
+    """exp(x) for a float or <n x float>, inline (no libm call, so it stays
+    vectorised): Cody-Waite reduction x = n ln2 + r and Cephes' degree-6
+    polynomial, ~1-2 ulp. Inputs are clamped to [-87.33, 88.3] (so 2^n stays a
+    normal float): results below ~1.2e-38 come out as ~1.2e-38 instead of 0
+    or a denormal, and overflow saturates at ~2.2e38 instead of inf."""
+    b = kb.b
+    w = x.type.count if isinstance(x.type, ir.VectorType) else None
+    c = lambda v: fconst(v, w)  # noqa: E731
+    it = ir.VectorType(I32, w) if w else I32
+    x = kb.intrinsic("llvm.minnum", [kb.intrinsic("llvm.maxnum", [x, c(-87.33)]), c(88.3)])
+    n = kb.intrinsic("llvm.floor", [fmuladd(kb, x, c(1.44269504088896341), c(0.5))])
+    r = fmuladd(kb, n, c(-0.693359375), x)
+    r = fmuladd(kb, n, c(2.12194440e-4), r)
+    p = c(1.9875691500e-4)
+    for k in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = fmuladd(kb, p, r, c(k))
+    r2 = b.fmul(r, r)
+    p = fmuladd(kb, p, r2, b.fadd(r, c(1.0)))
+    ni = b.fptosi(n, it)
+    bits = b.shl(b.add(ni, ir.Constant(it, [127] * w) if w else ir.Constant(I32, 127)),
+                 ir.Constant(it, [23] * w) if w else ir.Constant(I32, 23))
+    return b.fmul(p, b.bitcast(bits, x.type))

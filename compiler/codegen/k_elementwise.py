@@ -1,0 +1,44 @@
+"""Elementwise kernels: add, mul, scale, silu, gelu_tanh.
+
+Each thread takes a contiguous share of the elements; the body is a plain
+loop over float32 that LLVM vectorizes (fast-math flags allow it)."""
+from __future__ import annotations
+
+import math
+
+from .emit import F32, FAST, KernelBuilder, f32c, i64
+from .kernels import KernelSig, kernel
+
+
+def _numel(kb: KernelBuilder, sig: KernelSig):
+    shape = sig.out_type.shape
+    return kb.b.mul(kb.rows_of(shape), i64(int(shape[-1])))
+
+
+@kernel("add", "mul", "scale", "silu", "gelu_tanh")
+def emit_elementwise(kb: KernelBuilder, sig: KernelSig) -> None:
+    b = kb.b
+    lo, hi = kb.thread_share(_numel(kb, sig))
+    out = kb.out_f32()
+    a = kb.in_f32(0)
+    other = kb.in_f32(1) if sig.op in ("add", "mul") else None
+    with kb.loop(lo, hi) as i:
+        x = kb.load(a, i)
+        if sig.op == "add":
+            y = b.fadd(x, kb.load(other, i), flags=FAST)
+        elif sig.op == "mul":
+            y = b.fmul(x, kb.load(other, i), flags=FAST)
+        elif sig.op == "scale":
+            y = b.fmul(x, f32c(sig.attr["factor"]), flags=FAST)
+        elif sig.op == "silu":
+            e = kb.exp(b.fsub(f32c(0.0), x, flags=FAST))
+            y = b.fdiv(x, b.fadd(f32c(1.0), e, flags=FAST), flags=FAST)
+        else:  # gelu_tanh: 0.5 x (1 + tanh(c (x + 0.044715 x^3))), tanh via exp
+            inner = b.fmul(f32c(math.sqrt(2.0 / math.pi)),
+                           b.fadd(x, b.fmul(f32c(0.044715), b.fmul(x, b.fmul(x, x, flags=FAST), flags=FAST),
+                                            flags=FAST), flags=FAST), flags=FAST)
+            # tanh(u) = 1 - 2 / (exp(2u) + 1), safe for large |u|
+            e2 = kb.exp(b.fmul(f32c(2.0), inner, flags=FAST))
+            th = b.fsub(f32c(1.0), b.fdiv(f32c(2.0), b.fadd(e2, f32c(1.0), flags=FAST), flags=FAST), flags=FAST)
+            y = b.fmul(b.fmul(f32c(0.5), x, flags=FAST), b.fadd(f32c(1.0), th, flags=FAST), flags=FAST)
+        kb.store(y, out, i)

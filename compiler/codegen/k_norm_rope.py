@@ -1,0 +1,210 @@
+"""Row-wise kernels: rmsnorm, rope, take_last, kv_write.
+
+rmsnorm and rope split "units" (rows, or rows x chunks/heads) between threads;
+take_last and kv_write are copies split by elements. Constant lengths are
+covered with explicit vectors whose width divides the length (see
+``pow2_divisor``), so there is no scalar tail to get wrong.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+import llvmlite.ir as ir
+
+from .emit import F32, KernelBuilder, const_f32_array, f32c, fconst, hsum_many, i64, memcpy, pow2_divisor
+from .kernels import KernelSig, kernel
+
+
+def scratch_floats(sig: KernelSig) -> int:
+    """Per-thread scratch (float32 elements) a kernel of ``sig`` needs:
+    rope keeps a cos/sin table of ``head_dim`` floats; the others need none."""
+    if sig.op == "rope":
+        return int(sig.attr["head_dim"])
+    return 0
+
+
+def _check_f32(t, what: str) -> None:
+    if t.dtype != "f32" or (t.layout or "F32") != "F32":
+        raise NotImplementedError(f"{what}: native kernel needs f32 data, got {t}")
+
+
+def _weight_loader(kb: KernelBuilder, t, raw: ir.Value) -> Callable[[ir.Value, int], ir.Value]:
+    """load(idx, width) for a 1-D weight stored as F32 or F16 (widened)."""
+    layout = t.layout or "F32"
+    if layout == "F32" and t.dtype in ("f32",):
+        p = kb.fptr(raw)
+        return lambda idx, w: kb.vload(p, idx, w)
+    if layout == "F16" or t.dtype == "f16":
+        hp = kb.b.bitcast(raw, ir.PointerType(ir.HalfType()))
+        return lambda idx, w: kb.b.fpext(kb.vload(hp, idx, w), ir.VectorType(F32, w))
+    raise NotImplementedError(f"rmsnorm: weight layout {layout} (dequantize it first)")
+
+
+# --- rmsnorm ------------------------------------------------------------------------
+@kernel("rmsnorm")
+def emit_rmsnorm(kb: KernelBuilder, sig: KernelSig) -> None:
+    b = kb.b
+    xt, wt = sig.in_types
+    _check_f32(xt, "rmsnorm x")
+    m = int(wt.shape[0])
+    n = int(xt.shape[-1])
+    eps = float(sig.attr["eps"])
+    units = b.mul(kb.rows_of(xt.shape), i64(n // m))
+    lo, hi = kb.thread_share(units)
+    x = kb.in_f32(0)
+    out = kb.out_f32()
+    wload = _weight_loader(kb, wt, kb.in_raw[1])
+    vw = pow2_divisor(m, kb.vw)
+    nv = m // vw
+    unroll = 4 if nv >= 8 and nv % 4 == 0 else (2 if nv >= 4 and nv % 2 == 0 else 1)
+    with kb.loop(lo, hi, name="unit") as u:
+        base = b.mul(u, i64(m))
+        xr = kb.gep(x, base)
+        orow = kb.gep(out, base)
+        # sum of squares: `unroll` vector accumulators over blocks of unroll*vw
+        zero = fconst(0.0, vw)
+        if nv == unroll:
+            accs = []
+            for k in range(unroll):
+                v = kb.vload(xr, k * vw, vw)
+                accs.append(kb.fmul(v, v))
+        else:
+            with kb.loop_carry(0, m, [zero] * unroll, step=unroll * vw, name="ss") as (j, cur, setv):
+                new = []
+                for k in range(unroll):
+                    v = kb.vload(xr, b.add(j, i64(k * vw)), vw)
+                    new.append(kb.fadd(cur[k], kb.fmul(v, v)))
+                setv(new)
+            accs = kb.last_carry
+        while len(accs) > 1:
+            accs = [kb.fadd(p, q) for p, q in zip(accs[0::2], accs[1::2])]
+        ss = hsum_many(kb, accs)  # <1 x float>
+        ss = b.extract_element(ss, i64(0))
+        # ss = 1 / sqrt(mean + eps), in the reference's order, no fast-math
+        mean = b.fdiv(ss, f32c(float(m)))
+        inv = b.fdiv(f32c(1.0), kb.sqrt(b.fadd(mean, f32c(eps))))
+        invv = kb.splat(inv, vw)
+
+        def scale_block(j):
+            v = kb.vload(xr, j, vw)
+            kb.vstore(b.fmul(wload(j, vw), b.fmul(v, invv)), orow, j)
+
+        if nv <= 8:
+            for k in range(nv):
+                scale_block(i64(k * vw))
+        else:
+            with kb.loop(0, m, step=vw, name="sc") as j:
+                scale_block(j)
+
+
+# --- rope -----------------------------------------------------------------------------
+@kernel("rope")
+def emit_rope(kb: KernelBuilder, sig: KernelSig) -> None:
+    b = kb.b
+    xt = sig.in_types[0]
+    _check_f32(xt, "rope x")
+    a = sig.attr
+    hd = int(a["head_dim"])
+    half = hd // 2
+    style = a["style"]
+    theta = float(a["theta"])
+    n = int(xt.shape[-1])
+    nh = n // hd
+    # the frequencies exactly as rope_tables computes them (float32 numpy)
+    i2 = np.arange(0, hd, 2, dtype=np.float32)
+    freq = np.float32(1.0) / np.power(np.float32(theta), i2 / np.float32(hd))
+    ftab = const_f32_array(kb, "freq", freq.astype(np.float32).tolist())
+
+    rows = kb.rows_of(xt.shape)
+    units = b.mul(rows, i64(nh))
+    lo, hi = kb.thread_share(units)
+    x = kb.in_f32(0)
+    out = kb.out_f32()
+    tab = kb.fptr(kb.scratch)  # cos at [0, half), sin at [half, hd)
+    cos_f = kb.module.declare_intrinsic("llvm.cos", [F32])
+    sin_f = kb.module.declare_intrinsic("llvm.sin", [F32])
+    vw = pow2_divisor(half, kb.vw)
+    nv = half // vw
+
+    with kb.if_then(b.icmp_signed("<", lo, hi)):
+        r0 = b.sdiv(lo, i64(nh))
+        r1 = b.sdiv(b.add(hi, i64(nh - 1)), i64(nh))
+        with kb.loop(r0, r1, name="row") as r:
+            # this row's position and its cos/sin table (once per row, not per head)
+            p = b.sitofp(b.add(kb.pos, r), F32)
+            with kb.loop(0, half, name="f") as i:
+                ang = b.fmul(p, kb.load(ftab, i))  # float32 product, as the reference
+                kb.store(b.call(cos_f, [ang]), tab, i)
+                kb.store(b.call(sin_f, [ang]), tab, b.add(i, i64(half)))
+            rbase = b.mul(r, i64(nh))
+            h0 = kb.imax(b.sub(lo, rbase), i64(0))
+            h1 = kb.imin(b.sub(hi, rbase), i64(nh))
+            with kb.loop(h0, h1, name="head") as h:
+                off = b.add(b.mul(r, i64(n)), b.mul(h, i64(hd)))
+                xh = kb.gep(x, off)
+                oh = kb.gep(out, off)
+                for k in range(nv):
+                    c = kb.vload(tab, k * vw, vw)
+                    s = kb.vload(tab, half + k * vw, vw)
+                    if style == "interleaved":
+                        pair = kb.vload(xh, 2 * k * vw, 2 * vw)
+                        xa = b.shuffle_vector(pair, pair, _idx(range(0, 2 * vw, 2)))
+                        xb = b.shuffle_vector(pair, pair, _idx(range(1, 2 * vw, 2)))
+                    else:
+                        xa = kb.vload(xh, k * vw, vw)
+                        xb = kb.vload(xh, half + k * vw, vw)
+                    # no fast-math: a*c - b*s and a*s + b*c exactly as numpy rounds them
+                    ra = b.fsub(b.fmul(xa, c), b.fmul(xb, s))
+                    rb = b.fadd(b.fmul(xa, s), b.fmul(xb, c))
+                    if style == "interleaved":
+                        inter = [j // 2 + (vw if j % 2 else 0) for j in range(2 * vw)]
+                        kb.vstore(b.shuffle_vector(ra, rb, _idx(inter)), oh, 2 * k * vw)
+                    else:
+                        kb.vstore(ra, oh, k * vw)
+                        kb.vstore(rb, oh, half + k * vw)
+
+
+def _idx(values) -> ir.Constant:
+    values = list(values)
+    return ir.Constant(ir.VectorType(ir.IntType(32), len(values)), values)
+
+
+# --- take_last ------------------------------------------------------------------------
+@kernel("take_last")
+def emit_take_last(kb: KernelBuilder, sig: KernelSig) -> None:
+    b = kb.b
+    (xt,) = sig.in_types
+    _check_f32(xt, "take_last x")
+    n = int(xt.shape[1])
+    last = b.sub(kb.dim(xt.shape[0]), i64(1))
+    lo, hi = kb.thread_share(n)  # columns
+    src = kb.gep(kb.in_f32(0), b.add(b.mul(last, i64(n)), lo))
+    dst = kb.gep(kb.out_f32(), lo)
+    with kb.if_then(b.icmp_signed("<", lo, hi)):
+        memcpy(kb, b.bitcast(dst, kb.out_raw.type), b.bitcast(src, kb.out_raw.type),
+               b.mul(b.sub(hi, lo), i64(4)))
+
+
+# --- kv_write -------------------------------------------------------------------------
+@kernel("kv_write")
+def emit_kv_write(kb: KernelBuilder, sig: KernelSig) -> None:
+    """cache[pos + r] = x[r]. ``out`` and ``in0`` are both the cache; x is in1,
+    pos comes in the kernel's pos argument. NO bounds check: the runtime
+    guarantees 0 <= pos and pos + rows <= cache length (as kv_write_ref
+    would raise)."""
+    b = kb.b
+    ct, xt = sig.in_types[0], sig.in_types[1]
+    _check_f32(ct, "kv_write cache")
+    _check_f32(xt, "kv_write x")
+    d = int(ct.shape[1])
+    # x's elements as a flat run of whole rows (x[..., D] with D == cache row)
+    numel = b.mul(kb.rows_of(xt.shape), i64(int(xt.shape[-1])))
+    lo, hi = kb.thread_share(numel)
+    dst = kb.gep(kb.out_f32(), b.add(b.mul(kb.pos, i64(d)), lo))
+    src = kb.gep(kb.fptr(kb.in_raw[1]), lo)
+    with kb.if_then(b.icmp_signed("<", lo, hi)):
+        memcpy(kb, b.bitcast(dst, kb.out_raw.type), b.bitcast(src, kb.out_raw.type),
+               b.mul(b.sub(hi, lo), i64(4)))
+

@@ -1,0 +1,78 @@
+"""The kernel registry: one emitter per op (per op family module).
+
+A kernel is specialised on its node's static signature (types and attrs),
+so every constant shape is baked in; layers with the same shapes share one
+kernel. Emitters split their rows between threads with ``kb.thread_share``
+and must give the same numbers as the op's numpy reference (tests compare).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ir.graph import Node
+from ir.types import TensorType
+
+from .emit import KernelBuilder
+
+
+@dataclass(frozen=True)
+class KernelSig:
+    """What a kernel is specialised on."""
+
+    op: str
+    in_types: tuple[TensorType, ...]
+    out_type: TensorType
+    attrs: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def of(cls, node: Node) -> "KernelSig":
+        return cls(node.op, tuple(v.type for v in node.inputs), node.output.type,
+                   tuple(sorted(node.attrs.items())))
+
+    @property
+    def attr(self) -> dict[str, Any]:
+        return dict(self.attrs)
+
+    @property
+    def name(self) -> str:
+        h = hashlib.sha1(repr(self).encode()).hexdigest()[:10]
+        return f"k_{self.op}_{h}"
+
+
+#: op name -> emitter(kb, sig) that writes the kernel body (kb.finish() is
+#: called by the caller).
+Emitter = Callable[[KernelBuilder, KernelSig], None]
+EMITTERS: dict[str, Emitter] = {}
+
+
+def kernel(*ops: str) -> Callable[[Emitter], Emitter]:
+    def deco(fn: Emitter) -> Emitter:
+        for op in ops:
+            EMITTERS[op] = fn
+        return fn
+
+    return deco
+
+
+def load_emitters() -> None:
+    """Import the op family modules (they register themselves)."""
+    import importlib
+    import pkgutil
+
+    from . import __path__ as pkg_path
+
+    for m in pkgutil.iter_modules(pkg_path):
+        if m.name.startswith("k_"):
+            importlib.import_module(f"{__package__}.{m.name}")
+
+
+def emit_kernel(module, sig: KernelSig, vector_width: int):
+    """Emit ``sig``'s kernel function into ``module`` (llvmlite ir.Module)."""
+    load_emitters()
+    if sig.op not in EMITTERS:
+        raise NotImplementedError(f"no native kernel for op {sig.op!r}")
+    kb = KernelBuilder(module, sig.name, vector_width)
+    EMITTERS[sig.op](kb, sig)
+    return kb.finish()
