@@ -105,6 +105,7 @@ class Llama2cTokenizer:
                 f"{name}: {len(vocab)} pieces but {len(scores)} scores"
             )
         self.name = name
+        self.path: str | None = None
         self.vocab: list[bytes] = list(vocab)
         self.scores: np.ndarray = np.asarray(scores, dtype=np.float32)
         self.vocab_size: int = len(self.vocab)
@@ -207,7 +208,9 @@ class Llama2cTokenizer:
             )
         if not vocab:
             raise TokenizerError(f"{name}: no pieces after the header")
-        return cls(vocab, np.array(scores, dtype=np.float32), max_token_length, name)
+        tok = cls(vocab, np.array(scores, dtype=np.float32), max_token_length, name)
+        tok.path = str(p.resolve())  # artifacts record where their tokenizer is
+        return tok
 
     # ------------------------------------------------------------ basics
 

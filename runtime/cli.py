@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Sequence
 
+from compiler.artifact import ArtifactError
 from frontends.arch import ModelError
 from frontends.llama2c_tokenizer import TokenizerError
 from ir.verify import VerifyError
@@ -19,7 +20,7 @@ from ir.verify import VerifyError
 from .model import RunError, load
 
 #: Errors that are the user's input, not our bug: one line, exit 2.
-USER_ERRORS = (ModelError, TokenizerError, RunError, VerifyError, OSError)
+USER_ERRORS = (ModelError, TokenizerError, RunError, VerifyError, ArtifactError, OSError)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_MODEL = os.path.join(_HERE, "default_model", "stories260K.bin")
@@ -53,10 +54,27 @@ def _positive_or_zero(flag: str):
 def _model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     if optional:
         p.add_argument("model", nargs="?", default=None,
-                       help="model file (.bin); default: the bundled stories260K")
+                       help="model file (.bin) or compiled artifact; default: the bundled stories260K")
     else:
         p.add_argument("model", help="model file (.bin)")
     p.add_argument("-z", "--tokenizer", default=None, help="tokenizer file (llama2.c tokenizer.bin)")
+
+
+def _threads(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"-t/--threads takes a whole number, not {s!r}") from None
+    if not 1 <= v <= 256:
+        raise argparse.ArgumentTypeError(f"-t/--threads must be between 1 and 256, got {v}")
+    return v
+
+
+def _exec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=["llvm", "interp"], default="llvm",
+                   help="llvm: compiled native code (default); interp: the numpy reference interpreter")
+    p.add_argument("-t", "--threads", type=_threads, default=None, help="threads (default: the number of cores)")
+    p.add_argument("--no-cache", action="store_true", help="do not use the compile cache")
 
 
 def _resolve_model(args: argparse.Namespace) -> tuple[str, str | None]:
@@ -81,8 +99,27 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (1 = off)")
     r.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock)")
     r.add_argument("-c", "--ctx", type=int, default=None, help="context length (default: the model's)")
-    r.add_argument("--backend", choices=["interp"], default="interp", help="executor")
+    _exec_args(r)
     r.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+    c = sub.add_parser("compile", help="compile a model to a native artifact")
+    _model_args(c)
+    c.add_argument("-o", "--output", required=True, help="artifact file to write")
+    c.add_argument("-c", "--ctx", type=int, default=None, help="context length (default: the model's)")
+
+    y = sub.add_parser("synth", help="write a model with random weights and a real model's shapes")
+    y.add_argument("--shape", required=True, choices=["stories15M", "stories42M", "stories110M", "llama2-7b"])
+    y.add_argument("--format", choices=["llama2c"], default="llama2c")
+    y.add_argument("--version", type=int, choices=[0, 1, 2], default=0,
+                   help="llama2.c checkpoint version (2 = Q8_0)")
+    y.add_argument("--seed", type=int, default=0)
+    y.add_argument("-o", "--output", required=True)
+    y.add_argument("--tokenizer", default=None,
+                   help="where to write a matching synthetic tokenizer (default: tok{VOCAB}.bin beside the "
+                        "model, unless one is there)")
+
+    from . import bench
+    bench.add_parser(sub)
 
     t = sub.add_parser("tokenize", help="print the token ids of a text as JSON")
     _model_args(t)
@@ -100,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_run(args: argparse.Namespace) -> int:
     model_path, tok_path = _resolve_model(args)
-    model = load(model_path, tok_path, backend=args.backend, ctx=args.ctx)
+    model = load(model_path, tok_path, backend=args.backend, ctx=args.ctx, threads=args.threads,
+                 use_cache=not args.no_cache)
     prompt_ids = model.encode(args.prompt, bos=True)
     gen = model.generate(prompt_ids, args.max_new_tokens, temperature=args.temp, top_p=args.top_p,
                          top_k=args.top_k, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
@@ -116,7 +154,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             "prompt_ids": prompt_ids,
             "generated_ids": out_ids,
             "text": tok.decode(text_ids),
-            "stats": model.last_stats.as_dict(),
+            "stats": {**model.last_stats.as_dict(), **model.compile_info, "backend": model.backend,
+                      "threads": getattr(model.executor, "threads", 1)},
         }))
         return 0
     dec = tok.stream_decoder()
@@ -140,6 +179,38 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compile(args: argparse.Namespace) -> int:
+    from compiler.driver import load_model
+    from compiler.native import NativeOptions, compile_native
+
+    m = load_model(args.model, args.tokenizer)
+    if args.ctx is not None and not 0 < args.ctx <= m.config.seq_len:
+        raise RunError(f"--ctx {args.ctx}: must be between 1 and the model's context {m.config.seq_len}")
+    res = compile_native(m, NativeOptions(ctx=args.ctx))
+    res.artifact.write(args.output)
+    man = res.artifact.manifest
+    print(json.dumps({"artifact": args.output, "bytes": os.path.getsize(args.output),
+                      "compile_s": round(res.seconds, 3), "cache_hit": res.cached,
+                      "cpu": man["target"]["cpu"], "arena_bytes": man["arena_bytes"],
+                      "state_bytes": man["state_bytes"]}))
+    return 0
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from frontends.synth import SHAPES, synth_llama2c, write_synth_tokenizer
+
+    synth_llama2c(args.shape, args.output, seed=args.seed, version=args.version)
+    vocab = SHAPES[args.shape].vocab_size
+    tok = args.tokenizer or os.path.join(os.path.dirname(os.path.abspath(args.output)), f"tok{vocab}.bin")
+    wrote_tok = False
+    if args.tokenizer or not os.path.exists(tok):
+        write_synth_tokenizer(tok, vocab)
+        wrote_tok = True
+    print(json.dumps({"model": args.output, "bytes": os.path.getsize(args.output), "shape": args.shape,
+                      "version": args.version, "tokenizer": tok, "tokenizer_written": wrote_tok}))
+    return 0
+
+
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from compiler.driver import load_model
 
@@ -159,7 +230,14 @@ def cmd_ir(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "tokenize": cmd_tokenize, "ir": cmd_ir}
+def cmd_bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    return bench.cmd_bench(args)
+
+
+COMMANDS = {"run": cmd_run, "compile": cmd_compile, "synth": cmd_synth, "bench": cmd_bench,
+            "tokenize": cmd_tokenize, "ir": cmd_ir}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

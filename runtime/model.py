@@ -9,6 +9,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from compiler.artifact import Artifact, is_artifact
 from compiler.driver import CompileOptions, LoadedModel, build_graphs, load_model
 
 from .executor import InterpExecutor
@@ -45,19 +46,34 @@ class GenerationStats:
 class Model:
     """A loaded, compiled model with its own KV cache."""
 
-    def __init__(self, loaded: LoadedModel, backend: str = "interp", ctx: int | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, backend: str = "llvm", ctx: int | None = None,
+                 threads: int | None = None, artifact: Artifact | None = None,
+                 use_cache: bool = True) -> None:
         cfg = loaded.config
         if ctx is not None and not 0 < ctx <= cfg.seq_len:
             raise RunError(f"--ctx {ctx}: must be between 1 and the model's context {cfg.seq_len}")
+        if threads is not None and not 0 < threads <= 256:
+            raise RunError(f"--threads {threads}: must be between 1 and 256")
         self.loaded = loaded
         self.config = cfg
         self.tokenizer = loaded.tokenizer
         self.ctx = ctx or cfg.seq_len
-        opts = CompileOptions(backend=backend, ctx=self.ctx)
-        if backend != "interp":
-            raise RunError(f"--backend {backend}: unknown backend (available: interp)")
-        self.graphs = build_graphs(loaded, opts)
-        self.executor = InterpExecutor(self.graphs)
+        self.compile_info: dict = {}
+        if backend == "interp":
+            self.executor = InterpExecutor(build_graphs(loaded, CompileOptions(backend=backend, ctx=self.ctx)))
+        elif backend == "llvm":
+            from compiler.native import NativeOptions, compile_native
+            from .native import NativeExecutor
+
+            if artifact is None:
+                res = compile_native(loaded, NativeOptions(ctx=self.ctx, use_cache=use_cache))
+                artifact = res.artifact
+                self.compile_info = {"compile_s": round(res.seconds, 4), "cache_hit": res.cached}
+            self.ctx = int(artifact.manifest["ctx"])
+            self.executor = NativeExecutor(artifact, loaded.path, threads)
+        else:
+            raise RunError(f"--backend {backend}: unknown backend (available: llvm, interp)")
+        self.backend = backend
         self.last_stats = GenerationStats()
 
     # --- text --------------------------------------------------------------
@@ -130,10 +146,22 @@ class Model:
             pos += 1
 
 
-def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, backend: str = "interp",
-         ctx: int | None = None) -> Model:
-    """Load and compile a model file (llama2.c .bin; more formats to come)."""
-    return Model(load_model(path, tokenizer), backend=backend, ctx=ctx)
+def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, backend: str = "llvm",
+         ctx: int | None = None, threads: int | None = None, use_cache: bool = True) -> Model:
+    """Load a model file (llama2.c .bin) or a compiled artifact (``lmc
+    compile``) and make it ready to run; native code comes from the compile
+    cache when it can."""
+    if is_artifact(path):
+        from compiler.native import check_artifact
+
+        art = Artifact.read(path)
+        check_artifact(art, os.fspath(path))
+        man = art.manifest
+        loaded = load_model(man["model"]["path"], tokenizer or man.get("tokenizer"))
+        if backend != "llvm":
+            raise RunError(f"{path}: an artifact runs on the llvm backend only")
+        return Model(loaded, "llvm", ctx=man["ctx"], threads=threads, artifact=art)
+    return Model(load_model(path, tokenizer), backend=backend, ctx=ctx, threads=threads, use_cache=use_cache)
 
 
 def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None):

@@ -30,9 +30,10 @@ def run_case_args(model: str, case: dict, backend: str = "interp") -> list[str]:
 
 
 @needs_shared
+@pytest.mark.parametrize("backend", ["interp", "llvm"])
 @pytest.mark.parametrize("case", RUNC, ids=[f"{c['prompt'][:12]!r}-seed{c['seed']}" for c in RUNC])
-def test_cli_reproduces_runc(case):
-    r = lmc(*run_case_args("stories260K.bin", case))
+def test_cli_reproduces_runc(case, backend):
+    r = lmc(*run_case_args("stories260K.bin", case, backend))
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["prompt_ids"] == case["prompt_ids"]

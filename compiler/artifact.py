@@ -1,0 +1,103 @@
+"""The compiled artifact: object code plus the manifest a runtime needs.
+
+One file: magic ``LMCART1\\0``, the manifest (JSON) and the object code, each
+with its length, and a SHA-256 of everything before it, so a truncated or
+altered file is refused before anything in it is trusted.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+MAGIC = b"LMCART1\0"
+FORMAT_VERSION = 1
+
+
+class ArtifactError(ValueError):
+    """An artifact that cannot be used; the message names the file."""
+
+
+@dataclass
+class Artifact:
+    manifest: dict[str, Any]
+    obj: bytes
+
+    def to_bytes(self) -> bytes:
+        man = json.dumps(self.manifest, sort_keys=True).encode()
+        body = MAGIC + struct.pack("<Q", len(man)) + man + struct.pack("<Q", len(self.obj)) + self.obj
+        return body + hashlib.sha256(body).digest()
+
+    def write(self, path: str | os.PathLike) -> None:
+        """Write atomically: a crash never leaves a half-written artifact."""
+        path = os.fspath(path)
+        tmp = f"{path}.{os.getpid()}.part"
+        with open(tmp, "wb") as f:
+            f.write(self.to_bytes())
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, name: str) -> "Artifact":
+        if len(data) < len(MAGIC) + 8 + 8 + 32 or data[: len(MAGIC)] != MAGIC:
+            raise ArtifactError(f"{name}: not an lmc artifact (bad magic or too short)")
+        body, digest = data[:-32], data[-32:]
+        if hashlib.sha256(body).digest() != digest:
+            raise ArtifactError(f"{name}: corrupt or truncated artifact (checksum mismatch)")
+        p = len(MAGIC)
+        (mlen,) = struct.unpack_from("<Q", body, p)
+        p += 8
+        if p + mlen + 8 > len(body):
+            raise ArtifactError(f"{name}: corrupt artifact (manifest length)")
+        try:
+            manifest = json.loads(body[p: p + mlen])
+        except ValueError:
+            raise ArtifactError(f"{name}: corrupt artifact (manifest is not JSON)") from None
+        p += mlen
+        (olen,) = struct.unpack_from("<Q", body, p)
+        p += 8
+        if p + olen != len(body):
+            raise ArtifactError(f"{name}: corrupt artifact (object code length)")
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise ArtifactError(f"{name}: artifact format {manifest.get('format_version')} "
+                                f"(this lmc reads {FORMAT_VERSION})")
+        return cls(manifest, body[p:])
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> "Artifact":
+        path = os.fspath(path)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise ArtifactError(f"{path}: cannot read: {e.strerror}") from None
+        return cls.from_bytes(data, path)
+
+
+def is_artifact(path: str | os.PathLike) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+
+
+def file_fingerprint(path: str) -> dict[str, Any]:
+    """Size and SHA-256 of a model file. Files over 256 MiB are hashed on a
+    sample (the first and last MiB and 32 evenly spaced 64 KiB pieces) so a
+    warm start stays fast; the size and sample still tell files apart."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= 256 << 20:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+            kind = "sha256"
+        else:
+            for off in [0, size - (1 << 20)] + [size * i // 33 for i in range(1, 33)]:
+                f.seek(off)
+                h.update(f.read(1 << 20 if off in (0, size - (1 << 20)) else 1 << 16))
+            kind = "sha256-sampled"
+    return {"size": size, kind: h.hexdigest()}

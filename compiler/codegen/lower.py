@@ -1,0 +1,279 @@
+"""Lower planned graphs to one LLVM module with a native token step.
+
+For each graph (decode, prefill ...) a ``step_<name>(ctl, tid)`` function calls
+one specialised kernel per node with constant operand addresses (weights at
+file offsets, intermediates at arena offsets, the KV cache at state offsets)
+and meets the other threads at a barrier after each op. Python calls
+``lmc_run(ctl)`` once per step; worker threads sit in ``lmc_worker(ctl, tid)``
+(started once per process) and run the same step with their own thread id.
+
+The control block ``ctl`` is an array of i64 slots (see ``Ctl``); the
+barrier's counters sit on their own cache lines.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import llvmlite.ir as ir
+
+from ir.graph import Graph, Value
+from ir.ops import get_op
+from passes.plan_arena import ArenaPlan
+
+from .emit import I8, I8P, I32, I64, N_INPUTS, VOID, i64
+from .kernels import KernelSig, emit_kernel
+from .target import Target
+
+
+class Ctl:
+    """Slot numbers in the control block (i64 each)."""
+
+    GENERATION = 0
+    QUIT = 1
+    ENTRY = 2
+    POS = 3
+    T = 4
+    NTHREADS = 5
+    WEIGHTS = 6
+    ARENA = 7
+    STATE = 8
+    IO = 9
+    SCRATCH = 10
+    SCRATCH_STRIDE = 11
+    BARRIER_COUNT = 16
+    BARRIER_GEN = 24
+    SLOTS = 32
+
+
+I64P = ir.PointerType(I64)
+STEP_TYPE = ir.FunctionType(VOID, [I64P, I64])
+
+
+@dataclass
+class EntryInfo:
+    """What the runtime needs to know about one compiled graph."""
+
+    name: str
+    index: int
+    arena_offsets: dict[str, int]
+    output_offset: int
+    output_shape: tuple
+
+
+def state_layout(graph: Graph) -> tuple[dict[str, int], int]:
+    """Offsets of the state buffers (KV cache) in one allocation."""
+    offsets, top = {}, 0
+    for name, v in graph.states.items():
+        offsets[name] = top
+        top += (v.type.nbytes() + 63) // 64 * 64
+    return offsets, top
+
+
+class _Lowering:
+    def __init__(self, target: Target, vector_width: int) -> None:
+        self.target = target
+        self.vw = vector_width
+        self.module = ir.Module(name="lmc")
+        self.module.triple = target.triple
+        self.kernels: dict[KernelSig, ir.Function] = {}
+        self.barrier = self._emit_barrier()
+
+    def kernel(self, sig: KernelSig) -> ir.Function:
+        fn = self.kernels.get(sig)
+        if fn is None:
+            fn = emit_kernel(self.module, sig, self.vw)
+            self.kernels[sig] = fn
+        return fn
+
+    # --- the barrier ----------------------------------------------------------
+    def _slot(self, b: ir.IRBuilder, ctl: ir.Value, slot: int) -> ir.Value:
+        return b.gep(ctl, [i64(slot)], inbounds=True)
+
+    def _emit_pause(self, b: ir.IRBuilder) -> None:
+        if self.target.triple.startswith(("x86_64", "i686")):
+            fn = self.module.globals.get("llvm.x86.sse2.pause") or ir.Function(
+                self.module, ir.FunctionType(VOID, []), "llvm.x86.sse2.pause")
+            b.call(fn, [])
+
+    def _emit_barrier(self) -> ir.Function:
+        """Central counter barrier with a generation number: the last thread
+        to arrive resets the counter and bumps the generation; the others spin
+        (pausing, then yielding the core) until the generation moves."""
+        fn = ir.Function(self.module, ir.FunctionType(VOID, [I64P]), "lmc_barrier")
+        fn.linkage = "internal"
+        ctl, = fn.args
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        nt = b.load(self._slot(b, ctl, Ctl.NTHREADS))
+        single = fn.append_basic_block("single")
+        multi = fn.append_basic_block("multi")
+        b.cbranch(b.icmp_signed("<=", nt, i64(1)), single, multi)
+        b.position_at_end(single)
+        b.ret_void()
+        b.position_at_end(multi)
+        gen_p = self._slot(b, ctl, Ctl.BARRIER_GEN)
+        cnt_p = self._slot(b, ctl, Ctl.BARRIER_COUNT)
+        gen = b.load_atomic(gen_p, "acquire", 8)
+        arrived = b.atomic_rmw("add", cnt_p, i64(1), "acq_rel")
+        last = fn.append_basic_block("last")
+        wait = fn.append_basic_block("wait")
+        b.cbranch(b.icmp_signed("==", arrived, b.sub(nt, i64(1))), last, wait)
+        b.position_at_end(last)
+        b.store_atomic(i64(0), cnt_p, "monotonic", 8)
+        b.atomic_rmw("add", gen_p, i64(1), "release")
+        b.ret_void()
+        b.position_at_end(wait)
+        spin = fn.append_basic_block("spin")
+        done = fn.append_basic_block("done")
+        b.branch(spin)
+        b.position_at_end(spin)
+        n = b.phi(I64)
+        n.add_incoming(i64(0), wait)
+        self._emit_pause(b)
+        yield_blk = fn.append_basic_block("yield")
+        check = fn.append_basic_block("check")
+        b.cbranch(b.icmp_signed(">", n, i64(1 << 12)), yield_blk, check)
+        b.position_at_end(yield_blk)
+        b.call(self._sched_yield(), [])
+        b.branch(check)
+        b.position_at_end(check)
+        n2 = b.add(n, i64(1))
+        n.add_incoming(n2, check)
+        now = b.load_atomic(gen_p, "acquire", 8)
+        b.cbranch(b.icmp_signed("==", now, gen), spin, done)
+        b.position_at_end(done)
+        b.ret_void()
+        return fn
+
+    def _sched_yield(self) -> ir.Function:
+        f = self.module.globals.get("sched_yield")
+        if f is None:
+            f = ir.Function(self.module, ir.FunctionType(I32, []), "sched_yield")
+        return f
+
+    # --- steps -----------------------------------------------------------------------
+    def step(self, graph: Graph, name: str, plan: ArenaPlan, state_offsets: dict[str, int]) -> ir.Function:
+        fn = ir.Function(self.module, STEP_TYPE, f"step_{name}")
+        fn.linkage = "internal"
+        ctl, tid = fn.args
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+
+        def base(slot: int) -> ir.Value:
+            return b.inttoptr(b.load(self._slot(b, ctl, slot)), I8P)
+
+        weights, arena, state, io = base(Ctl.WEIGHTS), base(Ctl.ARENA), base(Ctl.STATE), base(Ctl.IO)
+        pos = b.load(self._slot(b, ctl, Ctl.POS))
+        T = b.load(self._slot(b, ctl, Ctl.T))
+        nt = b.load(self._slot(b, ctl, Ctl.NTHREADS))
+        stride = b.load(self._slot(b, ctl, Ctl.SCRATCH_STRIDE))
+        scratch = b.gep(base(Ctl.SCRATCH), [b.mul(tid, stride)], inbounds=True)
+        null = ir.Constant(I8P, None)
+        ptr: dict[int, ir.Value] = {}
+        paths = {v.ref.path for v in graph.weights.values()}
+        if len(paths) > 1:
+            raise NotImplementedError("weights from more than one file")
+        for v in graph.inputs:
+            ptr[id(v)] = io if v.name in ("token", "tokens") else null
+        for v in graph.weights.values():
+            ptr[id(v)] = b.gep(weights, [i64(v.ref.offset)], inbounds=True)
+        for sname, v in graph.states.items():
+            ptr[id(v)] = b.gep(state, [i64(state_offsets[sname])], inbounds=True)
+        for node in graph.nodes:
+            if get_op(node.op).updates_state:
+                out = ptr[id(node.inputs[0])]
+            else:
+                out = b.gep(arena, [i64(plan.offsets[node.output.name])], inbounds=True)
+            ptr[id(node.output)] = out
+            args = [ptr[id(v)] for v in node.inputs] + [null] * (N_INPUTS - len(node.inputs))
+            b.call(self.kernel(KernelSig.of(node)), [out, *args, pos, T, tid, nt, scratch])
+            b.call(self.barrier, [ctl])
+        b.ret_void()
+        return fn
+
+    def entry_points(self, steps: list[ir.Function]) -> None:
+        """``lmc_run(ctl)`` for the calling thread (tid 0) and
+        ``lmc_worker(ctl, tid)`` for the others."""
+        disp = ir.Function(self.module, STEP_TYPE, "lmc_dispatch")
+        disp.linkage = "internal"
+        ctl, tid = disp.args
+        b = ir.IRBuilder(disp.append_basic_block("entry"))
+        which = b.load(self._slot(b, ctl, Ctl.ENTRY))
+        end = disp.append_basic_block("end")
+        sw = b.switch(which, end)
+        for i, s in enumerate(steps):
+            blk = disp.append_basic_block(f"case{i}")
+            sw.add_case(i64(i), blk)
+            b.position_at_end(blk)
+            b.call(s, [ctl, tid])
+            b.branch(end)
+        b.position_at_end(end)
+        b.ret_void()
+
+        run = ir.Function(self.module, ir.FunctionType(VOID, [I64P]), "lmc_run")
+        ctl, = run.args
+        b = ir.IRBuilder(run.append_basic_block("entry"))
+        b.atomic_rmw("add", self._slot(b, ctl, Ctl.GENERATION), i64(1), "release")
+        b.call(disp, [ctl, i64(0)])
+        b.call(self.barrier, [ctl])  # every thread has finished this step
+        b.ret_void()
+
+        work = ir.Function(self.module, STEP_TYPE, "lmc_worker")
+        ctl, tid = work.args
+        entry = work.append_basic_block("entry")
+        b = ir.IRBuilder(entry)
+        gen_p = self._slot(b, ctl, Ctl.GENERATION)
+        # generations start at 0; a worker that starts late still sees the
+        # first step's bump (that step cannot finish without it)
+        seen0 = i64(0)
+        loop = work.append_basic_block("loop")
+        spin = work.append_basic_block("spin")
+        got = work.append_basic_block("got")
+        ret = work.append_basic_block("ret")
+        b.branch(loop)
+        b.position_at_end(loop)
+        seen = b.phi(I64)
+        seen.add_incoming(seen0, entry)
+        b.branch(spin)
+        b.position_at_end(spin)
+        n = b.phi(I64)
+        n.add_incoming(i64(0), loop)
+        self._emit_pause(b)
+        yb = work.append_basic_block("yield")
+        chk = work.append_basic_block("check")
+        b.cbranch(b.icmp_signed(">", n, i64(1 << 12)), yb, chk)
+        b.position_at_end(yb)
+        b.call(self._sched_yield(), [])
+        b.branch(chk)
+        b.position_at_end(chk)
+        n.add_incoming(b.add(n, i64(1)), chk)
+        now = b.load_atomic(gen_p, "acquire", 8)
+        b.cbranch(b.icmp_signed("==", now, seen), spin, got)
+        b.position_at_end(got)
+        quit_ = b.load_atomic(self._slot(b, ctl, Ctl.QUIT), "acquire", 8)
+        run_blk = work.append_basic_block("run")
+        b.cbranch(b.icmp_signed("!=", quit_, i64(0)), ret, run_blk)
+        b.position_at_end(run_blk)
+        b.call(disp, [ctl, tid])
+        b.call(self.barrier, [ctl])
+        seen.add_incoming(now, run_blk)
+        b.branch(loop)
+        b.position_at_end(ret)
+        b.ret_void()
+
+
+def lower_graphs(graphs: dict[str, Graph], plans: dict[str, ArenaPlan], target: Target,
+                 vector_width: int | None = None) -> tuple[ir.Module, dict[str, EntryInfo], dict[str, int], int]:
+    """One module with a step per graph. Returns the module, entry infos,
+    state offsets and the state's total size in bytes."""
+    low = _Lowering(target, vector_width or target.vector_width)
+    first = next(iter(graphs.values()))
+    state_offsets, state_size = state_layout(first)
+    steps, infos = [], {}
+    for i, (name, g) in enumerate(graphs.items()):
+        if state_layout(g)[0] != state_offsets:
+            raise ValueError(f"graph {name} has a different state layout")
+        steps.append(low.step(g, name, plans[name], state_offsets))
+        out = g.outputs[0]
+        infos[name] = EntryInfo(name, i, dict(plans[name].offsets), plans[name].offsets[out.name],
+                                tuple(out.type.shape))
+    low.entry_points(steps)
+    return low.module, infos, state_offsets, state_size

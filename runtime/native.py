@@ -1,0 +1,123 @@
+"""The native executor: runs an artifact's compiled steps.
+
+Weights are memory-mapped from the model file (never copied); the arena, the
+KV cache and per-thread scratch are allocated once. Worker threads start
+once per executor and wait inside native code (``lmc_worker``), so a token
+step from Python is one ctypes call (``lmc_run``), which releases the GIL.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+import weakref
+
+import numpy as np
+
+from compiler.artifact import Artifact
+from compiler.codegen.jit import LoadedCode
+from compiler.codegen.lower import Ctl
+
+_RUN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_WORKER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
+
+
+def _aligned(nbytes: int, align: int = 64) -> np.ndarray:
+    raw = np.zeros(nbytes + align, np.uint8)
+    off = (-raw.ctypes.data) % align
+    return raw[off: off + nbytes]
+
+
+def _shutdown(ctl: np.ndarray, threads: list[threading.Thread]) -> None:
+    ctl[Ctl.QUIT] = 1
+    ctl[Ctl.GENERATION] += 1
+    for t in threads:
+        t.join(timeout=5)
+
+
+class NativeExecutor:
+    """Same interface as ``InterpExecutor``: prefill, decode, reset."""
+
+    name = "llvm"
+
+    def __init__(self, art: Artifact, model_path: str, threads: int | None = None) -> None:
+        m = art.manifest
+        self.manifest = m
+        self.threads = max(1, int(threads or os.cpu_count() or 1))
+        self.code = LoadedCode(art.obj)
+        self._run = _RUN(self.code.address("lmc_run"))
+        self._worker = _WORKER(self.code.address("lmc_worker"))
+        with open(model_path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._weights = np.frombuffer(self._map, np.uint8)
+        if self._weights.size != m["model"]["size"]:
+            raise ValueError(f"{model_path}: size changed since it was compiled")
+        self.chunk = int(m["prefill_chunk"])
+        self.arena = _aligned(max(64, int(m["arena_bytes"])))
+        self.state = _aligned(max(64, int(m["state_bytes"])))
+        stride = int(m["scratch_floats"]) * 4
+        self.scratch = _aligned(stride * self.threads)
+        self.io = np.zeros(self.chunk, np.int32)
+        self.ctl = _aligned(Ctl.SLOTS * 8).view(np.int64)
+        c = self.ctl
+        c[Ctl.NTHREADS] = self.threads
+        c[Ctl.WEIGHTS] = self._weights.ctypes.data
+        c[Ctl.ARENA] = self.arena.ctypes.data
+        c[Ctl.STATE] = self.state.ctypes.data
+        c[Ctl.IO] = self.io.ctypes.data
+        c[Ctl.SCRATCH] = self.scratch.ctypes.data
+        c[Ctl.SCRATCH_STRIDE] = stride
+        self._ctl_ptr = c.ctypes.data
+        self.entries = m["entries"]
+        self.vocab = int(m["config"]["vocab_size"])
+        self.ctx = int(m["ctx"])
+        self._threads: list[threading.Thread] = []
+        for tid in range(1, self.threads):
+            t = threading.Thread(target=self._worker, args=(self._ctl_ptr, tid), daemon=True,
+                                 name=f"lmc-worker-{tid}")
+            t.start()
+            self._threads.append(t)
+        self._finalizer = weakref.finalize(self, _shutdown, self.ctl, self._threads)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def reset(self) -> None:
+        """Nothing to clear: attention only reads cache rows below the position."""
+
+    def _step(self, entry: str, pos: int, T: int) -> np.ndarray:
+        e = self.entries[entry]
+        c = self.ctl
+        c[Ctl.ENTRY] = e["index"]
+        c[Ctl.POS] = pos
+        c[Ctl.T] = T
+        self._run(self._ctl_ptr)
+        shape = [T if isinstance(d, str) else d for d in e["output_shape"]]
+        n = int(np.prod(shape))
+        return self.arena[e["output_offset"]: e["output_offset"] + 4 * n].view(np.float32).reshape(shape)
+
+    def _check(self, ids, pos: int) -> None:
+        # native code trusts ids and positions: check them here, cheaply
+        if pos < 0 or pos + len(ids) > self.ctx:
+            raise IndexError(f"positions {pos}..{pos + len(ids)} outside the context of {self.ctx}")
+        if min(ids) < 0 or max(ids) >= self.vocab:
+            raise IndexError(f"token id outside the vocabulary (0..{self.vocab - 1})")
+
+    def decode(self, token: int, pos: int) -> np.ndarray:
+        if not (0 <= token < self.vocab and 0 <= pos < self.ctx):
+            self._check([token], pos)
+        self.io[0] = token
+        return self._step("decode", pos, 1)
+
+    def prefill(self, ids: list[int], pos: int, all_logits: bool = False) -> np.ndarray:
+        self._check(ids, pos)
+        rows = []
+        out = None
+        for start in range(0, len(ids), self.chunk):
+            part = ids[start: start + self.chunk]
+            self.io[: len(part)] = part
+            out = self._step("prefill_all" if all_logits else "prefill", pos + start, len(part))
+            if all_logits:
+                rows.append(out.copy())
+        return np.concatenate(rows) if all_logits else out
