@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import BinaryIO
+import secrets
+from typing import BinaryIO, Callable, Mapping, Union
 
 import numpy as np
 
-from .arch import ModelConfig
+from .arch import ModelConfig, expected_shapes
 from .llama2c import MAGIC, V1_HEADER
 
 _ATTN = ("attn_q", "attn_k", "attn_v", "attn_output")
@@ -27,46 +28,127 @@ def quantize_q8(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(-1), scale
 
 
-def _f32(f: BinaryIO, a: np.ndarray) -> None:
-    f.write(np.ascontiguousarray(a, dtype="<f4").tobytes())
+def _f32(f: BinaryIO, a: np.ndarray) -> int:
+    a = np.ascontiguousarray(a, dtype="<f4")
+    f.write(memoryview(a).cast("B"))  # no tobytes() copy: 7B tensors are large
+    return a.nbytes
 
 
-def write_llama2c(path: str | os.PathLike, cfg: ModelConfig, t: dict[str, np.ndarray], version: int = 0,
-                  group_size: int = 64) -> None:
-    """``t`` maps GGUF-style names (token_embd, blk.N.attn_q ...) to arrays."""
+#: tensors quantized per slice of this many values, so a q8 export of a big
+#: matrix never holds more than a few temporaries of this size beside it
+_Q8_SLICE = 1 << 22
+
+
+def _q8(f: BinaryIO, w: np.ndarray, group: int) -> int:
+    """quantize_q8 written as int8 values then fp32 scales, in slices."""
+    flat = np.ascontiguousarray(w, np.float32).reshape(-1)
+    if flat.size % group:
+        raise ValueError(f"a tensor of {flat.size} values is not a multiple of the group size {group}")
+    step = max(group, _Q8_SLICE // group * group)
+    scales = []
+    for lo in range(0, flat.size, step):
+        q, s = quantize_q8(flat[lo: lo + step], group)
+        f.write(memoryview(q).cast("B"))
+        scales.append(s)
+    n = flat.size
+    for s in scales:
+        _f32(f, s)
+    return n + n // group * 4
+
+
+Tensors = Union[Mapping[str, np.ndarray], Callable[[str], np.ndarray]]
+
+
+def tensor_order(cfg: ModelConfig, version: int) -> list[str]:
+    """Names in the order the file stores them (v0's unused RoPE tables,
+    which sit before ``output``, are not tensors)."""
+    L = cfg.n_layers
+    if version == 0:
+        names = ["token_embd"]
+        for n in ("attn_norm",) + _ATTN + ("ffn_norm",) + _FFN:
+            names += [f"blk.{i}.{n}" for i in range(L)]
+        names.append("output_norm")
+    else:
+        names = [f"blk.{i}.{n}" for n in ("attn_norm", "ffn_norm") for i in range(L)] + ["output_norm"]
+        names += ["token_embd"] + [f"blk.{i}.{n}" for n in _ATTN + _FFN for i in range(L)]
+    if not cfg.tied_output:
+        names.append("output")
+    return names
+
+
+def llama2c_nbytes(cfg: ModelConfig, version: int = 0, group_size: int = 64) -> int:
+    """The size of the file ``write_llama2c`` makes, without making it."""
+    shapes = expected_shapes(cfg)
+    total = 28 if version == 0 else V1_HEADER
+    for name in tensor_order(cfg, version):
+        n = int(np.prod(shapes[name]))
+        total += n + n // group_size * 4 if version == 2 and len(shapes[name]) == 2 else 4 * n
+    if version == 0:
+        total += 4 * (cfg.seq_len * cfg.head_dim // 2 * 2)
+    return total
+
+
+def write_llama2c(path: str | os.PathLike, cfg: ModelConfig, t: Tensors, version: int = 0,
+                  group_size: int = 64, progress: Callable[[int, int], None] | None = None) -> None:
+    """``t`` maps GGUF-style names (token_embd, blk.N.attn_q ...) to arrays, or
+    is a callable ``name -> array`` asked for each tensor in file order, so a
+    model far larger than memory can be written one tensor at a time.
+
+    The file appears at ``path`` only once complete (temporary file in the
+    same folder, then an atomic rename); on any error the partial file is
+    removed. ``progress(done_bytes, total_bytes)`` is called after each tensor.
+    """
+    if version not in (0, 1, 2):
+        raise ValueError(f"unknown llama2.c version {version} (0, 1 or 2)")
+    get = t if callable(t) else t.__getitem__
+    shapes = expected_shapes(cfg)
+    total = llama2c_nbytes(cfg, version, group_size)
     L = cfg.n_layers
     vocab = cfg.vocab_size if cfg.tied_output or version else -cfg.vocab_size
     params = (cfg.dim, cfg.hidden_dim, L, cfg.n_heads, cfg.n_kv_heads, vocab, cfg.seq_len)
-    tmp = os.fspath(path) + ".part"
-    with open(tmp, "wb") as f:
-        if version == 0:
-            f.write(struct.pack("<7i", *params))
-            _f32(f, t["token_embd"])
-            for n in ("attn_norm",) + _ATTN + ("ffn_norm",) + _FFN:
-                for i in range(L):
-                    _f32(f, t[f"blk.{i}.{n}"])
-            _f32(f, t["output_norm"])
-            hs = cfg.head_dim
-            _f32(f, np.zeros(cfg.seq_len * hs // 2 * 2, np.float32))
-            if not cfg.tied_output:
-                _f32(f, t["output"])
+    path = os.fspath(path)
+    # beside the target (same file system, so the rename is atomic); opened
+    # with "x" so it honours the umask and never clobbers anything
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.part"
+    f = open(tmp, "xb")
+    done = 0
+
+    def put(f: BinaryIO, name: str) -> None:
+        nonlocal done
+        a = np.asarray(get(name))
+        if a.shape != shapes[name] and a.size != int(np.prod(shapes[name])):
+            raise ValueError(f"tensor {name} has shape {a.shape}, the config needs {shapes[name]}")
+        if version == 2 and len(shapes[name]) == 2:
+            done += _q8(f, a, group_size)
         else:
-            head = struct.pack("<Ii7iB", MAGIC, version, *params, int(cfg.tied_output))
-            if version == 2:
-                head += struct.pack("<i", group_size)
-            f.write(head + b"\0" * (V1_HEADER - len(head)))
-            for n in ("attn_norm", "ffn_norm"):
-                for i in range(L):
-                    _f32(f, t[f"blk.{i}.{n}"])
-            _f32(f, t["output_norm"])
-            mats = ["token_embd"] + [f"blk.{i}.{n}" for n in _ATTN + _FFN for i in range(L)]
-            if not cfg.tied_output:
-                mats.append("output")
-            for name in mats:
-                if version == 1:
-                    _f32(f, t[name])
-                else:
-                    q, s = quantize_q8(t[name], group_size)
-                    f.write(q.tobytes())
-                    _f32(f, s)
-    os.replace(tmp, path)
+            done += _f32(f, a)
+        del a
+        if progress is not None:
+            progress(done, total)
+
+    try:
+        with f:
+            if version == 0:
+                head = struct.pack("<7i", *params)
+            else:
+                head = struct.pack("<Ii7iB", MAGIC, version, *params, int(cfg.tied_output))
+                if version == 2:
+                    head += struct.pack("<i", group_size)
+                head += b"\0" * (V1_HEADER - len(head))
+            f.write(head)
+            done = len(head)
+            for name in tensor_order(cfg, version):
+                if name == "output" and version == 0:
+                    done += _f32(f, np.zeros(cfg.seq_len * cfg.head_dim // 2 * 2, np.float32))
+                put(f, name)
+            if version == 0 and cfg.tied_output:
+                done += _f32(f, np.zeros(cfg.seq_len * cfg.head_dim // 2 * 2, np.float32))
+        if done != total:
+            raise AssertionError(f"wrote {done} bytes, expected {total}")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise

@@ -1,0 +1,155 @@
+"""A read-bandwidth probe: what this machine's memory can feed the cores.
+
+Token-by-token decoding reads every weight once per token, so its speed
+limit is (read bandwidth) / (weight bytes per token). The probe measures the
+first factor the way our kernels read memory: compiled code (wide vector
+loads, several independent accumulators) called from Python threads through
+ctypes, each thread summing its own share of a buffer much larger than the
+last-level cache.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import statistics
+import threading
+import time
+
+import llvmlite.ir as ir
+import numpy as np
+
+from .emit import F32, F32P, FAST, I64, VOID
+from .jit import LoadedCode, emit_object
+from .target import host_target
+
+#: independent accumulators: enough loads in flight to hide the latency of
+#: each add (4 cycles x 2 ports) and keep the memory pipeline busy
+ACCUMULATORS = 8
+_PROTO = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+
+
+def _probe_module(width: int, accs: int = ACCUMULATORS) -> ir.Module:
+    """``void lmc_probe_sum(float* p, i64 n, float* out)``: out[0] = sum of
+    p[0:n]. ``n`` must be a multiple of width*accs (the caller pads)."""
+    m = ir.Module(name="lmc_probe")
+    fn = ir.Function(m, ir.FunctionType(VOID, [F32P, I64, F32P]), "lmc_probe_sum")
+    fn.attributes.add("nounwind")
+    p, n, out = fn.args
+    vt = ir.VectorType(F32, width)
+    step = width * accs
+    entry = fn.append_basic_block("entry")
+    head = fn.append_basic_block("head")
+    body = fn.append_basic_block("body")
+    done = fn.append_basic_block("done")
+    b = ir.IRBuilder(entry)
+    zero = ir.Constant(vt, [0.0] * width)
+    b.branch(head)
+    b.position_at_end(head)
+    i = b.phi(I64, "i")
+    i.add_incoming(ir.Constant(I64, 0), entry)
+    acc = []
+    for _ in range(accs):
+        a = b.phi(vt)
+        a.add_incoming(zero, entry)
+        acc.append(a)
+    b.cbranch(b.icmp_signed("<", i, n), body, done)
+    b.position_at_end(body)
+    new = []
+    for k, a in enumerate(acc):
+        ptr = b.gep(p, [b.add(i, ir.Constant(I64, k * width))], inbounds=True)
+        v = b.load(b.bitcast(ptr, ir.PointerType(vt)), align=64)
+        new.append(b.fadd(a, v, flags=FAST))
+    nxt = b.add(i, ir.Constant(I64, step))
+    i.add_incoming(nxt, body)
+    for a, v in zip(acc, new):
+        a.add_incoming(v, body)
+    b.branch(head)
+    b.position_at_end(done)
+    total = acc[0]
+    for a in acc[1:]:
+        total = b.fadd(total, a, flags=FAST)
+    s = b.extract_element(total, ir.Constant(I64, 0))
+    for lane in range(1, width):
+        s = b.fadd(s, b.extract_element(total, ir.Constant(I64, lane)), flags=FAST)
+    b.store(s, out)
+    b.ret_void()
+    return m
+
+
+class _Probe:
+    def __init__(self) -> None:
+        target = host_target()
+        self.width = target.vector_width
+        self.step = self.width * ACCUMULATORS
+        # O2: we want our loop as written, not re-vectorised or unrolled away
+        self.code = LoadedCode(emit_object(_probe_module(self.width), target, 2), target)
+        self.fn = _PROTO(self.code.address("lmc_probe_sum"))
+
+
+@functools.cache
+def _probe() -> _Probe:
+    """Compiled once per process."""
+    return _Probe()
+
+
+def probe_sum(buf: np.ndarray) -> float:
+    """The compiled sum of a float32 array (its length a multiple of the
+    probe's block; used by tests to check the kernel reads what it should)."""
+    pr = _probe()
+    a = np.ascontiguousarray(buf, np.float32)
+    if a.size % pr.step:
+        raise ValueError(f"length {a.size} is not a multiple of {pr.step}")
+    out = np.zeros(1, np.float32)
+    pr.fn(a.ctypes.data, a.size, out.ctypes.data)
+    return float(out[0])
+
+
+def _aligned_floats(n: int, align: int = 4096) -> np.ndarray:
+    raw = np.empty(n * 4 + align, np.uint8)
+    off = (-raw.ctypes.data) % align
+    return raw[off: off + n * 4].view(np.float32)
+
+
+def measure_read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Read bandwidth in GB/s (1e9 bytes/s), the median over ``repeats``
+    passes of ``threads`` threads each summing a disjoint share of an
+    ``nbytes`` buffer concurrently. Use a buffer several times the last-level
+    cache, or the figure is the cache's."""
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    pr = _probe()
+    share = max(1, nbytes // 4 // threads // pr.step) * pr.step  # floats per thread
+    buf = _aligned_floats(share * threads)
+    buf.fill(1.0)  # touched once: page faults stay out of the timing
+    outs = np.zeros(threads * 16, np.float32)  # one cache line each
+    base, out_base = buf.ctypes.data, outs.ctypes.data
+    start = threading.Barrier(threads + 1)
+    end = threading.Barrier(threads + 1)
+    rounds = repeats + 1  # the first pass warms up (TLB, frequency) and is not counted
+
+    def work(t: int) -> None:
+        for _ in range(rounds):
+            start.wait()
+            pr.fn(base + t * share * 4, share, out_base + t * 64)
+            end.wait()
+
+    workers = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(threads)]
+    for w in workers:
+        w.start()
+    times = []
+    try:
+        for r in range(rounds):
+            start.wait()
+            t0 = time.perf_counter()
+            end.wait()
+            if r:
+                times.append(time.perf_counter() - t0)
+    finally:
+        for w in workers:
+            w.join()
+    expect = float(share)
+    if not np.allclose(outs[::16], expect, rtol=1e-3):
+        raise RuntimeError(f"the probe summed {outs[::16]}, expected {expect}: miscompiled?")
+    return share * threads * 4 / statistics.median(times) / 1e9

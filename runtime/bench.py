@@ -1,0 +1,218 @@
+"""``lmc bench``: compile time, prefill and decode speed, memory, and how close
+decoding comes to the memory-bandwidth roofline, measured side by side in one
+process.
+
+Decoding one token reads every weight of the decode graph once (the
+embedding table only one row, unless it is also the classifier), so
+``read bandwidth / weight bytes per token`` is the speed no decoder can beat
+on this machine; ``roofline_fraction`` says how much of it we reach.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from compiler.driver import LoadedModel, load_model, model_graph
+
+from .model import Model, RunError
+
+#: fields in the order the table prints them, with their labels and formats
+_TABLE = [
+    ("model", "model", "{}"),
+    ("backend", "backend", "{}"),
+    ("threads", "threads", "{}"),
+    ("prompt_tokens", "prompt tokens", "{}"),
+    ("gen_tokens", "generated tokens", "{}"),
+    ("compile_s_cold", "compile, cold", "{:.3f} s"),
+    ("compile_s_warm", "compile, cached", "{:.4f} s"),
+    ("prefill_tok_s", "prefill", "{:.1f} tok/s"),
+    ("decode_tok_s", "decode", "{:.1f} tok/s"),
+    ("peak_rss_mb", "peak RSS", "{:.1f} MB"),
+    ("weight_bytes_per_token", "weights read per token", "{:,} B"),
+    ("read_bandwidth_gb_s", "read bandwidth", "{:.1f} GB/s"),
+    ("roofline_tok_s", "roofline (bandwidth / bytes)", "{:.1f} tok/s"),
+    ("roofline_fraction", "decode / roofline", "{:.1%}"),
+]
+
+
+def weight_bytes_per_token(loaded: LoadedModel) -> int:
+    """Stored bytes of every weight the decode graph reads for one token. A
+    table read only through ``embedding`` costs one row; one that a matmul
+    also reads (a tied classifier) costs all of it."""
+    g = model_graph(loaded, "decode")
+    users = g.users()
+    total = 0
+    for v in g.weights.values():
+        ops = {n.op for n in users.get(id(v), [])}
+        if not ops:
+            continue
+        nbytes = int(v.ref.nbytes)
+        if ops == {"embedding"}:
+            nbytes //= int(v.type.shape[0])
+        total += nbytes
+    return total
+
+
+def _clip(ctx: int, prompt_tokens: int, gen_tokens: int) -> tuple[int, int]:
+    """Prompt and generation lengths that fit the context (generation first)."""
+    gen = max(1, min(gen_tokens, ctx - 1))
+    prompt = max(1, min(prompt_tokens, ctx - gen))
+    return prompt, gen
+
+
+def _median_time(fn, runs: int) -> float:
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_tokens: int = 128,
+              gen_tokens: int = 128, runs: int = 5, backend: str = "llvm", probe_bytes: int = 1 << 30,
+              probe_repeats: int = 5, seed: int = 0) -> dict[str, Any]:
+    """Measure one model; see the module docstring. Compilation uses a fresh
+    temporary cache (the user's cache is neither read nor written). With
+    ``backend="interp"`` there is nothing to compile and the compile fields
+    are None."""
+    from compiler.codegen.probe import measure_read_bandwidth
+
+    if threads < 1:
+        raise RunError(f"--threads {threads}: must be >= 1")
+    if runs < 1:
+        raise RunError(f"--runs {runs}: must be >= 1")
+    if prompt_tokens < 1 or gen_tokens < 1:
+        raise RunError("the prompt and the generation need at least one token each")
+    loaded = load_model(model_path, tokenizer)
+    out: dict[str, Any] = {"model": os.path.basename(os.fspath(model_path)), "backend": backend,
+                           "threads": threads}
+
+    old_cache = os.environ.get("LMC_CACHE_DIR")
+    cache = tempfile.mkdtemp(prefix="lmc-bench-cache-")
+    os.environ["LMC_CACHE_DIR"] = cache
+    model = None
+    try:
+        if backend == "llvm":
+            from compiler.native import NativeOptions, compile_native
+
+            # cold: an empty cache, so LLVM runs (and the artifact is stored, as
+            # on a user's first run); warm: the same call, now a cache hit
+            cold = compile_native(loaded, NativeOptions())
+            if cold.cached:
+                raise RuntimeError("the bench's fresh compile cache was not empty")
+            warm = compile_native(loaded, NativeOptions())
+            if not warm.cached:
+                raise RuntimeError("the second compile missed the cache it had just filled")
+            out["compile_s_cold"] = cold.seconds
+            out["compile_s_warm"] = warm.seconds
+            model = Model(loaded, "llvm", threads=threads, artifact=warm.artifact)
+        else:
+            out["compile_s_cold"] = out["compile_s_warm"] = None
+            model = Model(loaded, backend, threads=threads)
+
+        prompt, gen = _clip(model.ctx, prompt_tokens, gen_tokens)
+        out["prompt_tokens"], out["gen_tokens"], out["runs"] = prompt, gen, runs
+        rng = np.random.default_rng(seed)
+        ids = [int(i) for i in rng.integers(3, loaded.config.vocab_size, prompt)]
+        ex = model.executor
+
+        def prefill() -> None:
+            ex.reset()
+            ex.prefill(ids, 0)
+
+        prefill()  # warm-up: first-touch of weights and arena
+        out["prefill_tok_s"] = prompt / _median_time(prefill, runs)
+
+        decode_s = []
+        for _ in range(runs):
+            got = list(model.generate(ids, gen + 1, temperature=0.0, stop=False))
+            st = model.last_stats
+            if len(got) != gen + 1 or st.decode_s <= 0:
+                raise RuntimeError(f"generation stopped after {len(got)} of {gen + 1} tokens")
+            decode_s.append(st.decode_s)  # exactly `gen` decode steps, sampling excluded
+        out["decode_tok_s"] = gen / statistics.median(decode_s)
+        out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    finally:
+        if model is not None and hasattr(model.executor, "close"):
+            model.executor.close()  # idle workers must not compete with the probe
+        del model
+        if old_cache is None:
+            os.environ.pop("LMC_CACHE_DIR", None)
+        else:
+            os.environ["LMC_CACHE_DIR"] = old_cache
+        shutil.rmtree(cache, ignore_errors=True)
+
+    wbytes = weight_bytes_per_token(loaded)
+    bw = measure_read_bandwidth(threads, probe_bytes, probe_repeats)
+    out["weight_bytes_per_token"] = wbytes
+    out["read_bandwidth_gb_s"] = bw
+    out["roofline_tok_s"] = bw * 1e9 / wbytes
+    out["roofline_fraction"] = out["decode_tok_s"] / out["roofline_tok_s"]
+    return out
+
+
+def format_table(r: dict[str, Any]) -> str:
+    rows = []
+    for key, label, fmt in _TABLE:
+        v = r.get(key)
+        rows.append((label, "-" if v is None else fmt.format(v)))
+    w = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{w}}  {val}" for label, val in rows)
+
+
+def _count(flag: str, low: int = 1):
+    def conv(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a whole number, not {s!r}") from None
+        if not low <= v <= 1_000_000:
+            raise argparse.ArgumentTypeError(f"{flag} must be between {low} and 1000000, got {v}")
+        return v
+
+    return conv
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``bench`` to the ``lmc`` sub-commands."""
+    b = subparsers.add_parser("bench", help="measure compile time, prefill/decode speed and the roofline")
+    b.add_argument("model", help="model file (.bin)")
+    b.add_argument("-z", "--tokenizer", default=None, help="tokenizer file (llama2.c tokenizer.bin)")
+    b.add_argument("-t", "--threads", type=_count("--threads"), default=os.cpu_count() or 1,
+                   help="threads (default: all cores)")
+    b.add_argument("--prompt-tokens", type=_count("--prompt-tokens"), default=128,
+                   help="random prompt length for prefill (default 128; clipped to the context)")
+    b.add_argument("--gen-tokens", type=_count("--gen-tokens"), default=128,
+                   help="greedy decode steps timed (default 128)")
+    b.add_argument("--runs", type=_count("--runs"), default=5, help="repetitions; medians are reported (default 5)")
+    b.add_argument("--backend", choices=["llvm", "interp"], default="llvm")
+    b.add_argument("--probe-mb", type=_count("--probe-mb", 16), default=1024,
+                   help="buffer of the bandwidth probe in MiB (default 1024; keep it >> the L3 cache)")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    return b
+
+
+def _jsonable(r: dict[str, Any]) -> dict[str, Any]:
+    return {k: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v) for k, v in r.items()}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    r = run_bench(args.model, args.tokenizer, args.threads, prompt_tokens=args.prompt_tokens,
+                  gen_tokens=args.gen_tokens, runs=args.runs, backend=args.backend,
+                  probe_bytes=args.probe_mb << 20)
+    if args.json:
+        print(json.dumps(_jsonable(r)))
+    else:
+        print(format_table(r))
+    return 0
