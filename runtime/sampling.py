@@ -182,11 +182,22 @@ def expf_glibc(x: np.ndarray) -> np.ndarray:
     return out
 
 
+#: from this vocabulary size on, the compiled softmax (libm's own expf) pays
+#: for its one-off compile
+_NATIVE_MIN = 4096
+
+
 def softmax_f32(x: np.ndarray) -> np.ndarray:
     """run.c's softmax: max-subtracted expf, sequential float32 sum, divide."""
     m = x.max()
     if m == -np.inf:
         raise ValueError("every logit is -inf: nothing to sample")
+    if x.size >= _NATIVE_MIN:
+        from .native_softmax import native_softmax
+
+        p = native_softmax(x)
+        if p is not None:
+            return p
     e = expf_glibc(x - m)
     total = np.cumsum(e)[-1]  # sequential, like `sum += x[i]`
     return e / total

@@ -413,3 +413,24 @@ def test_validation_names_the_flag(kwargs, flag):
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match=flag):
         Sampler(cfg, 10)
+
+
+def test_native_softmax_is_bit_identical_to_the_emulation():
+    """The compiled softmax calls the C library's expf; on glibc x86-64 it
+    must equal the numpy emulation bit for bit (including -inf entries)."""
+    from runtime.native_softmax import native_softmax
+    from runtime.sampling import expf_glibc
+
+    rng = np.random.default_rng(5)
+    for n in (7, 4096, 32000):
+        x = (rng.standard_normal(n) * 8).astype(np.float32)
+        x[rng.integers(0, n, n // 10)] = -np.inf
+        got = native_softmax(x)
+        assert got is not None
+        m = x.max()
+        e = expf_glibc(x - m)
+        want = e / np.cumsum(e)[-1]
+        if GLIBC_X86_64:
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -64,6 +64,7 @@ HALF = ir.HalfType()
 _PREFILL_TILE = {16: (4, 4), 8: (3, 3), 4: (4, 4)}
 #: rows per tile for decode (one token)
 _DECODE_ROWS = 4
+_LONG_ROW = 8192  # columns; measured on znver4: below this R=1 reads faster
 #: prefill splits K into chunks of this many columns when K >= 2 chunks
 _K_CHUNK = 1024
 
@@ -385,7 +386,10 @@ def emit_matmul(kb: KernelBuilder, sig: KernelSig) -> None:
         return
 
     if _is_one(m):
-        R, C, U = _DECODE_ROWS, 1, dec.decode_unroll
+        # short rows: one row at a time is one sequential stream, which the
+        # hardware prefetcher follows best; long rows: 4 rows share x loads
+        R, C, U = ((_DECODE_ROWS, 1, dec.decode_unroll) if k >= _LONG_ROW
+                   else (1, 1, 2 * dec.decode_unroll))
     else:
         (R, C), U = _PREFILL_TILE.get(kb.vw, (4, 4)), 1
     rows_main = b.sub(hi, b.srem(b.sub(hi, lo), i64(R)))

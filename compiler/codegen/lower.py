@@ -40,6 +40,7 @@ class Ctl:
     IO = 9
     SCRATCH = 10
     SCRATCH_STRIDE = 11
+    SLEEPERS = 12        # workers blocked in futex_wait on GENERATION's low 32 bits
     BARRIER_COUNT = 16
     BARRIER_GEN = 24
     SLOTS = 32
@@ -211,53 +212,96 @@ class _Lowering:
         run = ir.Function(self.module, ir.FunctionType(VOID, [I64P]), "lmc_run")
         ctl, = run.args
         b = ir.IRBuilder(run.append_basic_block("entry"))
-        b.atomic_rmw("add", self._slot(b, ctl, Ctl.GENERATION), i64(1), "release")
+        gen_p = self._slot(b, ctl, Ctl.GENERATION)
+        b.atomic_rmw("add", gen_p, i64(1), "seq_cst")
+        if self._futex is not None:
+            sleepers = b.load_atomic(self._slot(b, ctl, Ctl.SLEEPERS), "seq_cst", 8)
+            with b.if_then(b.icmp_signed(">", sleepers, i64(0))):
+                self._futex(b, gen_p, _FUTEX_WAKE, i64(0x7FFFFFFF))
         b.call(disp, [ctl, i64(0)])
         b.call(self.barrier, [ctl])  # every thread has finished this step
         b.ret_void()
+        self._emit_worker(disp)
 
+    def _emit_worker(self, disp: ir.Function) -> None:
+        """Wait for the generation to move, run the step, repeat until QUIT.
+        Waiting spins for a while (the next step usually comes within
+        microseconds), then sleeps in futex_wait so an idle model costs no
+        CPU."""
         work = ir.Function(self.module, STEP_TYPE, "lmc_worker")
         ctl, tid = work.args
-        entry = work.append_basic_block("entry")
-        b = ir.IRBuilder(entry)
+        blk = {n: work.append_basic_block(n) for n in
+               ("entry", "loop", "spin", "idle", "check", "sleep", "dowait", "woke", "got", "run", "ret")}
+        b = ir.IRBuilder(blk["entry"])
         gen_p = self._slot(b, ctl, Ctl.GENERATION)
+        sl_p = self._slot(b, ctl, Ctl.SLEEPERS)
+        b.branch(blk["loop"])
+        b.position_at_end(blk["loop"])
         # generations start at 0; a worker that starts late still sees the
         # first step's bump (that step cannot finish without it)
-        seen0 = i64(0)
-        loop = work.append_basic_block("loop")
-        spin = work.append_basic_block("spin")
-        got = work.append_basic_block("got")
-        ret = work.append_basic_block("ret")
-        b.branch(loop)
-        b.position_at_end(loop)
         seen = b.phi(I64)
-        seen.add_incoming(seen0, entry)
-        b.branch(spin)
-        b.position_at_end(spin)
+        seen.add_incoming(i64(0), blk["entry"])
+        b.branch(blk["spin"])
+        b.position_at_end(blk["spin"])
         n = b.phi(I64)
-        n.add_incoming(i64(0), loop)
-        self._emit_pause(b)
-        yb = work.append_basic_block("yield")
-        chk = work.append_basic_block("check")
-        b.cbranch(b.icmp_signed(">", n, i64(1 << 12)), yb, chk)
-        b.position_at_end(yb)
-        b.call(self._sched_yield(), [])
-        b.branch(chk)
-        b.position_at_end(chk)
-        n.add_incoming(b.add(n, i64(1)), chk)
+        n.add_incoming(i64(0), blk["loop"])
         now = b.load_atomic(gen_p, "acquire", 8)
-        b.cbranch(b.icmp_signed("==", now, seen), spin, got)
-        b.position_at_end(got)
+        b.cbranch(b.icmp_signed("!=", now, seen), blk["got"], blk["idle"])
+        b.position_at_end(blk["idle"])
+        self._emit_pause(b)
+        b.cbranch(b.icmp_signed(">", n, i64(_SPIN_LIMIT)), blk["sleep"], blk["check"])
+        b.position_at_end(blk["check"])
+        n.add_incoming(b.add(n, i64(1)), blk["check"])
+        b.branch(blk["spin"])
+        b.position_at_end(blk["sleep"])
+        if self._futex is not None:
+            b.atomic_rmw("add", sl_p, i64(1), "seq_cst")
+            again = b.load_atomic(gen_p, "seq_cst", 8)
+            b.cbranch(b.icmp_signed("==", again, seen), blk["dowait"], blk["woke"])
+            b.position_at_end(blk["dowait"])
+            self._futex(b, gen_p, _FUTEX_WAIT, b.and_(seen, i64(0xFFFFFFFF)))
+            b.branch(blk["woke"])
+            b.position_at_end(blk["woke"])
+            b.atomic_rmw("sub", sl_p, i64(1), "seq_cst")
+        else:  # no futex: yield the core instead
+            b.call(self._sched_yield(), [])
+            b.branch(blk["dowait"])
+            b.position_at_end(blk["dowait"])
+            b.branch(blk["woke"])
+            b.position_at_end(blk["woke"])
+        n.add_incoming(i64(0), blk["woke"])
+        b.branch(blk["spin"])
+        b.position_at_end(blk["got"])
         quit_ = b.load_atomic(self._slot(b, ctl, Ctl.QUIT), "acquire", 8)
-        run_blk = work.append_basic_block("run")
-        b.cbranch(b.icmp_signed("!=", quit_, i64(0)), ret, run_blk)
-        b.position_at_end(run_blk)
+        b.cbranch(b.icmp_signed("!=", quit_, i64(0)), blk["ret"], blk["run"])
+        b.position_at_end(blk["run"])
         b.call(disp, [ctl, tid])
         b.call(self.barrier, [ctl])
-        seen.add_incoming(now, run_blk)
-        b.branch(loop)
-        b.position_at_end(ret)
+        seen.add_incoming(now, blk["run"])
+        b.branch(blk["loop"])
+        b.position_at_end(blk["ret"])
         b.ret_void()
+
+    @property
+    def _futex(self):
+        """An emitter of futex(addr, op, val) on Linux, else None."""
+        nr = _FUTEX_SYSCALL.get(self.target.triple.split("-")[0])
+        if nr is None or "linux" not in self.target.triple:
+            return None
+
+        def call(b: ir.IRBuilder, addr: ir.Value, op: int, val: ir.Value) -> None:
+            f = self.module.globals.get("syscall") or ir.Function(
+                self.module, ir.FunctionType(I64, [I64], var_arg=True), "syscall")
+            b.call(f, [i64(nr), b.ptrtoint(addr, I64), i64(op), val, i64(0)])
+
+        return call
+
+
+#: futex(2) syscall numbers; the wait word is GENERATION's low 32 bits
+#: (little-endian targets only, which all of these are)
+_FUTEX_SYSCALL = {"x86_64": 202, "aarch64": 98}
+_FUTEX_WAIT, _FUTEX_WAKE = 128, 129  # the _PRIVATE variants
+_SPIN_LIMIT = 1 << 14
 
 
 def lower_graphs(graphs: dict[str, Graph], plans: dict[str, ArenaPlan], target: Target,
