@@ -7,6 +7,7 @@ everything lives (arena offsets, state layout, outputs).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -66,6 +67,21 @@ def _scratch_floats(graphs: dict, ctx: int) -> int:
     return (need + 15) // 16 * 16
 
 
+@functools.cache
+def codegen_fingerprint() -> str:
+    """Hash of the code generator's own source: a changed kernel or lowering
+    must never be served stale object code from the cache."""
+    import hashlib
+    import pathlib
+
+    h = hashlib.sha256()
+    here = pathlib.Path(__file__).resolve().parent
+    for f in sorted([*here.glob("*.py"), *(here / "codegen").glob("*.py"), *(here.parent / "ir").glob("*.py"),
+                     *(here.parent / "passes").glob("*.py")]):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _target_info(t: Target) -> dict[str, Any]:
     return {"cpu": t.cpu, "features": t.features, "triple": t.triple}
 
@@ -84,6 +100,7 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
         "graphs": {n: print_graph(g) for n, g in graphs.items()},
         "chunk": chunk, "vw": o.vector_width, "opt": o.opt_level,
         "target": _target_info(target), "lmc": LMC_VERSION, "format": FORMAT_VERSION,
+        "codegen": codegen_fingerprint(),
         "llvm": list(llvm.llvm_version_info), "llvmlite": llvmlite.__version__,
     })
     if o.use_cache:

@@ -21,6 +21,7 @@ from compiler.codegen.lower import Ctl
 
 _RUN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _WORKER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
+_STOP = _RUN
 
 
 def _aligned(nbytes: int, align: int = 64) -> np.ndarray:
@@ -29,11 +30,18 @@ def _aligned(nbytes: int, align: int = 64) -> np.ndarray:
     return raw[off: off + nbytes]
 
 
-def _shutdown(ctl: np.ndarray, threads: list[threading.Thread]) -> None:
-    ctl[Ctl.QUIT] = 1
-    ctl[Ctl.GENERATION] += 1
+#: code and buffers of executors whose workers did not stop in time: kept
+#: alive for the life of the process, since a worker may still run them
+_LEAKED: list = []
+
+
+def _shutdown(stop, ctl: np.ndarray, threads: list[threading.Thread], keep: tuple) -> None:
+    """Stop the workers before the code and buffers they use are freed."""
+    stop(ctl.ctypes.data)
     for t in threads:
-        t.join(timeout=5)
+        t.join(timeout=10)
+    if any(t.is_alive() for t in threads):
+        _LEAKED.append((ctl, threads, keep))
 
 
 class NativeExecutor:
@@ -48,6 +56,7 @@ class NativeExecutor:
         self.code = LoadedCode(art.obj)
         self._run = _RUN(self.code.address("lmc_run"))
         self._worker = _WORKER(self.code.address("lmc_worker"))
+        self._stop = _STOP(self.code.address("lmc_stop"))
         with open(model_path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._weights = np.frombuffer(self._map, np.uint8)
@@ -78,7 +87,8 @@ class NativeExecutor:
                                  name=f"lmc-worker-{tid}")
             t.start()
             self._threads.append(t)
-        self._finalizer = weakref.finalize(self, _shutdown, self.ctl, self._threads)
+        keep = (self.code, self._map, self._weights, self.arena, self.state, self.scratch, self.io)
+        self._finalizer = weakref.finalize(self, _shutdown, self._stop, self.ctl, self._threads, keep)
 
     def close(self) -> None:
         self._finalizer()

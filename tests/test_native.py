@@ -153,3 +153,34 @@ def test_warm_run_does_not_invoke_llvm(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                        env={**os.environ, **env}, timeout=300)
     assert r.returncode == 0, r.stderr
+
+
+def test_dropped_models_stop_their_workers():
+    """Workers must stop before their code and buffers are freed (dropping
+    models used to crash a later test), and leave no thread behind."""
+    import gc
+    import threading
+
+    before = threading.active_count()
+    for _ in range(10):
+        m = runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, threads=3)
+        assert len(list(m.generate("Once", 5, temperature=0.0))) == 5
+        del m
+        gc.collect()
+    assert threading.active_count() == before
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc to see thread states")
+def test_idle_workers_sleep():
+    import time
+
+    m = runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, threads=2)
+    list(m.generate("Once", 5, temperature=0.0))
+    worker = m.executor._threads[0].native_id
+    state = ""
+    for _ in range(100):  # the worker spins briefly, then sleeps in futex_wait
+        time.sleep(0.01)
+        state = open(f"/proc/self/task/{worker}/stat").read().rsplit(")", 1)[1].split()[0]
+        if state == "S":
+            break
+    assert state == "S"

@@ -222,6 +222,19 @@ class _Lowering:
         b.call(self.barrier, [ctl])  # every thread has finished this step
         b.ret_void()
         self._emit_worker(disp)
+        self._emit_stop()
+
+    def _emit_stop(self) -> None:
+        """``lmc_stop(ctl)``: tell the workers to return, waking sleepers."""
+        fn = ir.Function(self.module, ir.FunctionType(VOID, [I64P]), "lmc_stop")
+        ctl, = fn.args
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        b.store_atomic(i64(1), self._slot(b, ctl, Ctl.QUIT), "seq_cst", 8)
+        gen_p = self._slot(b, ctl, Ctl.GENERATION)
+        b.atomic_rmw("add", gen_p, i64(1), "seq_cst")
+        if self._futex is not None:
+            self._futex(b, gen_p, _FUTEX_WAKE, i64(0x7FFFFFFF))
+        b.ret_void()
 
     def _emit_worker(self, disp: ir.Function) -> None:
         """Wait for the generation to move, run the step, repeat until QUIT.
