@@ -89,14 +89,39 @@ _FIXED: dict[str, Layout] = {
 _PLANAR_Q8 = re.compile(r"^L2C_Q8G(\d+)$")
 
 
+#: block layouts registered by their own modules (GGUF quant types)
+LAYOUTS: dict[str, Layout] = {}
+
+
+def register_layout(layout: Layout) -> Layout:
+    LAYOUTS[layout.name] = layout
+    return layout
+
+
 def get_layout(name: str) -> Layout:
-    """Look a layout up by its name (``F32``, ``L2C_Q8G64`` ...)."""
+    """Look a layout up by its name (``F32``, ``Q4_K``, ``L2C_Q8G64`` ...)."""
     if name in _FIXED:
         return _FIXED[name]
+    if not LAYOUTS:
+        _load_block_layouts()
+    if name in LAYOUTS:
+        return LAYOUTS[name]
     m = _PLANAR_Q8.match(name)
     if m and int(m.group(1)) > 0:
         return PlanarQ8Layout(name, 1, "i1", int(m.group(1)))
     raise KeyError(f"unknown quant layout {name!r}")
+
+
+def _load_block_layouts() -> None:
+    """Import the modules that register block layouts (``layouts_*.py``)."""
+    import importlib
+    import pkgutil
+
+    from . import __path__ as pkg_path
+
+    for m in pkgutil.iter_modules(pkg_path):
+        if m.name.startswith("layouts_"):
+            importlib.import_module(f"{__package__}.{m.name}")
 
 
 def planar_q8(group: int) -> str:

@@ -217,9 +217,25 @@ class PlanarQ8Decoder(Decoder):
         return out, (shared_scale if defer else None)
 
 
+#: layout name -> Decoder class (constructed as cls(kb, raw, n, k)); block
+#: formats (GGUF's Q8_0, Q4_K ...) register here from their own modules
+DECODERS: dict[str, type] = {}
+
+
+def register_decoder(*names: str):
+    def deco(cls: type) -> type:
+        for n in names:
+            DECODERS[n] = cls
+        return cls
+
+    return deco
+
+
 def _decoder(kb: KernelBuilder, wt: TensorType, raw: ir.Value) -> Decoder:
     n, k = _as_int(wt.shape[0]), _as_int(wt.shape[1])
     name = wt.layout or "F32"
+    if name in DECODERS:
+        return DECODERS[name](kb, raw, n, k)
     if name == "F32":
         return F32Decoder(kb, raw, n, k)
     if name == "F16":
