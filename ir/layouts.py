@@ -81,6 +81,39 @@ class PlanarQ8Layout(Layout):
         return q[flat].astype(np.float32) * s[flat // self.group]
 
 
+@dataclass(frozen=True)
+class BlockLayout(Layout):
+    """Rows of fixed-size blocks (GGUF's quant types): ``block`` values in
+    ``block_bytes`` bytes, scales inside each block; a block never crosses a
+    row. Subclasses give ``dequant_blocks``: uint8 [nblocks, block_bytes] ->
+    float32 [nblocks, block]."""
+
+    block: int = 32
+    block_bytes: int = 34
+
+    def nbytes(self, shape: tuple[Dim, ...]) -> int:
+        rows, cols = _rows_cols(shape)
+        if cols % self.block:
+            raise ValueError(f"{self.name}: row length {cols} is not a multiple of the block size {self.block}")
+        return rows * (cols // self.block) * self.block_bytes
+
+    def dequant_blocks(self, blocks: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def dequantize(self, raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        n = self.nbytes(shape)
+        blocks = np.frombuffer(raw, dtype=np.uint8, count=n).reshape(-1, self.block_bytes)
+        return self.dequant_blocks(blocks).reshape(shape)
+
+    def dequantize_rows(self, raw: np.ndarray, shape: tuple[int, ...], rows: np.ndarray) -> np.ndarray:
+        nrows, cols = _rows_cols(shape)
+        rb = cols // self.block * self.block_bytes
+        mat = np.frombuffer(raw, dtype=np.uint8, count=nrows * rb).reshape(nrows, rb)
+        rows = np.asarray(rows, dtype=np.int64)
+        picked = mat[rows.reshape(-1)].reshape(-1, self.block_bytes)
+        return self.dequant_blocks(picked).reshape(rows.shape + (cols,))
+
+
 _FIXED: dict[str, Layout] = {
     "F32": Layout("F32", 4, "<f4"),
     "F16": Layout("F16", 2, "<f2"),
