@@ -33,6 +33,10 @@ class ArchSpec:
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": ArchSpec(),
+    "mistral": ArchSpec(),
+    "qwen2": ArchSpec(rope_style="neox", qkv_bias=True),
+    "gemma3": ArchSpec(ffn_act="gelu_tanh", rope_style="neox", qk_norm=True, post_norms=True, embed_scale=True,
+                       swa_every=6),
 }
 
 
@@ -142,7 +146,7 @@ class _Builder:
             w = self.op("dequant", w)
         y = self.op("matmul", x, w)
         if name + ".bias" in self.weights:
-            y = self.op("add", y, self.w(name + ".bias"))
+            y = self.op("bias_add", y, self.w(name + ".bias"))
         return y
 
 

@@ -48,9 +48,24 @@ def load_model(path: str | os.PathLike, tokenizer: str | os.PathLike | None = No
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF":
-        raise ModelError(f"{path}: GGUF models are not supported yet")
+        return _load_gguf(path, tokenizer)
     ckpt = load_llama2c(path)
     cfg = ckpt.config
     tok_path = os.fspath(tokenizer) if tokenizer is not None else _find_llama2c_tokenizer(path, cfg.vocab_size)
     tok = Llama2cTokenizer.from_file(tok_path, cfg.vocab_size)
     return LoadedModel(path, f"llama2c-v{ckpt.version}", cfg, ckpt.weights, tok)
+
+
+def _load_gguf(path: str, tokenizer: str | os.PathLike | None) -> LoadedModel:
+    from .gguf import load_gguf
+    from .gguf_tokenizer import GGUFTokenizer
+
+    m = load_gguf(path)
+    if tokenizer is not None:
+        raise ModelError(f"{path}: a GGUF model carries its own vocabulary; -z is for llama2.c checkpoints")
+    tok = GGUFTokenizer.from_reader(m.reader, path)
+    if tok.vocab_size != m.config.vocab_size:
+        raise ModelError(f"{path}: the vocabulary has {tok.vocab_size} tokens, the embedding "
+                         f"{m.config.vocab_size} rows")
+    m.config.stop_ids = tuple(sorted(set(m.config.stop_ids) | set(getattr(tok, "stop_ids", ()))))
+    return LoadedModel(path, "gguf", m.config, m.weights, tok)

@@ -100,6 +100,12 @@ def _binary(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     return TensorType(a.shape, "f32")
 
 
+def _bias(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    a, b = ts
+    _need(b.rank == 1 and a.shape[-1] == b.shape[0], f"bias {b} does not fit {a}")
+    return TensorType(a.shape, "f32")
+
+
 def _embedding(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     w, ids = ts
     _need(w.rank == 2, f"embedding table must be 2-D, got {w}")
@@ -271,6 +277,12 @@ def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: Any, *, n_
 
 @register("add", 2, _binary, elementwise=True)
 def add_ref(a: np.ndarray, b: Any) -> np.ndarray:
+    return (np.asarray(a, np.float32) + f32_of(b)).astype(np.float32)
+
+
+@register("bias_add", 2, _bias)
+def bias_add_ref(a: np.ndarray, b: Any) -> np.ndarray:
+    """a + b with b (a vector) added to every row of a."""
     return (np.asarray(a, np.float32) + f32_of(b)).astype(np.float32)
 
 

@@ -159,3 +159,12 @@ def test_shape_rules_reject_misfits():
         ops.get_op("rope").infer([TensorType((6,)), TensorType((), "i32")], {"head_dim": 4, "style": "neox"})
     t = ops.get_op("matmul").infer([TensorType(("T", 4)), TensorType((3, 4), "f32", "F32")], {})
     assert t == TensorType(("T", 3))
+
+
+def test_bias_add_broadcasts_over_rows():
+    a = rng.standard_normal((3, 5)).astype(np.float32)
+    b = rng.standard_normal(5).astype(np.float32)
+    out = ops.bias_add_ref(a, f32w(b))
+    close(out, [[float(a[i, j]) + float(b[j]) for j in range(5)] for i in range(3)])
+    with pytest.raises(ops.ShapeError):
+        ops.get_op("bias_add").infer([TensorType((3, 5)), TensorType((4,), "f32", "F32")], {})

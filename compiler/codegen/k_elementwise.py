@@ -42,3 +42,17 @@ def emit_elementwise(kb: KernelBuilder, sig: KernelSig) -> None:
             th = b.fsub(f32c(1.0), b.fdiv(f32c(2.0), b.fadd(e2, f32c(1.0), flags=FAST), flags=FAST), flags=FAST)
             y = b.fmul(b.fmul(f32c(0.5), x, flags=FAST), b.fadd(f32c(1.0), th, flags=FAST), flags=FAST)
         kb.store(y, out, i)
+
+
+@kernel("bias_add")
+def emit_bias_add(kb: KernelBuilder, sig: KernelSig) -> None:
+    """out[r, c] = a[r, c] + bias[c]; rows split between threads."""
+    b = kb.b
+    n = int(sig.out_type.shape[-1])
+    lo, hi = kb.thread_share(kb.rows_of(sig.out_type.shape))
+    out, a, bias = kb.out_f32(), kb.in_f32(0), kb.in_f32(1)
+    with kb.loop(lo, hi, name="row") as r:
+        base = b.mul(r, i64(n))
+        with kb.loop(0, n, name="col") as c:
+            i = b.add(base, c)
+            kb.store(b.fadd(kb.load(a, i), kb.load(bias, c), flags=FAST), out, i)
