@@ -98,14 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
     r.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (1 = off)")
     r.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock)")
-    r.add_argument("-c", "--ctx", type=int, default=None, help="context length (default: the model's)")
+    r.add_argument("-c", "--ctx", type=int, default=None, help="context length (default: the model's, at most 4096)")
     _exec_args(r)
     r.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
     c = sub.add_parser("compile", help="compile a model to a native artifact")
     _model_args(c)
     c.add_argument("-o", "--output", required=True, help="artifact file to write")
-    c.add_argument("-c", "--ctx", type=int, default=None, help="context length (default: the model's)")
+    c.add_argument("-c", "--ctx", type=int, default=None, help="context length (default: the model's, at most 4096)")
 
     y = sub.add_parser("synth", help="write a model with random weights and a real model's shapes")
     y.add_argument("--shape", required=True, choices=["stories15M", "stories42M", "stories110M", "llama2-7b"])
@@ -186,7 +186,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     m = load_model(args.model, args.tokenizer)
     if args.ctx is not None and not 0 < args.ctx <= m.config.seq_len:
         raise RunError(f"--ctx {args.ctx}: must be between 1 and the model's context {m.config.seq_len}")
-    res = compile_native(m, NativeOptions(ctx=args.ctx))
+    from .model import DEFAULT_CTX
+
+    res = compile_native(m, NativeOptions(ctx=args.ctx or min(m.config.seq_len, DEFAULT_CTX)))
     res.artifact.write(args.output)
     man = res.artifact.manifest
     print(json.dumps({"artifact": args.output, "bytes": os.path.getsize(args.output),

@@ -16,6 +16,11 @@ from .executor import InterpExecutor
 from .sampling import Sampler, SamplerConfig
 
 
+#: KV cache length when the user gives none: a model's own context can be
+#: 32768 or more, which would cost gigabytes of cache up front (-c raises it)
+DEFAULT_CTX = 4096
+
+
 class RunError(ValueError):
     """A request the model cannot serve (prompt too long, bad token id ...)."""
 
@@ -57,7 +62,7 @@ class Model:
         self.loaded = loaded
         self.config = cfg
         self.tokenizer = loaded.tokenizer
-        self.ctx = ctx or cfg.seq_len
+        self.ctx = ctx or min(cfg.seq_len, DEFAULT_CTX)
         self.compile_info: dict = {}
         if backend == "interp":
             self.executor = InterpExecutor(build_graphs(loaded, CompileOptions(backend=backend, ctx=self.ctx)))
