@@ -135,7 +135,7 @@ def get_layout(name: str) -> Layout:
     """Look a layout up by its name (``F32``, ``Q4_K``, ``L2C_Q8G64`` ...)."""
     if name in _FIXED:
         return _FIXED[name]
-    if not LAYOUTS:
+    if name not in LAYOUTS:
         _load_block_layouts()
     if name in LAYOUTS:
         return LAYOUTS[name]
@@ -145,8 +145,15 @@ def get_layout(name: str) -> Layout:
     raise KeyError(f"unknown quant layout {name!r}")
 
 
+_loaded = False
+
+
 def _load_block_layouts() -> None:
     """Import the modules that register block layouts (``layouts_*.py``)."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
     import importlib
     import pkgutil
 

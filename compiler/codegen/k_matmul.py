@@ -278,20 +278,23 @@ def _tile(kb: KernelBuilder, dec: Decoder, x: ir.Value, out: ir.Value, r0: ir.Va
             cur = list(cur)
             xs = [[kb.vload(x, b.add(xrow[t], b.add(col, i64(j * vw)))) for j in range(nvec)] for t in range(C)]
             for i in range(R):
-                ws, sc = dec.decode(rows[i], col, [vw] * nvec, S, defer=(C == 1))
+                ws, sc = dec.decode(rows[i], col, [vw] * nvec, S, defer=("blocks" if C == 1 else False))
                 if sc is None:
                     for j in range(nvec):
                         for t in range(C):
                             cur[at(i, t, j % nacc)] = _muladd(kb, ws[j], xs[t][j], cur[at(i, t, j % nacc)])
-                else:  # one scale for the step: scale the partial dot product once
-                    scv = kb.splat(sc)
-                    for t in range(C):
-                        # no reassoc flag here: it lets LLVM distribute the
-                        # scale back over the products (one multiply per vector)
-                        p = b.fmul(ws[0], xs[t][0], flags=("contract",))
-                        for j in range(1, nvec):
-                            p = _muladd(kb, ws[j], xs[t][j], p)
-                        cur[at(i, t, 0)] = _muladd(kb, p, scv, cur[at(i, t, 0)])
+                else:  # one scale per group of vectors: scale each partial dot product once
+                    scs = sc if isinstance(sc, list) else [sc]
+                    per = nvec // len(scs)
+                    for gi, s_ in enumerate(scs):
+                        scv = kb.splat(s_)
+                        for t in range(C):
+                            j0 = gi * per
+                            p = b.fmul(ws[j0], xs[t][j0], flags=("contract",))
+                            for j in range(j0 + 1, j0 + per):
+                                p = _muladd(kb, ws[j], xs[t][j], p)
+                            a_ = at(i, t, gi % nacc)
+                            cur[a_] = _muladd(kb, p, scv, cur[a_])
             setv(cur)
         accs = list(kb.last_carry)
 
