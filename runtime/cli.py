@@ -22,9 +22,7 @@ from .model import RunError, load
 #: Errors that are the user's input, not our bug: one line, exit 2.
 USER_ERRORS = (ModelError, TokenizerError, RunError, VerifyError, ArtifactError, OSError)
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_MODEL = os.path.join(_HERE, "default_model", "stories260K.bin")
-DEFAULT_TOKENIZER = os.path.join(_HERE, "default_model", "tok512.bin")
+from .models import BUNDLED_MODEL as DEFAULT_MODEL, BUNDLED_TOKENIZER as DEFAULT_TOKENIZER  # noqa: E402
 
 
 class CliError(Exception):
@@ -54,7 +52,8 @@ def _positive_or_zero(flag: str):
 def _model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     if optional:
         p.add_argument("model", nargs="?", default=None,
-                       help="model file (.bin) or compiled artifact; default: the bundled stories260K")
+                       help="model file (.bin, .gguf) or compiled artifact; default: Gemma 3 270M with the demo "
+                            "extra installed, else the bundled stories260K")
     else:
         p.add_argument("model", help="model file (.bin)")
     p.add_argument("-z", "--tokenizer", default=None, help="tokenizer file (llama2.c tokenizer.bin)")
@@ -79,7 +78,10 @@ def _exec_args(p: argparse.ArgumentParser) -> None:
 
 def _resolve_model(args: argparse.Namespace) -> tuple[str, str | None]:
     if args.model is None:
-        return DEFAULT_MODEL, args.tokenizer or DEFAULT_TOKENIZER
+        from .models import default_model
+
+        model, tok = default_model()
+        return model, args.tokenizer or tok
     return args.model, args.tokenizer
 
 
