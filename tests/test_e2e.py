@@ -216,11 +216,12 @@ def test_bad_input(tmp_path):
     _bad(lmc("run", str(tmp_path / "v9.bin"), "-z", DEFAULT_TOKENIZER), "v9.bin", "version 9")
     if (MODELS / "tokenizer.bin").exists():
         _bad(lmc("run", DEFAULT_MODEL, "-z", str(MODELS / "tokenizer.bin")), "tokenizer.bin", "512")
-    _bad(lmc("run", "-p", "once " * 40, "-c", "16", "-n", "1"), "longer than the context")
-    _bad(lmc("run", "-p", "x", "-n", "-5"), "-n")
-    _bad(lmc("run", "-p", "x", "-n", "99999999999"), "-n")
-    _bad(lmc("run", "-p", "x", "-n", "600"), "-n 600", "context")
-    _bad(lmc("run", "-p", "x", "--temp", "-1"), "--temp")
-    _bad(lmc("run", "-p", "x", "--top-p", "1.5"), "--top-p")
+    stories = (DEFAULT_MODEL, "-z", DEFAULT_TOKENIZER)  # its context is 512
+    _bad(lmc("run", *stories, "-p", "once " * 40, "-c", "16", "-n", "1"), "longer than the context")
+    _bad(lmc("run", *stories, "-p", "x", "-n", "-5"), "-n")
+    _bad(lmc("run", *stories, "-p", "x", "-n", "99999999999"), "-n")
+    _bad(lmc("run", *stories, "-p", "x", "-n", "600"), "-n 600", "context")
+    _bad(lmc("run", *stories, "-p", "x", "--temp", "-1"), "--temp")
+    _bad(lmc("run", *stories, "-p", "x", "--top-p", "1.5"), "--top-p")
     _bad(lmc("run", "--no-such-flag"), "--no-such-flag")
     _bad(lmc("tokenize", DEFAULT_MODEL, "-z", str(tmp_path / "none.bin"), "x"), "none.bin")

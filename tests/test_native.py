@@ -144,12 +144,13 @@ def test_warm_run_does_not_invoke_llvm(tmp_path):
     """With the cache warm, a run links the cached object code and never
     optimises or generates code (compile_ir must not be called)."""
     env = {"LMC_CACHE_DIR": str(tmp_path / "c")}
-    assert lmc("run", "-p", "x", "-n", "2", env=env).returncode == 0
+    assert lmc("run", DEFAULT_MODEL, "-z", DEFAULT_TOKENIZER, "-p", "x", "-n", "2", env=env).returncode == 0
     code = ("import compiler.codegen.jit as j, sys\n"
             "def boom(*a, **k): raise SystemExit('LLVM was invoked')\n"
             "j.compile_ir = boom\n"
             "import compiler.native as n; n.emit_object = boom\n"
-            "from runtime.cli import main; sys.exit(main(['run', '-p', 'x', '-n', '2', '--temp', '0']))\n")
+            f"from runtime.cli import main; sys.exit(main(['run', {DEFAULT_MODEL!r}, '-z', {DEFAULT_TOKENIZER!r}, "
+            "'-p', 'x', '-n', '2', '--temp', '0']))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                        env={**os.environ, **env}, timeout=300)
     assert r.returncode == 0, r.stderr
