@@ -17,7 +17,7 @@ from ir.graph import WeightRef
 from ir.layouts import get_layout
 from ir.types import TensorType
 
-from .arch import ARCHITECTURES, ModelConfig, ModelError, WeightInfo, check_weights
+from .arch import ModelConfig, ModelError, WeightInfo, check_weights
 
 #: GGUF architectures we read -> (our family row, RoPE layout in the file)
 FAMILIES: dict[str, str] = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3": "gemma3"}
@@ -28,36 +28,97 @@ class GGUFModel:
     path: str
     config: ModelConfig
     weights: dict[str, WeightInfo]
-    reader: Any
     metadata: dict[str, Any]
 
 
-def _field(reader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    try:
-        v = f.contents()
-    except Exception:  # a malformed field: treat as absent, the caller checks
-        return default
-    return v
+@dataclass(frozen=True)
+class TensorRecord:
+    name: str
+    qtype: str
+    shape: tuple[int, ...]   # GGUF order: ne[0] (columns) first
+    offset: int              # absolute byte offset in the file
+    nbytes: int
 
 
-def open_reader(path: str):
-    """GGUFReader, with its failures turned into one-line ModelErrors."""
+@dataclass
+class GGUFContents:
+    """What the gguf package's reader found: metadata (strings as bytes,
+    string arrays as list[bytes], numeric arrays as numpy) and tensor infos."""
+
+    meta: dict[str, Any]
+    tensors: list[TensorRecord]
+
+
+def _metadata_from_reader(reader: Any) -> dict[str, Any]:
+    from gguf import GGUFValueType
+
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        types = list(field.types)
+        if not types:
+            continue
+        if types[0] == GGUFValueType.STRING:
+            meta[key] = bytes(field.parts[field.data[0]])
+        elif types[0] == GGUFValueType.ARRAY:
+            etype = types[1] if len(types) > 1 else None
+            parts = field.parts
+            if etype == GGUFValueType.STRING:
+                meta[key] = [bytes(parts[i]) for i in field.data]
+            elif not field.data:
+                meta[key] = np.zeros(0)
+            else:
+                arr = np.concatenate([np.asarray(parts[i]).reshape(-1) for i in field.data])
+                meta[key] = arr.astype(arr.dtype.newbyteorder("="), copy=True)
+        else:
+            v = field.parts[field.data[0]][0]
+            meta[key] = v.item() if hasattr(v, "item") else v
+    return meta
+
+
+def read_gguf(path: str | os.PathLike) -> GGUFContents:
+    """Metadata and tensor infos of a GGUF file, read with ``gguf.GGUFReader``.
+
+    The reader builds one numpy view per array element, which takes ~9 s for
+    a 262144-token vocabulary, so what it finds is cached on disk (keyed by
+    the file's path, size and modification time) and later loads take
+    milliseconds. Errors become one-line ModelErrors."""
+    from . import gguf_cache
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ModelError(f"{path}: no such file")
+    cached = gguf_cache.load(path)
+    if cached is not None:
+        return GGUFContents(cached[0], [TensorRecord(*t[:2], tuple(t[2]), *t[3:]) for t in cached[1]])
     from gguf import GGUFReader
 
     try:
-        return GGUFReader(path, "r")
+        reader = GGUFReader(path, "r")
+        meta = _metadata_from_reader(reader)
+        tensors = [TensorRecord(t.name, t.tensor_type.name, tuple(int(x) for x in t.shape), int(t.data_offset),
+                                int(t.n_bytes)) for t in reader.tensors]
     except Exception as e:  # the reader raises ValueError, struct errors, IndexError ...
         size = os.path.getsize(path)
-        raise ModelError(f"{path}: not a readable GGUF file ({type(e).__name__}: {str(e).splitlines()[0][:120]}; "
-                         f"{size} bytes)") from None
+        first = (str(e).splitlines() or [""])[0][:120]
+        raise ModelError(f"{path}: not a readable GGUF file ({type(e).__name__}: {first}; {size} bytes)") from None
+    gguf_cache.store(path, meta, [(t.name, t.qtype, list(t.shape), t.offset, t.nbytes) for t in tensors])
+    return GGUFContents(meta, tensors)
+
+
+def _str(v: Any) -> Any:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
 
 
 def load_gguf(path: str | os.PathLike) -> GGUFModel:
     path = os.fspath(path)
-    reader = open_reader(path)
+    contents = read_gguf(path)
+    md = contents.meta
+
+    def _field(_: Any, key: str, default: Any = None) -> Any:
+        v = md.get(key, default)
+        return _str(v)
+
+    reader = None
     arch = _field(reader, "general.architecture")
     if arch not in FAMILIES:
         raise ModelError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(sorted(FAMILIES))})")
@@ -71,16 +132,16 @@ def load_gguf(path: str | os.PathLike) -> GGUFModel:
 
     size = os.path.getsize(path)
     weights: dict[str, WeightInfo] = {}
-    for t in reader.tensors:
+    for t in contents.tensors:
         name = t.name[:-7] if t.name.endswith(".weight") else t.name
-        qtype = t.tensor_type.name
+        qtype = t.qtype
         try:
             layout = get_layout(qtype)
         except KeyError:
             raise ModelError(f"{path}: tensor {t.name} has quant type {qtype}, which lmc does not support") from None
         shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
-        start = int(t.data_offset)
-        nbytes = int(t.n_bytes)
+        start = int(t.offset)
+        nbytes = int(t.nbytes)
         if start < 0 or start + nbytes > size:
             raise ModelError(f"{path}: tensor {t.name} data {start}..{start + nbytes} lies outside the file "
                              f"({size} bytes)")
@@ -134,5 +195,4 @@ def load_gguf(path: str | os.PathLike) -> GGUFModel:
         cfg.eos_id = int(eos)
     cfg.stop_ids = (cfg.eos_id,)
     check_weights(cfg, weights, path)
-    meta_all = {k: _field(reader, k) for k in reader.fields if not k.startswith("tokenizer.ggml.")}
-    return GGUFModel(path, cfg, weights, reader, meta_all)
+    return GGUFModel(path, cfg, weights, md)

@@ -63,7 +63,7 @@ def _load_gguf(path: str, tokenizer: str | os.PathLike | None) -> LoadedModel:
     m = load_gguf(path)
     if tokenizer is not None:
         raise ModelError(f"{path}: a GGUF model carries its own vocabulary; -z is for llama2.c checkpoints")
-    tok = GGUFTokenizer.from_reader(m.reader, path)
+    tok = GGUFTokenizer.from_metadata(m.metadata, path)
     if tok.vocab_size != m.config.vocab_size:
         raise ModelError(f"{path}: the vocabulary has {tok.vocab_size} tokens, the embedding "
                          f"{m.config.vocab_size} rows")
