@@ -165,11 +165,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     dec = tok.stream_decoder()
     write = sys.stdout.write
-    prev = prompt_ids[0]
-    for t in prompt_ids[1:]:
-        write(dec.feed(prev, t))
-        prev = t
+    write(args.prompt)  # the prompt as typed (not every vocabulary starts with BOS)
     sys.stdout.flush()
+    prev = prompt_ids[-1] if prompt_ids else None
     for t in gen:
         if t in model.config.stop_ids:
             break
