@@ -1,4 +1,4 @@
-"""Tokenizers built from GGUF metadata, with llama.cpp's encode and decode.
+r"""Tokenizers built from GGUF metadata, with llama.cpp's encode and decode.
 
 The goal is id-for-id agreement with llama.cpp (``src/llama-vocab.cpp`` and
 ``src/unicode.cpp``): ``llama_tokenize(text, add_special, parse_special)`` and
