@@ -156,6 +156,7 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
     wbytes = weight_bytes_per_token(loaded)
     bw = measure_read_bandwidth(threads, probe_bytes, probe_repeats)
     out["weight_bytes_per_token"] = wbytes
+    out["vocab_size"] = loaded.config.vocab_size
     out["read_bandwidth_gb_s"] = bw
     out["roofline_tok_s"] = bw * 1e9 / wbytes
     out["roofline_fraction"] = out["decode_tok_s"] / out["roofline_tok_s"]
@@ -199,6 +200,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--backend", choices=["llvm", "interp"], default="llvm")
     b.add_argument("--probe-mb", type=_count("--probe-mb", 16), default=1024,
                    help="buffer of the bandwidth probe in MiB (default 1024; keep it >> the L3 cache)")
+    b.add_argument("--compare-llamacpp", action="store_true",
+                   help="also measure llama.cpp (the xllamacpp package) on the same file, same threads")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     return b
 
@@ -211,6 +214,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     r = run_bench(args.model, args.tokenizer, args.threads, prompt_tokens=args.prompt_tokens,
                   gen_tokens=args.gen_tokens, runs=args.runs, backend=args.backend,
                   probe_bytes=args.probe_mb << 20)
+    if args.compare_llamacpp:
+        from .llamacpp_bench import bench_llamacpp
+
+        lc = bench_llamacpp(args.model, args.threads, r["prompt_tokens"], r["gen_tokens"], args.runs,
+                            int(r.get("vocab_size") or 32000))
+        r["llamacpp"] = lc
+        if "error" not in lc:
+            r["decode_vs_llamacpp"] = r["decode_tok_s"] / lc["decode_tok_s"]
+            r["prefill_vs_llamacpp"] = r["prefill_tok_s"] / lc["prefill_tok_s"]
     if args.json:
         print(json.dumps(_jsonable(r)))
     else:
