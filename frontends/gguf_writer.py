@@ -1,4 +1,4 @@
-"""Write llama-architecture GGUF files with the ``gguf`` package's writer.
+"""Write GGUF files (llama-style families) with the ``gguf`` package's writer.
 
 Used by ``lmc synth --format gguf``: a synthetic model of a real shape, its
 matrices quantized to the chosen type, norms in F32, and a small
@@ -51,6 +51,10 @@ def synth_vocab(vocab_size: int) -> tuple[list[bytes], list[float], list[int]]:
     return toks, scores, [int(t) for t in types]
 
 
+def _tensor_name(n: str) -> str:
+    return n if n.endswith(".bias") else n + ".weight"
+
+
 def write_gguf(path: str | os.PathLike, cfg: ModelConfig, tensor: Callable[[str], np.ndarray],
                qtype: str = "Q8_0", name: str = "synth") -> None:
     """Write ``cfg``'s tensors (``tensor(name)`` gives each as float32) to a
@@ -62,7 +66,7 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig, tensor: Callable[[str]
         raise ValueError(f"--qtype {qtype}: choose one of {', '.join(QTYPES)}")
     path = os.fspath(path)
     tmp = f"{path}.{os.getpid()}.part"
-    w = gguf.GGUFWriter(tmp, "llama")
+    w = gguf.GGUFWriter(tmp, cfg.arch)  # metadata keys are "<arch>.*"
     try:
         w.add_name(name)
         w.add_context_length(cfg.seq_len)
@@ -94,7 +98,7 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig, tensor: Callable[[str]
             nbytes = int(np.prod(shape[:-1])) * shape[-1] // bs * ts
             # quantized tensors are described by their byte shape (rows, row bytes)
             byte_shape = list(shape) if t == "F32" else list(shape[:-1]) + [shape[-1] // bs * ts]
-            w.add_tensor_info(n + ".weight", byte_shape, np.dtype(np.float32 if t == "F32" else np.uint8), nbytes,
+            w.add_tensor_info(_tensor_name(n), byte_shape, np.dtype(np.float32 if t == "F32" else np.uint8), nbytes,
                               raw_dtype=None if t == "F32" else qt)
         w.write_header_to_file()
         w.write_kv_data_to_file()
