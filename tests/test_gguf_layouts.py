@@ -23,6 +23,7 @@ from compiler.codegen.target import host_target
 from ir.layouts import BlockLayout, get_layout
 from ir.ops import WeightData, embedding_ref, qmatmul_ref
 from ir.types import TensorType
+from kernel_checks import check_dot
 
 LAYOUTS = ["BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 QTYPES = LAYOUTS[1:]
@@ -99,16 +100,6 @@ def activations(rng, t: int | None, k: int) -> np.ndarray:
     return rng.standard_normal((k,) if t is None else (t, k)).astype(np.float32)
 
 
-def check_dot(got: np.ndarray, want: np.ndarray, x: np.ndarray, w: WeightData) -> None:
-    """Equal up to float32 rounding of a dot product: error relative to
-    sum |x||w| (the scale of the terms, which cancellation does not shrink)."""
-    wf = w.to_f32().astype(np.float64)
-    scale = np.abs(np.asarray(x, np.float64)) @ np.abs(wf).T
-    assert got.shape == want.shape
-    assert np.all(np.isfinite(got)), got
-    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
-    bad = err > 1e-5 * scale + 1e-37
-    assert not bad.any(), (np.argwhere(bad)[:5], got[bad][:5], want[bad][:5], scale[bad][:5])
 
 
 # --- the numpy dequantizers -------------------------------------------------------------------

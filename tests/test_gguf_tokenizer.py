@@ -28,7 +28,7 @@ from frontends.gguf_tokenizer import (
     bpe_pre_split,
 )
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+from shared_data import SHARED
 VOCAB = SHARED / "vocab"
 REFERENCE = SHARED / "reference"
 needs_vocab = pytest.mark.skipif(not VOCAB.is_dir(), reason="../shared/vocab is absent")

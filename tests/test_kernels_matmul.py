@@ -20,6 +20,7 @@ from compiler.codegen.target import host_target
 from ir.layouts import get_layout, planar_q8
 from ir.ops import WeightData, embedding_ref, matmul_ref, qmatmul_ref
 from ir.types import TensorType
+from kernel_checks import check_dot
 
 _KERNELS: dict = {}
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -54,16 +55,6 @@ def q8_weight(rng: np.random.Generator, n: int, k: int, g: int, scales: str = "n
     return WeightData(raw, t)
 
 
-def check_dot(got: np.ndarray, want: np.ndarray, x: np.ndarray, w: WeightData) -> None:
-    """Equal up to float32 rounding of a dot product: error relative to
-    sum |x||w| (the scale of the terms, which cancellation does not shrink)."""
-    wf = w.to_f32().astype(np.float64)
-    scale = np.abs(np.asarray(x, np.float64)) @ np.abs(wf).T
-    assert got.shape == want.shape
-    assert np.all(np.isfinite(got)), got
-    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
-    bad = err > 1e-5 * scale + 1e-37
-    assert not bad.any(), (np.argwhere(bad)[:5], got[bad][:5], want[bad][:5], scale[bad][:5])
 
 
 def run_matmul(x: np.ndarray, w: WeightData, nthreads: int, vector_width=None

@@ -23,6 +23,7 @@ from ir import layouts
 from ir.layouts import get_layout
 from ir.ops import WeightData, embedding_ref, qmatmul_ref
 from ir.types import TensorType
+from kernel_checks import check_dot
 
 # get_layout only auto-loads the ir/layouts_*.py modules while no layout is
 # registered; another module importing one of them by name (as the GGUF
@@ -137,15 +138,6 @@ def test_roundtrip_q4_k_quantizer(seed, scale, shift):
 
 
 # --- native kernels ------------------------------------------------------------------------
-def check_dot(got: np.ndarray, want: np.ndarray, x: np.ndarray, w: WeightData) -> None:
-    """Equal up to float32 rounding, relative to sum |x||w| per output."""
-    wf = w.to_f32().astype(np.float64)
-    scale = np.abs(np.asarray(x, np.float64)) @ np.abs(wf).T
-    assert got.shape == want.shape
-    assert np.all(np.isfinite(got)), got
-    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
-    bad = err > 1e-5 * scale + 1e-30
-    assert not bad.any(), (np.argwhere(bad)[:5], got[bad][:5], want[bad][:5], scale[bad][:5])
 
 
 def run_qmatmul(x: np.ndarray, w: WeightData, nthreads: int, vector_width=None):
@@ -176,7 +168,7 @@ def test_qmatmul_kquants(layout, shape, t, nt, scales, seed):
     w = kquant_weight(rng, layout, N_FOR_K[k], k, scales)
     x = activations(rng, t, k)
     got, want = run_qmatmul(x, w, nt, vw)
-    check_dot(got, want, x, w)
+    check_dot(got, want, x, w, floor=1e-30)
 
 
 @pytest.mark.parametrize("layout", KQUANTS)
@@ -191,7 +183,7 @@ def test_qmatmul_kquants_paths(layout, n, k, t):
     x = activations(rng, t, k)
     for nt in (1, 3):
         got, want = run_qmatmul(x, w, nt)
-        check_dot(got, want, x, w)
+        check_dot(got, want, x, w, floor=1e-30)
 
 
 def run_embedding(w: WeightData, ids: np.ndarray, nt: int) -> np.ndarray:

@@ -19,12 +19,7 @@ from frontends.llama2c_tokenizer import (
     safe_piece,
 )
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-MODELS = SHARED / "models"
-REFERENCE = SHARED / "reference"
-needs_shared = pytest.mark.skipif(
-    not (SHARED / "models").exists(), reason="../shared is absent"
-)
+from shared_data import MODELS, REFERENCE, SHARED, needs_shared  # noqa: F401
 
 
 _CACHE: dict[str, Llama2cTokenizer] = {}

@@ -197,24 +197,8 @@ class KernelBuilder:
              name: str = "i") -> Iterator[ir.Value]:
         """``for (i = start; i < stop; i += step)``; the body is what the
         with-block emits."""
-        b = self.b
-        start = i64(start) if isinstance(start, int) else start
-        stop = i64(stop) if isinstance(stop, int) else stop
-        pre = b.block
-        head = b.append_basic_block(f"{name}.head")
-        body = b.append_basic_block(f"{name}.body")
-        done = b.append_basic_block(f"{name}.done")
-        b.branch(head)
-        b.position_at_end(head)
-        i = b.phi(I64, name)
-        i.add_incoming(start, pre)
-        b.cbranch(b.icmp_signed("<", i, stop), body, done)
-        b.position_at_end(body)
-        yield i
-        nxt = b.add(i, i64(step))
-        i.add_incoming(nxt, b.block)
-        b.branch(head)
-        b.position_at_end(done)
+        with self.loop_carry(start, stop, [], step=step, name=name) as (i, _, _set):
+            yield i
 
     @contextlib.contextmanager
     def loop_carry(self, start, stop, inits: list[ir.Value], step: int = 1, name: str = "i"):
@@ -247,8 +231,10 @@ class KernelBuilder:
             p.add_incoming(v, end)
         b.branch(head)
         b.position_at_end(done)
-        # after the loop the phis hold the final values
-        self.last_carry = phis
+        # after the loop the phis hold the final values (plain loops leave
+        # the previous loop_carry's values in place)
+        if inits:
+            self.last_carry = phis
 
     @contextlib.contextmanager
     def if_then(self, cond: ir.Value) -> Iterator[None]:
