@@ -98,11 +98,9 @@ def test_bad_gguf_files(tmp_path):
     assert "llamb" in msg and "gemma3" in msg and "qwen2" in msg
 
 
-def test_missing_tensor_and_unsupported_type(tmp_path, monkeypatch):
+def test_missing_tensor_and_unsupported_type(tmp_path):
     import gguf
 
-    cfg = ModelConfig(arch="llama", dim=64, hidden_dim=128, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=300,
-                      seq_len=32)
     w = gguf.GGUFWriter(str(tmp_path / "miss.gguf"), "llama")
     w.add_embedding_length(64)
     w.add_block_count(1)
