@@ -35,9 +35,14 @@ class Artifact:
         """Write atomically: a crash never leaves a half-written artifact."""
         path = os.fspath(path)
         tmp = f"{path}.{os.getpid()}.part"
-        with open(tmp, "wb") as f:
-            f.write(self.to_bytes())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(self.to_bytes())
+            os.replace(tmp, path)
+        except OSError as e:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise ArtifactError(f"{path}: cannot write the artifact ({e.strerror})") from None
 
     @classmethod
     def from_bytes(cls, data: bytes, name: str) -> "Artifact":

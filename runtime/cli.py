@@ -207,6 +207,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
     if args.format == "gguf":
         from frontends.gguf_writer import write_gguf
 
+        if args.version:
+            raise RunError("--version is for --format llama2c; GGUF files take --qtype")
         cfg = SHAPES[args.shape]
         qtype = args.qtype or "Q8_0"
         write_gguf(args.output, cfg, lambda n: synth_tensor(cfg, n, args.seed), qtype, name=args.shape)
