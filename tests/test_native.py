@@ -122,6 +122,10 @@ def test_bad_artifacts(tmp_path):
     assert "another model file" in _err_line(lmc("run", str(tmp_path / "model.lmca"), "-p", "x"))
     with pytest.raises(ArtifactError, match="not an lmc artifact"):
         Artifact.from_bytes(b"\0" * 100, "zeros")
+    out = tmp_path / "no" / "such" / "dir.lmca"
+    assert "cannot write the artifact" in _err_line(lmc("compile", DEFAULT_MODEL, "-z", DEFAULT_TOKENIZER,
+                                                         "-o", str(out)))
+    assert not out.parent.exists()
 
 
 def test_cache_hit_and_corrupt_entry_rebuilt(tmp_path, private_cache):
