@@ -105,26 +105,23 @@ class KernelBuilder:
         vt = self.vtype(width)
         return ir.Constant(vt, [0.0] * vt.count)
 
-    def hsum(self, v: ir.Value) -> ir.Value:
-        """Horizontal sum by halving shuffles (log2 steps, reassociated)."""
+    def _reduce(self, v: ir.Value, combine) -> ir.Value:
+        """Fold a vector to its first lane by halving shuffles (log2 steps)."""
         n = v.type.count
         while n > 1:
             half = n // 2
             lo = self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, half), list(range(half))))
             hi = self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, half), list(range(half, n))))
-            v = self.b.fadd(lo, hi, flags=FAST)
+            v = combine(lo, hi)
             n = half
         return self.b.extract_element(v, i64(0))
 
+    def hsum(self, v: ir.Value) -> ir.Value:
+        """Horizontal sum (reassociated)."""
+        return self._reduce(v, lambda a, b: self.b.fadd(a, b, flags=FAST))
+
     def hmax(self, v: ir.Value) -> ir.Value:
-        n = v.type.count
-        while n > 1:
-            half = n // 2
-            lo = self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, half), list(range(half))))
-            hi = self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, half), list(range(half, n))))
-            v = self.intrinsic("llvm.maxnum", [lo, hi])
-            n = half
-        return self.b.extract_element(v, i64(0))
+        return self._reduce(v, lambda a, b: self.intrinsic("llvm.maxnum", [a, b]))
 
     def fma(self, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
         return self.intrinsic("llvm.fma", [a, b, c])
