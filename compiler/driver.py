@@ -6,13 +6,13 @@ The interpreter backend runs these graphs directly; the native backend
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from frontends.arch import ModelError, build_graph
 from frontends.loader import LoadedModel, load_model
 from ir.graph import Graph
 
-from .pipeline import DEFAULT_PIPELINE, run_pipeline
+from .pipeline import default_pipeline, run_pipeline
 
 __all__ = ["CompileOptions", "LoadedModel", "ModelError", "build_graphs", "load_model", "model_graph"]
 
@@ -21,7 +21,7 @@ __all__ = ["CompileOptions", "LoadedModel", "ModelError", "build_graphs", "load_
 class CompileOptions:
     backend: str = "interp"
     ctx: int | None = None            # KV cache length; default: the model's context
-    passes: tuple[str, ...] = field(default=DEFAULT_PIPELINE)
+    passes: tuple[str, ...] | None = None   # default: default_pipeline(backend)
     dump_dir: str | None = None
 
 
@@ -33,7 +33,8 @@ def model_graph(model: LoadedModel, mode: str, options: CompileOptions | None = 
     if not run_passes:
         return g
     dump = os.path.join(options.dump_dir, g.name) if options.dump_dir else None
-    return run_pipeline(g, options.passes, dump_dir=dump, stop_after=stop_after)
+    names = options.passes if options.passes is not None else default_pipeline(options.backend)
+    return run_pipeline(g, names, dump_dir=dump, stop_after=stop_after)
 
 
 def build_graphs(model: LoadedModel, options: CompileOptions | None = None) -> dict[str, Graph]:

@@ -40,6 +40,7 @@ class NativeOptions:
     opt_level: int = 3
     use_cache: bool = True
     dump_dir: str | None = None
+    passes: tuple[str, ...] | None = None   # default: default_pipeline("llvm")
 
 
 @dataclass
@@ -51,19 +52,19 @@ class CompileResult:
 
 
 def _scratch_floats(graphs: dict, ctx: int) -> int:
-    """Per-thread scratch: attention scores over the whole context, at least."""
+    """Per-thread scratch (float32 elements): attention scores over the whole
+    context at least, and whatever any kernel's own rule asks for (attention
+    scores per head, the integer path's quantized activations)."""
+    from .codegen import k_attention, k_matmul_int
+    from .codegen.kernels import KernelSig
+
     need = ctx + 64
-    try:
-        from .codegen import k_attention
-        rule = getattr(k_attention, "scratch_floats", None)
-    except ImportError:
-        rule = None
-    if rule is not None:
-        from .codegen.kernels import KernelSig
-        for g in graphs.values():
-            for n in g.nodes:
-                if n.op == "attention":
-                    need = max(need, int(rule(KernelSig.of(n))))
+    for g in graphs.values():
+        for n in g.nodes:
+            if n.op == "attention":
+                need = max(need, int(k_attention.scratch_floats(KernelSig.of(n))))
+            elif n.attrs.get("act"):
+                need = max(need, int(k_matmul_int.scratch_floats(KernelSig.of(n))))
     return (need + 15) // 16 * 16
 
 
@@ -93,7 +94,7 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
     target = host_target()
     ctx = o.ctx or model.config.seq_len
     chunk = max(1, min(o.prefill_chunk, ctx))
-    graphs = build_graphs(model, CompileOptions(backend="llvm", ctx=ctx, dump_dir=o.dump_dir))
+    graphs = build_graphs(model, CompileOptions(backend="llvm", ctx=ctx, dump_dir=o.dump_dir, passes=o.passes))
     symbols = {"T": chunk}
     plans = {name: plan_arena(g, symbols) for name, g in graphs.items()}
     key = cache.cache_key({

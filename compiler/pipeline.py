@@ -14,6 +14,18 @@ from ir.verify import verify
 DEFAULT_PIPELINE: tuple[str, ...] = ("fuse_dequant",)
 
 
+def default_pipeline(backend: str = "interp") -> tuple[str, ...]:
+    """The passes for a backend on this host. Native code on a CPU with int8
+    dot products (VNNI) also runs ``int_dot``: decode matvecs on 32-block
+    weights quantize x per block and use integer dot products, as llama.cpp
+    does. The interpreter stays on the float reference path."""
+    if backend == "llvm":
+        from .codegen.k_matmul_int import host_has_int_dot
+        if host_has_int_dot():
+            return DEFAULT_PIPELINE + ("int_dot",)
+    return DEFAULT_PIPELINE
+
+
 def run_pipeline(graph: Graph, names: Sequence[str] = DEFAULT_PIPELINE, dump_dir: str | None = None,
                  stop_after: str | None = None,
                  on_pass: Callable[[str, Graph], None] | None = None) -> Graph:

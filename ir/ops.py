@@ -119,6 +119,13 @@ def _matmul(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     _need(x.rank >= 1 and _same_dim(x.shape[-1], w.shape[1]), f"matmul: {x} does not fit weight {w}")
     if "layout" in attrs:
         _need(w.layout == attrs["layout"], f"qmatmul[{attrs['layout']}] on a {w.layout} weight")
+    act = attrs.get("act")
+    if act is not None:
+        _need(act == "q8", f"qmatmul: unknown activation quantization act={act!r}")
+        _need(w.layout in INT_DOT_LAYOUTS, f"qmatmul act=q8 needs a {'/'.join(INT_DOT_LAYOUTS)} weight, "
+                                           f"got {w.layout}")
+        _need(isinstance(w.shape[1], int) and w.shape[1] % QK8 == 0,
+              f"qmatmul act=q8: row length {w.shape[1]} is not a multiple of {QK8}")
     return TensorType(x.shape[:-1] + (w.shape[0],), "f32")
 
 
@@ -198,9 +205,75 @@ def dequant_ref(w: WeightData) -> np.ndarray:
 
 
 @register("qmatmul", 2, _matmul)
-def qmatmul_ref(x: np.ndarray, w: WeightData, *, layout: str) -> np.ndarray:
-    """matmul with a stored (quantized) weight; the reference dequantizes."""
-    return np.asarray(x, np.float32) @ w.to_f32().T
+def qmatmul_ref(x: np.ndarray, w: WeightData, *, layout: str, act: str | None = None) -> np.ndarray:
+    """matmul with a stored (quantized) weight; the reference dequantizes.
+
+    With ``act="q8"`` (the integer path, as llama.cpp's ``ggml_vec_dot_q*_0_q8_0``)
+    x is first quantized per row in blocks of 32 (:func:`quantize_q8_rows`) and
+    out = sum over blocks of d_w * d_x * (integer sum of q_w * q_x). The block
+    sums are exact integers; d_w * d_x * sum and the sum over blocks are done
+    in float64, then rounded once to float32."""
+    if act is None:
+        return np.asarray(x, np.float32) @ w.to_f32().T
+    xf = np.asarray(x, np.float32)
+    k = xf.shape[-1]
+    dx, qx = quantize_q8_rows(xf.reshape(-1, k))                    # [M, nb], [M, nb, 32]
+    dw, qw = int_blocks(w)                                          # [N, nb], [N, nb, 32]
+    n = qw.shape[0]
+    out = np.empty((qx.shape[0], n), np.float64)
+    qxf, dx64 = qx.astype(np.float32), dx.astype(np.float64)
+    for r in range(0, n, 4096):  # row chunks bound the temporaries on large vocabularies
+        # block sums are integers below 2^24 (32 x 127 x 128): exact in float32
+        isum = np.einsum("nbj,mbj->mnb", qw[r:r + 4096].astype(np.float32), qxf)
+        out[:, r:r + 4096] = np.einsum("mnb,nb,mb->mn", isum.astype(np.float64),
+                                       dw[r:r + 4096].astype(np.float64), dx64)
+    return out.astype(np.float32).reshape(xf.shape[:-1] + (n,))
+
+
+#: values per block of the integer path, and the weight layouts it reads
+QK8 = 32
+INT_DOT_LAYOUTS = ("Q8_0", "Q4_0", "Q5_0")
+
+
+def quantize_q8_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of x [M, K] as llama.cpp's x86 ``quantize_row_q8_0``: per block of
+    32, amax = max|x|, d = float16(amax / 127), q = rint(x * (127 / amax))
+    (round half to even; 0 where amax is 0), all in float32. Returns d as
+    float32 [M, K/32] (the float16 value) and q as int8 [M, K/32, 32]."""
+    x = np.asarray(x, np.float32)
+    m, k = x.shape
+    xb = x.reshape(m, k // QK8, QK8)
+    amax = np.abs(xb).max(axis=2)
+    d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv[:, :, None]).astype(np.int8)
+    return d, q
+
+
+def int_blocks(w: WeightData) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 / Q4_0 / Q5_0 weight's block scales (float32 [N, K/32]) and
+    integer quants with their bias applied (int8 [N, K/32, 32]), read from
+    the stored bytes (byte layouts: ``ir/layouts_gguf.py``)."""
+    name = w.type.layout
+    n, k = int(w.type.shape[0]), int(w.type.shape[1])
+    nb = k // QK8
+    bb = {"Q8_0": 34, "Q4_0": 18, "Q5_0": 22}.get(name)
+    if bb is None:
+        raise ShapeError(f"no integer quants for layout {name}")
+    blk = np.asarray(w.raw, np.uint8).reshape(n * nb, bb)
+    d = np.ascontiguousarray(blk[:, 0:2]).view("<f2").astype(np.float32).reshape(n, nb)
+    if name == "Q8_0":
+        q = np.ascontiguousarray(blk[:, 2:34]).view(np.int8)
+    else:
+        qs = blk[:, bb - 16:]
+        nib = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int16)
+        if name == "Q4_0":
+            q = nib - 8
+        else:
+            qh = np.unpackbits(np.ascontiguousarray(blk[:, 2:6]), axis=1, bitorder="little").astype(np.int16)
+            q = (nib | (qh << 4)) - 16
+    return d, q.astype(np.int8).reshape(n, nb, QK8)
 
 
 def rope_tables(n_pos: int, pos: int, head_dim: int, theta: float, dims: int | None = None

@@ -53,7 +53,9 @@ class Model:
 
     def __init__(self, loaded: LoadedModel, backend: str = "llvm", ctx: int | None = None,
                  threads: int | None = None, artifact: Artifact | None = None,
-                 use_cache: bool = True) -> None:
+                 use_cache: bool = True, passes: tuple[str, ...] | None = None) -> None:
+        """``passes``: the compiler's pass list; None for the backend's default
+        (``compiler.pipeline.default_pipeline``)."""
         cfg = loaded.config
         if ctx is not None and not 0 < ctx <= cfg.seq_len:
             raise RunError(f"--ctx {ctx}: must be between 1 and the model's context {cfg.seq_len}")
@@ -65,13 +67,14 @@ class Model:
         self.ctx = ctx or min(cfg.seq_len, DEFAULT_CTX)
         self.compile_info: dict = {}
         if backend == "interp":
-            self.executor = InterpExecutor(build_graphs(loaded, CompileOptions(backend=backend, ctx=self.ctx)))
+            self.executor = InterpExecutor(build_graphs(loaded, CompileOptions(backend=backend, ctx=self.ctx,
+                                                                                passes=passes)))
         elif backend == "llvm":
             from compiler.native import NativeOptions, compile_native
             from .native import NativeExecutor
 
             if artifact is None:
-                res = compile_native(loaded, NativeOptions(ctx=self.ctx, use_cache=use_cache))
+                res = compile_native(loaded, NativeOptions(ctx=self.ctx, use_cache=use_cache, passes=passes))
                 artifact = res.artifact
                 self.compile_info = {"compile_s": round(res.seconds, 4), "cache_hit": res.cached}
             self.ctx = int(artifact.manifest["ctx"])
@@ -152,7 +155,8 @@ class Model:
 
 
 def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, backend: str = "llvm",
-         ctx: int | None = None, threads: int | None = None, use_cache: bool = True) -> Model:
+         ctx: int | None = None, threads: int | None = None, use_cache: bool = True,
+         passes: tuple[str, ...] | None = None) -> Model:
     """Load a model file (llama2.c .bin) or a compiled artifact (``lmc
     compile``) and make it ready to run; native code comes from the compile
     cache when it can."""
@@ -166,7 +170,8 @@ def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, ba
         if backend != "llvm":
             raise RunError(f"{path}: an artifact runs on the llvm backend only")
         return Model(loaded, "llvm", ctx=man["ctx"], threads=threads, artifact=art)
-    return Model(load_model(path, tokenizer), backend=backend, ctx=ctx, threads=threads, use_cache=use_cache)
+    return Model(load_model(path, tokenizer), backend=backend, ctx=ctx, threads=threads, use_cache=use_cache,
+                 passes=passes)
 
 
 def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None):

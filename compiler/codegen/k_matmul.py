@@ -388,6 +388,9 @@ def _is_one(v: ir.Value) -> bool:
 
 @kernel("matmul", "qmatmul")
 def emit_matmul(kb: KernelBuilder, sig: KernelSig) -> None:
+    if sig.attr.get("act") == "q8":  # integer path: x quantized per block, int8 dot products
+        from .k_matmul_int import emit_int_matvec
+        return emit_int_matvec(kb, sig)
     xt, wt = sig.in_types
     if sig.op == "matmul" and wt.layout not in (None, "F32"):
         raise NotImplementedError(f"matmul on a {wt.layout} weight: dequant should have been fused")

@@ -1,0 +1,259 @@
+"""The integer path of ``qmatmul`` (``act="q8"``) on 32-value block weights
+(GGUF Q8_0, Q4_0, Q5_0), as llama.cpp's ``ggml_vec_dot_q*_0_q8_0``.
+
+The numbers are ``ir.ops.qmatmul_ref`` with ``act="q8"``: x is quantized per
+block of 32 (d_x = float16(max|x| / 127), q_x = rint(x * 127 / max|x|)) and
+out[r] = sum over blocks of d_w * d_x * (integer sum of q_w * q_x).
+
+Per call (one thread)
+---------------------
+1. Quantize x (each token row in turn) into this thread's scratch, laid out
+   for the dot loop (bytes, nb = K / 32 blocks):
+
+       [0, K)          q_x, 32 int8 per block
+       [K, K + 32 nb)  per block 8 int32: the bias correction c_b in lane 0, zeros
+       [.., + 32 nb)   per block 8 float32: d_x repeated
+
+   Every thread quantizes the whole row itself: no barrier, and it is a few
+   hundred nanoseconds against the rows' weight traffic.
+2. Its share of the rows, ``_ROWS`` at a time, over the blocks ``G`` at a
+   time (G = 2 at vector width 16: one 512-bit register holds two blocks;
+   otherwise 1). Weight quants are made unsigned so that one ``vpdpbusd``
+   (unsigned x signed bytes, four products summed into each int32 lane) does
+   a block: Q8_0 as q + 128 (xor 0x80), Q4_0 as the raw nibble (q + 8),
+   Q5_0 as nibble | high bit << 4 (q + 16). The bias comes back as
+   c_b = -bias * sum(q_x of block b), which seeds the int32 accumulator
+   (lane 0 of the block's 8 lanes), so the 8 lanes of a block sum to the
+   exact integer dot product. Unlike llama.cpp's sign trick (|x| unsigned,
+   x's sign moved onto w) this is exact for every weight byte, -128 included.
+   The int32 lanes are converted to float and multiplied into float
+   accumulators with d_w * d_x (one FMA per block group); one horizontal sum
+   per row at the end.
+
+Without VNNI the same int32 lanes come from a portable widening multiply
+(zext/sext to i16, products of even and odd lanes added in i32, which LLVM
+turns into ``vpmaddwd`` on x86). It is correct but slower than the float
+kernels (about half their speed on znver4 forced to it), so the pass should
+only run where ``host_has_int_dot()``.
+
+Float accumulation is float32 in a different order than the reference's
+float64: results agree to ~1e-6 relative of sum |d_w d_x q_w q_x|.
+"""
+from __future__ import annotations
+
+import llvmlite.ir as ir
+
+from .emit import F32, FAST, I32, KernelBuilder, i64
+from .k_matmul import HALF
+from .kernels import KernelSig
+from .target import host_target
+
+QK = 32
+I1 = ir.IntType(1)
+I8 = ir.IntType(8)
+I16 = ir.IntType(16)
+#: layout -> (bytes per block, bias added to make the quants unsigned)
+LAYOUTS = {"Q8_0": (34, 128), "Q4_0": (18, 8), "Q5_0": (22, 16)}
+#: weight rows per tile (rows of at least _LONG_ROW columns; shorter rows
+#: go one at a time: one sequential stream, which the prefetcher follows best
+#: -- on znver4 4-row tiles of 640-column Q8_0 rows ran at 8 GB/s, single
+#: rows at 33) and block groups per loop iteration
+_ROWS = 4
+_LONG_ROW = 8192
+_UNROLL = 2
+
+
+def host_has_int_dot() -> bool:
+    """True when the host has int8 dot-product instructions (VNNI) that make
+    the integer path (``passes/int_dot``) the faster decode matvec."""
+    t = host_target()
+    return t.triple.startswith("x86_64") and (t.has("avx512vnni") or t.has("avxvnni"))
+
+
+def scratch_floats(sig: KernelSig) -> int:
+    """Per-thread scratch (float32 elements) the kernel needs: 96 bytes per
+    block of 32 columns (quants, bias seeds, scales), plus 64 bytes slack."""
+    if sig.op == "qmatmul" and sig.attr.get("act") == "q8":
+        k = int(sig.in_types[1].shape[1])
+        return (k // QK) * 24 + 16
+    return 0
+
+
+def _vc(t: ir.Type, values: list) -> ir.Constant:
+    return ir.Constant(ir.VectorType(t, len(values)), values)
+
+
+def _shuffle(kb: KernelBuilder, a: ir.Value, b: ir.Value, idx: list[int]) -> ir.Value:
+    return kb.b.shuffle_vector(a, b, _vc(I32, idx))
+
+
+def _call(kb: KernelBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
+    fn = kb.module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(kb.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return kb.b.call(fn, args)
+
+
+def _vnni_name(groups: int) -> str | None:
+    """The vpdpbusd intrinsic for 32 * groups bytes, if the host has it."""
+    t = host_target()
+    if not t.triple.startswith("x86_64"):
+        return None
+    if groups == 2 and t.has("avx512vnni"):
+        return "llvm.x86.avx512.vpdpbusd.512"
+    if groups == 1 and ((t.has("avx512vnni") and t.has("avx512vl")) or t.has("avxvnni")):
+        return "llvm.x86.avx512.vpdpbusd.256"
+    return None
+
+
+class _IntKernel:
+    def __init__(self, kb: KernelBuilder, sig: KernelSig) -> None:
+        xt, wt = sig.in_types
+        layout = wt.layout
+        if layout not in LAYOUTS:
+            raise NotImplementedError(f"int8 matvec on a {layout} weight")
+        self.kb, self.b = kb, kb.b
+        self.layout = layout
+        self.bb, self.bias = LAYOUTS[layout]
+        self.n, self.k = int(wt.shape[0]), int(wt.shape[1])
+        if self.k % QK:
+            raise NotImplementedError(f"row length {self.k} is not a multiple of {QK}")
+        self.nb = self.k // QK
+        self.G = 2 if kb.vw >= 16 else 1
+        self.xt = xt
+        s = kb.scratch
+        self.sq = s                                                      # i8*
+        self.sinit = kb.b.bitcast(kb.gep(s, self.k), ir.PointerType(I32))
+        self.sdx = kb.b.bitcast(kb.gep(s, self.k + 32 * self.nb), ir.PointerType(F32))
+        self.w = kb.in_raw[1]
+
+    # --- step 1: x -> q8 blocks in scratch --------------------------------------------
+    def quantize(self, xrow: ir.Value) -> None:
+        kb, b = self.kb, self.b
+        x = kb.in_f32(0)
+        with kb.loop(0, self.nb, name="qblk") as j:
+            xv = kb.vload(x, b.add(xrow, b.mul(j, i64(QK))), QK)
+            amax = kb.hmax(kb.intrinsic("llvm.fabs", [xv]))
+            d = b.fpext(b.fptrunc(b.fdiv(amax, ir.Constant(F32, 127.0)), HALF), F32)
+            inv = b.select(b.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)),
+                           b.fdiv(ir.Constant(F32, 127.0), amax), ir.Constant(F32, 0.0))
+            r = kb.intrinsic("llvm.roundeven", [b.fmul(xv, kb.splat(inv, QK))])
+            q = b.fptosi(r, ir.VectorType(I8, QK))
+            kb.vstore(q, self.sq, b.mul(j, i64(QK)))
+            sx = _call(kb, "llvm.vector.reduce.add.v32i32", I32, [b.sext(q, ir.VectorType(I32, QK))])
+            c = b.mul(sx, ir.Constant(I32, -self.bias))
+            init = b.insert_element(_vc(I32, [0] * 8), c, i64(0))
+            kb.vstore(init, self.sinit, b.mul(j, i64(8)))
+            kb.vstore(kb.splat(d, 8), self.sdx, b.mul(j, i64(8)))
+
+    # --- step 2: weights ------------------------------------------------------------------
+    def _block_ptr(self, row: ir.Value, j: ir.Value) -> ir.Value:
+        b = self.b
+        return self.kb.gep(self.w, b.mul(b.add(b.mul(row, i64(self.nb)), j), i64(self.bb)))
+
+    def _unsigned_quants(self, bp: ir.Value) -> ir.Value:
+        """<32 x i8>: the block's quants plus the bias (0..255 as unsigned)."""
+        kb, b = self.kb, self.b
+        if self.layout == "Q8_0":
+            return b.xor(kb.vload(bp, 2, QK), _vc(I8, [0x80] * QK))
+        qs = kb.vload(bp, self.bb - 16, 16)
+        nib = _shuffle(kb, b.and_(qs, _vc(I8, [0x0F] * 16)), b.lshr(qs, _vc(I8, [4] * 16)), list(range(32)))
+        if self.layout == "Q4_0":
+            return nib
+        qh = b.load(b.bitcast(kb.gep(bp, 2), ir.PointerType(I32)), align=1)
+        hb = b.bitcast(qh, ir.VectorType(I1, QK))
+        return b.or_(nib, b.select(hb, _vc(I8, [16] * QK), _vc(I8, [0] * QK)))
+
+    def _dot(self, u: ir.Value, xq: ir.Value, init: ir.Value, g: int) -> ir.Value:
+        """<8g x i32>: per block, 8 lanes summing to init + sum(u * xq)."""
+        kb, b = self.kb, self.b
+        name = _vnni_name(g)
+        if name:
+            return _call(kb, name, init.type, [init, u, xq])
+        n = QK * g
+        u16 = b.zext(u, ir.VectorType(I16, n))
+        x16 = b.sext(xq, ir.VectorType(I16, n))
+        v32 = ir.VectorType(I32, n // 2)
+        ev, od = list(range(0, n, 2)), list(range(1, n, 2))
+        p = b.add(b.mul(b.sext(_shuffle(kb, u16, u16, ev), v32), b.sext(_shuffle(kb, x16, x16, ev), v32)),
+                  b.mul(b.sext(_shuffle(kb, u16, u16, od), v32), b.sext(_shuffle(kb, x16, x16, od), v32)))
+        lo = [blk * 16 + i for blk in range(g) for i in range(8)]
+        hi = [i + 8 for i in lo]
+        return b.add(b.add(_shuffle(kb, p, p, lo), _shuffle(kb, p, p, hi)), init)
+
+    def _group(self, row: ir.Value, j: ir.Value, g: int, acc: ir.Value) -> ir.Value:
+        """acc + (int32 lanes of blocks j..j+g-1 of row) * d_w * d_x."""
+        kb, b = self.kb, self.b
+        bps = [self._block_ptr(row, b.add(j, i64(i))) for i in range(g)]
+        us = [self._unsigned_quants(bp) for bp in bps]
+        u = us[0] if g == 1 else _shuffle(kb, us[0], us[1], list(range(64)))
+        xq = kb.vload(self.sq, b.mul(j, i64(QK)), QK * g)
+        init = kb.vload(self.sinit, b.mul(j, i64(8)), 8 * g)
+        dots = b.sitofp(self._dot(u, xq, init, g), ir.VectorType(F32, 8 * g))
+        dw = ir.Constant(ir.VectorType(HALF, g), ir.Undefined)
+        for i, bp in enumerate(bps):
+            dw = b.insert_element(dw, b.load(b.bitcast(bp, ir.PointerType(HALF)), align=1), i64(i))
+        dw = b.fpext(dw, ir.VectorType(F32, g))
+        dw = _shuffle(kb, dw, dw, [i // 8 for i in range(8 * g)])
+        scale = b.fmul(dw, kb.vload(self.sdx, b.mul(j, i64(8)), 8 * g), flags=FAST)
+        return kb.fma(dots, scale, acc)
+
+    def tile(self, r0: ir.Value, R: int, t: ir.Value) -> None:
+        """out[t, r0 .. r0+R-1] from the quantized row in scratch."""
+        kb, b, G, U = self.kb, self.b, self.G, _UNROLL
+        step = G * U
+        nmain = self.nb - self.nb % step
+        rows = [b.add(r0, i64(i)) for i in range(R)]
+        vz = ir.Constant(ir.VectorType(F32, 8 * G), [0.0] * (8 * G))
+        accs = [vz] * (R * U)
+        if nmain:
+            with kb.loop_carry(0, nmain, accs, step=step, name="blk") as (j, cur, setv):
+                cur = list(cur)
+                for i in range(R):
+                    for u in range(U):
+                        cur[i * U + u] = self._group(rows[i], b.add(j, i64(u * G)), G, cur[i * U + u])
+                setv(cur)
+            accs = list(kb.last_carry)
+        tails = [None] * R
+        for jt in range(nmain, self.nb, G):
+            g = min(G, self.nb - jt)
+            for i in range(R):
+                if g == G:
+                    accs[i * U] = self._group(rows[i], i64(jt), g, accs[i * U])
+                else:
+                    z = ir.Constant(ir.VectorType(F32, 8 * g), [0.0] * (8 * g))
+                    tails[i] = self._group(rows[i], i64(jt), g, tails[i] if tails[i] is not None else z)
+        out = kb.out_f32()
+        for i in range(R):
+            v = accs[i * U]
+            for u in range(1, U):
+                v = b.fadd(v, accs[i * U + u], flags=FAST)
+            s = kb.hsum(v)
+            if tails[i] is not None:
+                s = b.fadd(s, kb.hsum(tails[i]), flags=FAST)
+            kb.store(s, out, b.add(b.mul(t, i64(self.n)), rows[i]))
+
+
+def emit_int_matvec(kb: KernelBuilder, sig: KernelSig) -> None:
+    """qmatmul with ``act="q8"``: x [K] (decode), or [T, K] one token at a
+    time (correct, not tuned: prefill should use the float kernels)."""
+    kern = _IntKernel(kb, sig)
+    b = kb.b
+    lo, hi = kb.thread_share(kern.n)
+    R = _ROWS if kern.k >= _LONG_ROW else 1
+    rows_main = b.sub(hi, b.srem(b.sub(hi, lo), i64(R)))
+    m = kb.rows_of(kern.xt.shape)
+
+    def token(t: ir.Value) -> None:
+        kern.quantize(b.mul(t, i64(kern.k)))
+        with kb.loop(lo, rows_main, step=R, name="rt") as r0:
+            kern.tile(r0, R, t)
+        with kb.loop(rows_main, hi, name="r1") as r:
+            kern.tile(r, 1, t)
+
+    if isinstance(m, ir.Constant) and m.constant == 1:
+        token(i64(0))
+    else:
+        with kb.loop(0, m, name="tok") as t:
+            token(t)
+

@@ -1,0 +1,303 @@
+"""The integer path of qmatmul (``act="q8"``): activations quantized to
+Q8_0-style blocks, int8 dot products (``compiler/codegen/k_matmul_int.py``).
+
+The numpy reference is checked against a slow formula written with Python
+ints; the native kernel against the reference, called once per thread id as
+the step function would; the ``int_dot`` pass on graphs; and a synthetic
+Q8_0 GGUF model through the interpreter and through native code."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import passes.int_dot  # noqa: F401  (registers the pass)
+from compiler.codegen import k_matmul_int
+from compiler.codegen.harness import CompiledKernel, run_kernel_like_reference, sig_for
+from compiler.codegen.jit import emit_assembly
+from compiler.codegen.target import host_target
+from ir.ops import ShapeError, WeightData, get_op, int_blocks, qmatmul_ref, quantize_q8_rows
+from ir.types import TensorType
+from test_gguf_layouts import gguf_weight
+
+INT_LAYOUTS = ["Q8_0", "Q4_0", "Q5_0"]
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_KERNELS: dict = {}
+
+
+def compiled(sig, vector_width=None, portable=False) -> CompiledKernel:
+    key = (sig, vector_width, portable)
+    if key not in _KERNELS:
+        if portable:
+            saved, k_matmul_int._vnni_name = k_matmul_int._vnni_name, (lambda g: None)
+        try:
+            _KERNELS[key] = CompiledKernel(sig, vector_width=vector_width)
+        finally:
+            if portable:
+                k_matmul_int._vnni_name = saved
+    return _KERNELS[key]
+
+
+# --- an independent slow formula ---------------------------------------------------------------
+def _f16_bits_to_float(lo: int, hi: int) -> float:
+    return float(np.frombuffer(bytes([lo, hi]), "<f2")[0])
+
+
+def slow_weight_block(name: str, blk: bytes) -> tuple[float, list[int]]:
+    """(d, 32 integer quants) of one stored block, byte by byte."""
+    d = _f16_bits_to_float(blk[0], blk[1])
+    if name == "Q8_0":
+        return d, [b - 256 if b >= 128 else b for b in blk[2:34]]
+    qs = blk[-16:]
+    nib = [qs[j] & 15 for j in range(16)] + [qs[j] >> 4 for j in range(16)]
+    if name == "Q4_0":
+        return d, [v - 8 for v in nib]
+    qh = int.from_bytes(blk[2:6], "little")
+    return d, [(nib[j] | (((qh >> j) & 1) << 4)) - 16 for j in range(32)]
+
+
+def slow_quantize_block(xs: np.ndarray) -> tuple[float, list[int]]:
+    """llama.cpp's x86 quantize_row_q8_0 for one block, one value at a time
+    (float32 arithmetic, Python's round-half-to-even)."""
+    amax = np.float32(0)
+    for v in xs:
+        amax = max(amax, abs(np.float32(v)))
+    d = float(np.float16(np.float32(amax) / np.float32(127)))
+    inv = np.float32(127) / amax if amax > 0 else np.float32(0)
+    return d, [int(round(float(np.float32(v) * inv))) for v in xs]
+
+
+def slow_int_matvec(x: np.ndarray, w: WeightData) -> np.ndarray:
+    name = w.type.layout
+    n, k = (int(s) for s in w.type.shape)
+    nb, bb = k // 32, {"Q8_0": 34, "Q4_0": 18, "Q5_0": 22}[name]
+    raw = bytes(np.asarray(w.raw, np.uint8))
+    xq = [slow_quantize_block(x[b * 32:(b + 1) * 32]) for b in range(nb)]
+    out = []
+    for r in range(n):
+        total = 0.0
+        for b in range(nb):
+            o = (r * nb + b) * bb
+            dw, qw = slow_weight_block(name, raw[o:o + bb])
+            dx, qx = xq[b]
+            total += dw * dx * sum(p * q for p, q in zip(qw, qx))  # exact int, then float64
+        out.append(total)
+    return np.array(out)
+
+
+def int_scale(x: np.ndarray, w: WeightData) -> np.ndarray:
+    """sum over blocks of |d_w d_x q_w q_x| per output: the size of the terms."""
+    k = int(w.type.shape[1])
+    dx, qx = quantize_q8_rows(np.asarray(x, np.float32).reshape(-1, k))
+    dw, qw = int_blocks(w)
+    s = np.einsum("nbj,mbj->mnb", np.abs(qw.astype(np.float64)), np.abs(qx.astype(np.float64)))
+    s = np.einsum("mnb,nb,mb->mn", s, np.abs(dw.astype(np.float64)), np.abs(dx.astype(np.float64)))
+    return s.reshape(np.shape(x)[:-1] + (int(w.type.shape[0]),))
+
+
+def check_close(got, want, x, w, rel=1e-5):
+    scale = int_scale(x, w)
+    assert got.shape == want.shape and np.all(np.isfinite(got))
+    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    bad = err > rel * scale + 1e-30
+    assert not bad.any(), (np.argwhere(bad)[:5], got[bad][:5], want[bad][:5])
+
+
+# --- the reference ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", INT_LAYOUTS)
+def test_reference_matches_slow_formula(name):
+    rng = np.random.default_rng(3)
+    n, k = 5, 128
+    w = gguf_weight(rng, name, n, k, "extreme")
+    x = rng.standard_normal(k).astype(np.float32) * np.float32(3.0)
+    x[32:64] = 0.0                                   # a zero block: d = 0, q = 0
+    x[64:96] = np.linspace(-1.0, 1.0, 32, dtype=np.float32) * np.float32(127 / 2)  # halves: ties
+    with np.errstate(all="ignore"):
+        got = qmatmul_ref(x, w, layout=name, act="q8")
+        want = slow_int_matvec(x, w)
+    assert got.dtype == np.float32 and got.shape == (n,)
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+
+
+def test_reference_quantizer_rounds_half_to_even_and_stores_f16_scales():
+    x = np.zeros(32, np.float32)
+    x[0], x[1], x[2], x[3] = 127.0, 0.5, 1.5, -2.5
+    d, q = quantize_q8_rows(x[None])
+    assert d[0, 0] == np.float32(1.0)
+    assert list(q[0, 0, :4]) == [127, 0, 2, -2]
+    x = np.full(32, 0.1, np.float32)
+    d, q = quantize_q8_rows(x[None])
+    assert d[0, 0] == np.float32(np.float16(np.float32(0.1) / np.float32(127)))
+    assert np.all(q == 127)
+
+
+def test_reference_default_path_unchanged_and_prefill_rows():
+    rng = np.random.default_rng(4)
+    w = gguf_weight(rng, "Q8_0", 7, 96)
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    np.testing.assert_array_equal(qmatmul_ref(x, w, layout="Q8_0"), x @ w.to_f32().T)
+    rows = qmatmul_ref(x, w, layout="Q8_0", act="q8")
+    for t in range(3):
+        np.testing.assert_array_equal(rows[t], qmatmul_ref(x[t], w, layout="Q8_0", act="q8"))
+    # int8 rounding of x: close to the float result, not equal
+    assert np.abs(rows - qmatmul_ref(x, w, layout="Q8_0")).max() <= 0.02 * np.abs(rows).max()
+
+
+@pytest.mark.parametrize("layout", ["Q4_1", "Q5_1", "Q4_K", "F32", "BF16"])
+def test_shape_rule_refuses_other_layouts(layout):
+    k = 256
+    wt = TensorType((8, k), "f32", None if layout == "F32" else layout)
+    attrs = {"layout": wt.layout} if wt.layout else {}
+    with pytest.raises(ShapeError):
+        get_op("qmatmul").infer([TensorType((k,)), wt], {**attrs, "act": "q8"})
+
+
+def test_shape_rule_accepts_int_layouts_and_refuses_unknown_act():
+    for name in INT_LAYOUTS:
+        wt = TensorType((8, 64), "f32", name)
+        assert get_op("qmatmul").infer([TensorType((64,)), wt], {"layout": name, "act": "q8"}).shape == (8,)
+    with pytest.raises(ShapeError):
+        get_op("qmatmul").infer([TensorType((64,)), TensorType((8, 64), "f32", "Q8_0")],
+                                {"layout": "Q8_0", "act": "q4"})
+
+
+# --- the native kernel ----------------------------------------------------------------------------
+def run_int(x, w, nt, vw=None, portable=False):
+    k = int(w.type.shape[1])
+    sig = sig_for("qmatmul", [TensorType((k,) if x.ndim == 1 else ("T", k)), w.type],
+                  layout=w.type.layout, act="q8")
+    sym = {"T": x.shape[0]} if x.ndim == 2 else None
+    got = run_kernel_like_reference(sig, [x, w], nthreads=nt, symbols=sym,
+                                    kernel=compiled(sig, vw, portable), scratch_floats=1 << 16)
+    assert k_matmul_int.scratch_floats(sig) <= 1 << 16
+    return got, qmatmul_ref(x, w, layout=w.type.layout, act="q8")
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(name=st.sampled_from(INT_LAYOUTS), n=st.sampled_from([1, 3, 5, 7, 13, 33]),
+       nb=st.sampled_from([1, 2, 3, 4, 5, 7, 20, 33, 64]), nt=st.integers(1, 3),
+       vw=st.sampled_from([None, 8]), scales=st.sampled_from(["normal", "extreme"]),
+       seed=st.integers(0, 2**31))
+def test_int_matvec(name, n, nb, nt, vw, scales, seed):
+    rng = np.random.default_rng(seed)
+    k = 32 * nb
+    w = gguf_weight(rng, name, n, k, scales)
+    x = rng.standard_normal(k).astype(np.float32) * np.float32(10.0 ** rng.uniform(-3, 3))
+    with np.errstate(all="ignore"):
+        got, want = run_int(x, w, nt, vw)
+    check_close(got, want, x, w)
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("vw", [None, 8])
+@pytest.mark.parametrize("name", INT_LAYOUTS)
+def test_int_matvec_every_layout_width_and_path(name, vw, portable):
+    """VNNI and the portable widening multiply, host width and 8; odd N; K
+    with and without a tail of blocks; every byte value of a Q8_0 weight
+    (-128 included); 1..3 threads; a zero block of x."""
+    rng = np.random.default_rng(8)
+    for n, k in ((7, 96), (33, 640), (5, 2048)):
+        w = gguf_weight(rng, name, n, k, "normal")
+        if name == "Q8_0":
+            q = w.raw.reshape(-1, 34)
+            q[:, 2:] = rng.integers(0, 256, size=q[:, 2:].shape, dtype=np.uint8)
+            q[0, 2:] = 0x80
+        x = rng.standard_normal(k).astype(np.float32)
+        x[:32] = 0.0
+        for nt in (1, 2, 3):
+            got, want = run_int(x, w, nt, vw, portable)
+            check_close(got, want, x, w)
+
+
+@pytest.mark.parametrize("name", INT_LAYOUTS)
+def test_int_matvec_long_rows(name):
+    """K >= 8192: tiles of several rows share the x loads."""
+    rng = np.random.default_rng(12)
+    w = gguf_weight(rng, name, 9, 8192)
+    x = rng.standard_normal(8192).astype(np.float32)
+    got, want = run_int(x, w, 2)
+    check_close(got, want, x, w)
+
+
+@pytest.mark.parametrize("name", INT_LAYOUTS)
+def test_int_matmul_prefill_rows(name):
+    """[T, K] runs token by token (correct, not tuned)."""
+    rng = np.random.default_rng(13)
+    w = gguf_weight(rng, name, 11, 160)
+    x = rng.standard_normal((5, 160)).astype(np.float32)
+    for nt in (1, 3):
+        got, want = run_int(x, w, nt)
+        check_close(got, want, x, w)
+
+
+def test_scratch_need():
+    sig = sig_for("qmatmul", [TensorType((640,)), TensorType((8, 640), "f32", "Q5_0")], layout="Q5_0", act="q8")
+    assert k_matmul_int.scratch_floats(sig) * 4 >= 640 * 3
+    plain = sig_for("qmatmul", [TensorType((640,)), TensorType((8, 640), "f32", "Q5_0")], layout="Q5_0")
+    assert k_matmul_int.scratch_floats(plain) == 0
+
+
+@pytest.mark.parametrize("name", INT_LAYOUTS)
+def test_vnni_in_assembly(name):
+    if not k_matmul_int.host_has_int_dot():
+        pytest.skip(f"host {host_target().cpu} has no VNNI")
+    k = 2048
+    sig = sig_for("qmatmul", [TensorType((k,)), TensorType((64, k), "f32", name)], layout=name, act="q8")
+    asm = emit_assembly(compiled(sig).module)
+    assert re.findall(r"\bvpdpbusd\s", asm), asm[:2000]
+
+
+# --- the pass and whole models -----------------------------------------------------------------
+def _tiny_model(tmp_path, qtype):
+    from frontends.loader import load_model
+    from test_gguf_frontend import tiny
+
+    p, _ = tiny(tmp_path, qtype)
+    return load_model(p)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "F32"])
+def test_pass_marks_decode_qmatmuls_only(tmp_path, qtype):
+    from compiler.driver import model_graph
+    from compiler.pipeline import run_pipeline
+
+    m = _tiny_model(tmp_path, qtype)
+    for mode in ("decode", "prefill"):
+        g = run_pipeline(model_graph(m, mode, run_passes=False), ["fuse_dequant", "int_dot"])
+        qm = [n for n in g.nodes if n.op == "qmatmul"]
+        for n in qm:
+            want = mode == "decode" and n.attrs["layout"] in INT_LAYOUTS
+            assert (n.attrs.get("act") == "q8") == want, (mode, n.attrs)
+        if mode == "decode" and qtype in INT_LAYOUTS:
+            assert any(n.attrs.get("act") == "q8" for n in qm)
+
+
+def test_q8_0_model_interpreter_and_native_agree(tmp_path):
+    """A synthetic Q8_0 GGUF with the pass in the pipeline: greedy decoding
+    through the interpreter (numpy reference of the integer path) and
+    through native code (the integer kernel, VNNI or the portable widening
+    multiply) gives the same tokens."""
+    import compiler.driver
+    import runtime
+    from test_gguf_frontend import tiny
+
+    passes_ = ("fuse_dequant", "int_dot")
+    p, _ = tiny(tmp_path, "Q8_0")
+    g = compiler.driver.model_graph(compiler.driver.load_model(p), "decode",
+                                    compiler.driver.CompileOptions(passes=passes_))
+    assert sum(n.attrs.get("act") == "q8" for n in g.nodes) >= 7 * 2
+    ref = runtime.load(p, backend="interp", passes=passes_)
+    nat = runtime.load(p, backend="llvm", threads=2, use_cache=False, passes=passes_)
+    ids = [1, 5, 77, 260, 9, 42]
+    assert list(ref.generate(ids, 8, temperature=0.0)) == list(nat.generate(ids, 8, temperature=0.0))
+
+
+def test_default_pipeline_takes_the_integer_path_only_where_it_pays():
+    from compiler.codegen.k_matmul_int import host_has_int_dot
+    from compiler.pipeline import DEFAULT_PIPELINE, default_pipeline
+
+    assert default_pipeline("interp") == DEFAULT_PIPELINE
+    assert ("int_dot" in default_pipeline("llvm")) == host_has_int_dot()
