@@ -91,8 +91,41 @@ def is_artifact(path: str | os.PathLike) -> bool:
 
 def file_fingerprint(path: str) -> dict[str, Any]:
     """Size and SHA-256 of a model file. Files over 256 MiB are hashed on a
-    sample (the first and last MiB and 32 evenly spaced 64 KiB pieces) so a
-    warm start stays fast; the size and sample still tell files apart."""
+    sample (the first and last MiB and 32 evenly spaced 64 KiB pieces); the
+    size and sample still tell files apart. The result is remembered in the
+    compile cache, keyed by the file's path, inode, size and modification
+    time, so loading an artifact does not read its model file through again."""
+    st = os.stat(path)
+    memo = _fingerprint_memo(path, st)
+    if memo is not None:
+        try:
+            with open(memo, encoding="utf-8") as f:
+                fp = json.load(f)
+            if isinstance(fp, dict) and fp.get("size") == st.st_size and len(fp) == 2:
+                return fp
+        except (OSError, ValueError):
+            pass
+    fp = _hash_file(path)
+    if memo is not None:
+        try:
+            os.makedirs(os.path.dirname(memo), exist_ok=True)
+            tmp = f"{memo}.{os.getpid()}.part"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(fp, f)
+            os.replace(tmp, memo)
+        except OSError:
+            pass  # best effort: the next load hashes again
+    return fp
+
+
+def _fingerprint_memo(path: str, st: os.stat_result) -> str | None:
+    from .cache import cache_dir
+
+    ident = json.dumps([os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
+    return os.path.join(cache_dir(), "fingerprints", hashlib.sha256(ident.encode()).hexdigest()[:32] + ".json")
+
+
+def _hash_file(path: str) -> dict[str, Any]:
     size = os.path.getsize(path)
     h = hashlib.sha256()
     with open(path, "rb") as f:

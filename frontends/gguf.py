@@ -18,6 +18,7 @@ from ir.layouts import get_layout
 from ir.types import TensorType
 
 from .arch import ModelConfig, ModelError, WeightInfo, check_weights
+from .string_table import StringArray
 
 #: GGUF architectures we read -> (our family row, RoPE layout in the file)
 FAMILIES: dict[str, str] = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3": "gemma3"}
@@ -43,7 +44,7 @@ class TensorRecord:
 @dataclass
 class GGUFContents:
     """What the gguf package's reader found: metadata (strings as bytes,
-    string arrays as list[bytes], numeric arrays as numpy) and tensor infos."""
+    string arrays as ``StringArray``, numeric arrays as numpy) and tensor infos."""
 
     meta: dict[str, Any]
     tensors: list[TensorRecord]
@@ -63,7 +64,7 @@ def _metadata_from_reader(reader: Any) -> dict[str, Any]:
             etype = types[1] if len(types) > 1 else None
             parts = field.parts
             if etype == GGUFValueType.STRING:
-                meta[key] = [bytes(parts[i]) for i in field.data]
+                meta[key] = StringArray.from_list(bytes(parts[i]) for i in field.data)
             elif not field.data:
                 meta[key] = np.zeros(0)
             else:

@@ -70,7 +70,10 @@ print as nothing, and are not split out of text unless ``special=True``.
 
 Loading: metadata comes from ``frontends.gguf.read_gguf`` (the gguf
 package's reader, with its results cached on disk: ~9 s the first time for
-Gemma's 262144 pieces, milliseconds after).
+Gemma's 262144 pieces, milliseconds after). Pieces stay one UTF-8 blob with
+a hash index (``frontends.string_table``), and symbols are matched as bytes:
+Gemma's vocabulary costs ~11 MB instead of ~60 MB of per-piece Python
+objects, for lookups a few times slower than a dict's.
 """
 
 from __future__ import annotations
@@ -80,12 +83,14 @@ import heapq
 import os
 import re
 import unicodedata
+from array import array
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from .llama2c_tokenizer import TokenizerError
+from .string_table import StringArray
 
 __all__ = [
     "GGUFTokenizer",
@@ -125,6 +130,9 @@ _FIM_REP_TEXTS = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<rep
 _FIM_SEP_TEXTS = ("<|file_sep|>",)
 
 _SPACE_ESC = "\u2581"  # ▁
+
+# one UTF-8 encoded character (the input is valid UTF-8)
+_UTF8_CHARS = re.compile(rb"[\x00-\x7f]|[\xc0-\xff][\x80-\xbf]*")
 
 # --------------------------------------------------------------------------
 # GPT-2 byte <-> unicode alphabet
@@ -450,23 +458,29 @@ class GGUFTokenizer:
             raise TokenizerError(f"{nm}: unsupported tokenizer model {model!r} (only 'llama' and 'gpt2')")
         self.add_space_prefix = flag("tokenizer.ggml.add_space_prefix", add_space_prefix)
 
-        # pieces: str, invalid UTF-8 kept with surrogateescape (never matches text)
-        toks = [bytes(t).decode("utf-8", errors="surrogateescape") for t in tokens_raw]
-        for i, t in enumerate(toks):
-            if not t:
-                toks[i] = f"[EMPTY_{i}]"
-        self.tokens: list[str] = toks
+        # pieces: one UTF-8 blob, no Python object per piece (Gemma has 262144);
+        # matched as bytes, so a piece of invalid UTF-8 never matches text
+        pieces = tokens_raw if isinstance(tokens_raw, StringArray) else StringArray.from_list(tokens_raw)
+        empty = np.flatnonzero(pieces.lengths() == 0).tolist()
+        if empty:
+            fill = list(pieces)
+            for i in empty:
+                fill[i] = f"[EMPTY_{i}]".encode()
+            pieces = StringArray.from_list(fill)
+        self._pieces = pieces
+        self.tokens: Sequence[str] = _Pieces(pieces)
         self.vocab_size = n
-        tid: dict[str, int] = {}
-        for i, t in enumerate(toks):
-            tid.setdefault(t, i)  # duplicates: lowest id (llama.cpp refuses such files)
-        self._tid = tid
+        # piece bytes -> id; duplicates: lowest id (llama.cpp refuses such files)
+        self._tid = tid = pieces.index()
+
+        def tget(text: str) -> int | None:
+            return tid.get(text.encode())
 
         sc = meta.get("tokenizer.ggml.scores")
         if sc is not None and len(sc) < n:
             raise TokenizerError(f"{nm}: {len(sc)} scores for {n} tokens")
-        self.scores: list[float] = (np.asarray(sc[:n], dtype=np.float32).astype(np.float64).tolist()
-                                    if sc is not None else [0.0] * n)
+        self.scores = array("f", np.asarray(sc[:n], dtype=np.float32).tobytes() if sc is not None
+                            else bytes(4 * n))
         tt = meta.get("tokenizer.ggml.token_type")
         if tt is not None:
             if len(tt) < n:
@@ -506,7 +520,7 @@ class GGUFTokenizer:
 
         def find(texts: tuple[str, ...]) -> int:
             for t in texts:
-                i = tid.get(t)
+                i = tget(t)
                 if i is not None:
                     by_text.add(i)
                     return i
@@ -525,22 +539,24 @@ class GGUFTokenizer:
         self.eot_id, self.eom_id = eot, eom
         eog: set[int] = {i for i in (fim_pad, fim_rep, fim_sep, eot, eom, self.eos_id) if i >= 0}
         for t in _EOG_TEXTS:
-            i = tid.get(t)
+            i = tget(t)
             if i is None:
                 continue
             eog.add(i)
             by_text.add(i)
         for i in by_text:
             attrs[i] |= A_CONTROL
-        end = tid.get("<|end|>")
+        end = tget("<|end|>")
+        has = {t: tget(t) is not None for t in ("<|return|>", "<|call|>", "<|calls|>", "<|flush|>")}
         if end is not None and end in eog and (
-                ("<|return|>" in tid and "<|call|>" in tid) or ("<|calls|>" in tid and "<|flush|>" in tid)):
+                (has["<|return|>"] and has["<|call|>"]) or (has["<|calls|>"] and has["<|flush|>"])):
             eog.discard(end)  # llama.cpp's harmony / solar-open workaround
             attrs[end] = A_USER_DEFINED
         self.stop_ids: tuple[int, ...] = tuple(sorted(eog))
         for t in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):
-            if t in tid:
-                attrs[tid[t]] = A_USER_DEFINED
+            i = tget(t)
+            if i is not None:
+                attrs[i] = A_USER_DEFINED
 
         # per-model lstrip/rstrip attributes (llama.cpp sets them by name)
         gname = (s("general.name", "") or "").lower()
@@ -548,45 +564,45 @@ class GGUFTokenizer:
         special_ids = np.nonzero(attrs & _SPECIAL_ATTRS)[0]
         if (any(x in self.pre for x in ("jina-v2-de", "jina-v2-es", "jina-v2-code"))
                 or any(x in arch for x in ("nomic-bert-moe", "jina-bert-v3"))):
-            if "<mask>" in tid:
-                attrs[tid["<mask>"]] |= A_LSTRIP
+            i = tget("<mask>")
+            if i is not None:
+                attrs[i] |= A_LSTRIP
         elif "phi-3" in gname or "phi3" in gname:
             attrs[special_ids] |= A_RSTRIP
-            if "</s>" in tid:
-                attrs[tid["</s>"]] |= A_RSTRIP
+            i = tget("</s>")
+            if i is not None:
+                attrs[i] |= A_RSTRIP
             for t in ("<unk>", "<s>", "<|endoftext|>"):
-                if t in tid:
-                    attrs[tid[t]] &= ~A_RSTRIP
-        self.attrs: list[int] = attrs.tolist()
+                i = tget(t)
+                if i is not None:
+                    attrs[i] &= ~A_RSTRIP
+        self.attrs = array("H", attrs.astype(np.uint16).tobytes())
 
         # special tokens, longest first (ties: lower id first), grouped by first char
-        order = sorted(special_ids.tolist(), key=lambda i: (-len(toks[i]), i))
+        self._special_text = {i: self.tokens[i] for i in special_ids.tolist()}
+        order = sorted(self._special_text, key=lambda i: (-len(self._special_text[i]), i))
         self._special_rank = {i: r for r, i in enumerate(order)}
         self._special_by_char: dict[str, list[int]] = {}
         for i in order:
-            self._special_by_char.setdefault(toks[i][0], []).append(i)
+            self._special_by_char.setdefault(self._special_text[i][0], []).append(i)
 
         # byte fallback
         if self.kind == "spm":
             fb = []
             for b in range(256):
-                i = tid.get(f"<0x{b:02X}>")
+                i = tget(f"<0x{b:02X}>")
                 if i is None:
-                    i = tid.get(chr(b)) if b < 0x80 else None
+                    i = tget(chr(b)) if b < 0x80 else None
                 fb.append(-1 if i is None else i)
             self._byte_ids = fb
         else:
             merges = meta.get("tokenizer.ggml.merges")
             if merges is None:
                 raise TokenizerError(f"{nm}: a gpt2 vocabulary needs tokenizer.ggml.merges")
-            ranks: dict[tuple[str, str], int] = {}
-            for r, m in enumerate(merges):
-                w = bytes(m).decode("utf-8", errors="surrogateescape")
-                p = w.find(" ", 1)
-                key = (w[:p], w[p + 1:]) if p >= 0 else ("", "")
-                if key not in ranks:
-                    ranks[key] = r
-            self._ranks = ranks
+            # b"left right" -> rank (lowest wins). Symbols never hold a space
+            # (the GPT-2 alphabet writes it as U+0120), so a pair's text is
+            # the stored merge exactly when llama.cpp's split would give it
+            self._ranks = (merges if isinstance(merges, StringArray) else StringArray.from_list(merges)).index()
             self._word_cache: dict[str, tuple[int, ...]] = {}
         self._piece_cache: dict[tuple[int, bool], bytes] = {}
 
@@ -632,7 +648,10 @@ class GGUFTokenizer:
         return self.tokens[token]
 
     def piece_to_id(self, piece: str) -> int | None:
-        return self._tid.get(piece)
+        try:
+            return self._tid.get(piece.encode("utf-8", "surrogateescape"))
+        except UnicodeEncodeError:
+            return None
 
     def is_special(self, token: int) -> bool:
         """Control, user-defined or unknown-type token (split out before tokenizing)."""
@@ -648,14 +667,14 @@ class GGUFTokenizer:
         for ch in set(text) & by_char.keys():
             for i in by_char[ch]:
                 if special or not (self.attrs[i] & (A_CONTROL | A_UNKNOWN)):
-                    if self.tokens[i] in text:
+                    if self._special_text[i] in text:
                         cand.append(i)
         if not cand:
             return [text]
         cand.sort(key=self._special_rank.__getitem__)
         frags: list[str | int] = [text]
         for i in cand:
-            tok = self.tokens[i]
+            tok = self._special_text[i]
             attr = self.attrs[i]
             new: list[str | int] = []
             for f in frags:
@@ -732,35 +751,38 @@ class GGUFTokenizer:
         return out
 
     def _spm(self, text: str, out: list[int]) -> None:
-        """llm_tokenizer_spm_session::tokenize on one fragment (spaces escaped)."""
+        """llm_tokenizer_spm_session::tokenize on one fragment (spaces escaped).
+
+        Symbols are UTF-8 bytes, one character each to begin with."""
         tid = self._tid
-        n = len(text)
+        sym = _UTF8_CHARS.findall(text.encode("utf-8"))
+        n = len(sym)
         if n == 0:
             return
         if n == 1:
-            self._spm_emit(text, out)
+            self._spm_emit(sym[0], out)
             return
-        sym = list(text)
         nxt = list(range(1, n + 1))
         prv = list(range(-1, n - 1))
         scores = self.scores
         heap: list[tuple[float, int, int, int]] = []
         push = heapq.heappush
         for i in range(n - 1):
-            t = tid.get(sym[i] + sym[i + 1])
+            pair = sym[i] + sym[i + 1]
+            t = tid.get(pair)
             if t is not None:
-                heap.append((-scores[t], i, i + 1, 2))
+                heap.append((-scores[t], i, i + 1, len(pair)))
         heapq.heapify(heap)
         pop = heapq.heappop
         while heap:
             _, left, right, size = pop(heap)
             ls, rs = sym[left], sym[right]
-            # a merged-away symbol is "", and a grown one changes the size
+            # a merged-away symbol is b"", and a grown one changes the size
             if not ls or not rs or len(ls) + len(rs) != size:
                 continue
             merged = ls + rs
             sym[left] = merged
-            sym[right] = ""
+            sym[right] = b""
             k = nxt[right]
             nxt[left] = k
             if k < n:
@@ -779,12 +801,12 @@ class GGUFTokenizer:
             self._spm_emit(sym[i], out)
             i = nxt[i]
 
-    def _spm_emit(self, piece: str, out: list[int]) -> None:
+    def _spm_emit(self, piece: bytes, out: list[int]) -> None:
         t = self._tid.get(piece)
         if t is not None:
             out.append(t)
             return
-        for b in piece.encode("utf-8"):
+        for b in piece:
             t = self._byte_ids[b]
             if t < 0:
                 raise TokenizerError(f"{self.name}: no byte-fallback token for byte 0x{b:02X}")
@@ -803,22 +825,24 @@ class GGUFTokenizer:
             out.extend(ids)
 
     def _bpe_word(self, word: str) -> tuple[int, ...]:
+        """One word in the GPT-2 alphabet; symbols are UTF-8 bytes."""
         tid = self._tid
         if not word:
             return ()
+        wb = word.encode("utf-8")
         if self.ignore_merges:
-            t = tid.get(word)
+            t = tid.get(wb)
             if t is not None:
                 return (t,)
-        n = len(word)
-        sym = list(word)
+        sym = _UTF8_CHARS.findall(wb)
+        n = len(sym)
         if n > 1:
             ranks = self._ranks
             nxt = list(range(1, n + 1))
             prv = list(range(-1, n - 1))
-            heap: list[tuple[int, int, int, str]] = []
+            heap: list[tuple[int, int, int, bytes]] = []
             for i in range(n - 1):
-                r = ranks.get((sym[i], sym[i + 1]))
+                r = ranks.get(sym[i] + b" " + sym[i + 1])
                 if r is not None:
                     heap.append((r, i, i + 1, sym[i] + sym[i + 1]))
             heapq.heapify(heap)
@@ -829,18 +853,18 @@ class GGUFTokenizer:
                 if not ls or not rs or ls + rs != txt:
                     continue
                 sym[left] = txt
-                sym[right] = ""
+                sym[right] = b""
                 k = nxt[right]
                 nxt[left] = k
                 if k < n:
                     prv[k] = left
                 p = prv[left]
                 if p >= 0:
-                    r = ranks.get((sym[p], txt))
+                    r = ranks.get(sym[p] + b" " + txt)
                     if r is not None:
                         push(heap, (r, p, left, sym[p] + txt))
                 if k < n:
-                    r = ranks.get((txt, sym[k]))
+                    r = ranks.get(txt + b" " + sym[k])
                     if r is not None:
                         push(heap, (r, left, k, txt + sym[k]))
         ids: list[int] = []
@@ -853,9 +877,9 @@ class GGUFTokenizer:
             else:
                 # llama.cpp looks up every byte of the piece's UTF-8 as a
                 # one-byte token; only ASCII bytes can match, others vanish
-                for b in s.encode("utf-8"):
+                for b in s:
                     if b < 0x80:
-                        t = tid.get(chr(b))
+                        t = tid.get(bytes((b,)))
                         if t is not None:
                             ids.append(t)
         return tuple(ids)
@@ -927,6 +951,37 @@ class GGUFTokenizer:
         return GGUFStreamDecoder(self, special)
 
     decode_stream = stream_decoder
+
+
+class _Pieces(Sequence):
+    """The vocabulary's pieces as str, decoded on access from the blob
+    (invalid UTF-8 kept with surrogateescape)."""
+
+    __slots__ = ("_strings",)
+
+    def __init__(self, strings: StringArray) -> None:
+        self._strings = strings
+
+    def __len__(self) -> int:
+        return len(self._strings)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self._strings[i].decode("utf-8", errors="surrogateescape")
+
+    def __iter__(self):
+        for b in self._strings:
+            yield b.decode("utf-8", errors="surrogateescape")
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, _Pieces):
+            return self._strings == other._strings
+        if isinstance(other, (list, tuple)):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 class GGUFStreamDecoder:

@@ -20,7 +20,7 @@ _FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 def _compiled():
     import llvmlite.ir as ir
 
-    from compiler.codegen.jit import LoadedCode, emit_object
+    from compiler.codegen.jit import LoadedCode
 
     f32, i64 = ir.FloatType(), ir.IntType(64)
     fp = ir.PointerType(f32)
@@ -68,8 +68,42 @@ def _compiled():
 
     loop(div, ir.Constant(f32, 0.0))
     b.ret_void()
-    code = LoadedCode(emit_object(m, level=2))
+    code = LoadedCode(_object_code(m), shared=True)
     return code, _FN(code.address("lmc_softmax"))
+
+
+def _object_code(m) -> bytes:
+    """The module's object code, from the compile cache when this IR was
+    compiled for this CPU with this llvmlite before (so sampling does not
+    load LLVM on a warm start)."""
+    import hashlib
+    import os
+
+    import llvmlite
+
+    from compiler.cache import cache_dir
+    from compiler.codegen.jit import emit_object
+    from compiler.codegen.target import host_target
+
+    t = host_target()
+    m.triple = t.triple
+    key = hashlib.sha256("\n".join([str(m), t.cpu, t.features, t.triple, llvmlite.__version__, "O2"]).encode())
+    path = os.path.join(cache_dir(), "native", f"softmax-{key.hexdigest()[:32]}.o")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        pass
+    obj = emit_object(m, t, level=2)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.part"
+        with open(tmp, "wb") as f:
+            f.write(obj)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # best effort: compiled again next time
+    return obj
 
 
 def native_softmax(x: np.ndarray) -> np.ndarray | None:

@@ -470,6 +470,7 @@ def _tiny_model_with_vocab(vocab_path: Path, dst: Path) -> Path:
     import numpy as np
     gguf = pytest.importorskip("gguf")
     from frontends.gguf import read_gguf
+    from frontends.string_table import StringArray
 
     meta = {k: v for k, v in read_gguf(vocab_path).meta.items() if k.startswith("tokenizer.")}
     n = len(meta["tokenizer.ggml.tokens"])
@@ -485,7 +486,7 @@ def _tiny_model_with_vocab(vocab_path: Path, dst: Path) -> Path:
     w.add_rope_dimension_count(e // 2)
     T = gguf.GGUFValueType
     for k, v in meta.items():
-        if isinstance(v, list):
+        if isinstance(v, (list, StringArray)):
             w.add_key_value(k, [bytes(x) for x in v], T.ARRAY, sub_type=T.STRING)
         elif isinstance(v, (bytes, bytearray, memoryview)):
             w.add_key_value(k, bytes(v).decode("utf-8"), T.STRING)

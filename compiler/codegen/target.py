@@ -2,17 +2,29 @@
 
 The same LLVM IR becomes AVX-512, AVX2 or NEON code because the target
 machine is built from the host's own name and feature string.
+
+Asking LLVM means loading llvmlite's shared library (~40 MB resident), which
+a warm start must not pay for: what LLVM said is kept in the compile cache,
+keyed by this CPU's identity in /proc/cpuinfo and the llvmlite version.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import hashlib
+import json
+import os
+import platform
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import llvmlite.binding as llvm
+if TYPE_CHECKING:
+    import llvmlite.binding as llvm
 
 
 @functools.cache
 def _init() -> None:
+    import llvmlite.binding as llvm
+
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
 
@@ -29,14 +41,93 @@ class Target:
         return f"+{feature}" in self.features.split(",")
 
     def machine(self, opt: int = 3) -> "llvm.TargetMachine":
+        import llvmlite.binding as llvm
+
         _init()
         t = llvm.Target.from_triple(self.triple)
         return t.create_target_machine(cpu=self.cpu, features=self.features, opt=opt,
                                        reloc="pic", codemodel="default")
 
 
+def _cpu_identity() -> str | None:
+    """What tells this CPU apart for LLVM's host detection: vendor, family,
+    model, stepping, model name and the flags the kernel enabled (first
+    processor of /proc/cpuinfo), plus the machine and llvmlite's version.
+    None where there is no /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            text = f.read(1 << 20)
+    except OSError:
+        return None
+    keys = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags", "features",
+            "cpu implementer", "cpu architecture", "cpu variant", "cpu part", "cpu revision", "isa")
+    lines = []
+    for line in text.split("\n\n", 1)[0].splitlines():
+        k = line.split(":", 1)[0].strip().lower()
+        if k in keys:
+            lines.append(line.strip())
+    if not lines:
+        return None
+    from importlib.metadata import version
+
+    try:
+        llvmlite_version = version("llvmlite")
+    except Exception:  # not installed as a distribution: no caching
+        return None
+    return "\n".join([platform.machine(), f"llvmlite {llvmlite_version}", *lines])
+
+
+def _cache_file(identity: str) -> str:
+    from ..cache import cache_dir
+
+    key = hashlib.sha256(identity.encode()).hexdigest()[:24]
+    return os.path.join(cache_dir(), "targets", f"host-{key}.json")
+
+
+def _read_cached(path: str) -> Target | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+        t = Target(cpu=d["cpu"], features=d["features"], triple=d["triple"], vector_width=d["vector_width"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    ok = all(isinstance(v, str) and v for v in (t.cpu, t.triple)) and isinstance(t.features, str) \
+        and type(t.vector_width) is int and t.vector_width in (4, 8, 16)
+    return t if ok else None
+
+
+def _write_cached(path: str, t: Target) -> None:
+    """Best effort, atomic."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.part"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(asdict(t), f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 @functools.cache
 def host_target() -> Target:
+    """This machine's target: from the cache when this CPU was seen before
+    (with this llvmlite), else from LLVM."""
+    identity = _cpu_identity()
+    path = _cache_file(identity) if identity else None
+    if path:
+        t = _read_cached(path)
+        if t is not None:
+            return t
+    t = llvm_host_target()
+    if path:
+        _write_cached(path, t)
+    return t
+
+
+def llvm_host_target() -> Target:
+    """What LLVM itself detects (loads llvmlite's binding)."""
+    import llvmlite.binding as llvm
+
     _init()
     cpu = llvm.get_host_cpu_name()
     feats = llvm.get_host_cpu_features()
