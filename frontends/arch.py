@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ir.graph import Graph, Value, WeightRef
-from ir.types import TensorType
+from ir.types import KV_TYPES, TensorType, kv_cache_type
 
 
 class ModelError(ValueError):
@@ -151,16 +151,19 @@ class _Builder:
 
 
 def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "decode",
-                ctx: int | None = None, all_logits: bool = False, name: str = "model") -> Graph:
+                ctx: int | None = None, all_logits: bool = False, name: str = "model",
+                kv_type: str = "f32") -> Graph:
     """The token-step graph. ``decode`` takes one ``token``; ``prefill`` takes
     ``tokens[T]`` (matrix-matrix products), returning the last row's logits or,
-    with ``all_logits``, one row per token. The KV cache holds ``ctx`` positions."""
+    with ``all_logits``, one row per token. The KV cache holds ``ctx`` positions
+    stored as ``kv_type`` (``ir.types.KV_TYPES``)."""
     if mode not in ("decode", "prefill"):
         raise ValueError(f"unknown graph mode {mode!r}")
+    check_kv_type(cfg, kv_type, name)
     s = cfg.spec
     ctx = ctx or cfg.seq_len
     g = Graph(f"{name}.{mode}")
-    g.meta.update(arch=cfg.arch, mode=mode, ctx=ctx)
+    g.meta.update(arch=cfg.arch, mode=mode, ctx=ctx, kv_type=kv_type)
     b = _Builder(g, cfg, weights)
     if mode == "decode":
         tok = g.add_input("token", TensorType((), "i32"))
@@ -174,8 +177,8 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
     eps = float(cfg.norm_eps)
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        kc = g.add_state(f"k_cache.{i}", TensorType((ctx, cfg.kv_dim), "f32"))
-        vc = g.add_state(f"v_cache.{i}", TensorType((ctx, cfg.kv_dim), "f32"))
+        kc = g.add_state(f"k_cache.{i}", kv_cache_type(kv_type, ctx, cfg.kv_dim))
+        vc = g.add_state(f"v_cache.{i}", kv_cache_type(kv_type, ctx, cfg.kv_dim))
         glob = not s.swa_every or (i + 1) % s.swa_every == 0
         theta = cfg.rope_theta if glob else float(cfg.extra.get("rope_local_theta", cfg.rope_theta))
         window = 0 if glob else int(cfg.extra.get("sliding_window", 0))
@@ -213,6 +216,16 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
     logits.name = "logits"
     g.set_outputs(logits)
     return g
+
+
+def check_kv_type(cfg: ModelConfig, kv_type: str, name: str = "model") -> None:
+    """A KV cache type the model can use: q8 blocks of 32 must not straddle
+    two heads (attention reads one head's slice of a row)."""
+    if kv_type not in KV_TYPES:
+        raise ModelError(f"--kv-type {kv_type}: unknown KV cache type (one of {', '.join(KV_TYPES)})")
+    if kv_type == "q8" and cfg.head_dim % 32:
+        raise ModelError(f"--kv-type q8: {name} has head_dim {cfg.head_dim}, not a multiple of 32 (q8 stores "
+                         f"blocks of 32 values per head); use --kv-type f16")
 
 
 def with_context(cfg: ModelConfig, ctx: int) -> ModelConfig:

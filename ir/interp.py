@@ -37,8 +37,16 @@ class WeightStore:
 
 def new_state(graph: Graph) -> dict[str, np.ndarray]:
     """Zeroed buffers for the graph's state (the KV cache)."""
-    return {name: np.zeros(tuple(int(d) for d in v.type.shape), DTYPES[v.type.dtype])
-            for name, v in graph.states.items()}
+    return {name: state_array(v.type) for name, v in graph.states.items()}
+
+
+def state_array(t: TensorType) -> np.ndarray:
+    """A zeroed state buffer of type ``t``: an array of its dtype, or for a
+    quant layout (a q8 KV cache) its stored bytes, uint8 [rows, bytes per row]."""
+    shape = tuple(int(d) for d in t.shape)
+    if t.layout is not None:
+        return np.zeros((shape[0], t.nbytes() // shape[0]), np.uint8)
+    return np.zeros(shape, DTYPES[t.dtype])
 
 
 def bind_symbols(graph: Graph, feeds: dict[str, np.ndarray]) -> dict[str, int]:

@@ -67,6 +67,19 @@ class TensorType:
         return f"{self.layout}:{base}" if self.layout else base
 
 
+#: KV cache element types (``--kv-type``): name -> (dtype, layout) of the
+#: cache states. q8 rows are GGUF Q8_0 blocks (32 values: f16 scale, 32 int8).
+KV_TYPES: dict[str, tuple[str, str | None]] = {"f32": ("f32", None), "f16": ("f16", None), "q8": ("f32", "Q8_0")}
+
+
+def kv_cache_type(kv_type: str, ctx: int, kv_dim: int) -> TensorType:
+    """Type of one layer's K (or V) cache: ``ctx`` positions of ``kv_dim`` values."""
+    if kv_type not in KV_TYPES:
+        raise ValueError(f"unknown KV cache type {kv_type!r} (one of {', '.join(KV_TYPES)})")
+    dtype, layout = KV_TYPES[kv_type]
+    return TensorType((ctx, kv_dim), dtype, layout)
+
+
 def f32(*shape: Dim) -> TensorType:
     return TensorType(tuple(shape), "f32")
 

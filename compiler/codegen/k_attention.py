@@ -18,16 +18,38 @@ Per unit, two passes over the visible positions:
 Vectors over head_dim have the largest power-of-two width <= the target's
 that divides head_dim, so any head_dim works without a scalar tail (8 ->
 <8 x float>, 24 -> 3 x <8 x float>, 6 -> 3 x <2 x float>).
+
+The cache holds f32, f16 or q8 (``--kv-type``). f16 rows are widened as
+they are loaded (fpext). A q8 row is Q8_0 blocks (float16 scale d, 32 int8 q;
+head_dim is a multiple of 32, so a head is whole blocks): k_j . q is summed
+per block over the integers (sitofp) and scaled by d once per block, and the
+weighted sum adds (p_j * d) * q per block. Equal to the reference's d * q
+values up to float rounding order.
 """
 from __future__ import annotations
 
 import llvmlite.ir as ir
 
-from .emit import KernelBuilder, exp_poly, fconst, fmuladd, hsum_many, i64, pow2_divisor
+from .emit import F32, KernelBuilder, exp_poly, fconst, fmuladd, hsum_many, i64, pow2_divisor
 from .kernels import KernelSig, kernel
 
-#: positions per block in the score / weighted-sum passes
+#: positions per block in the score / weighted-sum passes (the kernel
+#: attribute ``unroll`` replaces it: ``lmc kernel`` tries other blocks)
 BLOCK = 8
+HALF = ir.HalfType()
+#: a q8 cache block: 32 values, float16 scale + 32 int8
+QK, Q8_BYTES = 32, 34
+
+
+def cache_kind(t) -> str:
+    """How a KV cache of type ``t`` is stored: "f32", "f16" or "q8"."""
+    if t.layout is None and t.dtype in ("f32", "f16"):
+        return t.dtype
+    if t.layout == "Q8_0":
+        return "q8"
+    if t.layout == "F32" and t.dtype == "f32":
+        return "f32"
+    raise NotImplementedError(f"attention: native kernel reads f32, f16 or Q8_0 caches, got {t}")
 
 
 def scratch_floats(sig: KernelSig) -> int:
@@ -47,20 +69,37 @@ def emit_attention(kb: KernelBuilder, sig: KernelSig) -> None:
     window = int(a.get("window", 0) or 0)
     group = H // KVH
     qt, kt, vt = sig.in_types[:3]
-    for t in (qt, kt, vt):
-        if t.dtype != "f32" or (t.layout or "F32") != "F32":
-            raise NotImplementedError(f"attention: native kernel needs f32 operands, got {t}")
+    if qt.dtype != "f32" or (qt.layout or "F32") != "F32":
+        raise NotImplementedError(f"attention: native kernel needs f32 queries, got {qt}")
+    kind = cache_kind(kt)
+    if vt != kt:
+        raise NotImplementedError(f"attention: K and V caches differ ({kt}, {vt})")
     stride = KVH * hd  # floats per cache row
+    # cache elements (f32/f16) or bytes (q8) per row, and per kv head
+    row_step, head_step = stride, hd
+    if kind == "q8":
+        if hd % QK:
+            raise NotImplementedError(f"attention: a q8 cache needs head_dim a multiple of {QK}, got {hd}")
+        row_step, head_step = stride // QK * Q8_BYTES, hd // QK * Q8_BYTES
 
     wd = pow2_divisor(hd, kb.vw)  # vector width over head_dim
     nvec = hd // wd
-    B = BLOCK
+    B = int(a.get("unroll", BLOCK))  # positions per block; an override from ``lmc kernel``
+    if B < 1 or B & (B - 1) or B > 64:
+        raise NotImplementedError(f"attention: positions per block must be a power of two <= 64, got {B}")
+    kb.tuning["unroll"] = B
 
     units = b.mul(kb.rows_of(qt.shape), i64(H))
     lo, hi = kb.thread_share(units)
     q = kb.in_f32(0)
-    kc = kb.in_f32(1)
-    vc = kb.in_f32(2)
+    if kind == "f32":
+        kc = kb.in_f32(1)
+        vc = kb.in_f32(2)
+    elif kind == "f16":
+        kc = b.bitcast(kb.in_raw[1], ir.PointerType(HALF))
+        vc = b.bitcast(kb.in_raw[2], ir.PointerType(HALF))
+    else:
+        kc, vc = kb.in_raw[1], kb.in_raw[2]
     out = kb.out_f32()
     sc = kb.fptr(kb.scratch)
     scale_s = fconst(scale)
@@ -74,19 +113,42 @@ def emit_attention(kb: KernelBuilder, sig: KernelSig) -> None:
         start = kb.imax(b.sub(end, i64(window)), i64(0)) if window else i64(0)
         n = b.sub(end, start)
         nb = b.and_(n, i64(-B))  # positions covered by whole blocks
-        first = b.add(b.mul(start, i64(stride)), b.mul(kvh, i64(hd)))
-        kbase = kb.gep(kc, first)  # position start+j at kbase + j*stride
+        first = b.add(b.mul(start, i64(row_step)), b.mul(kvh, i64(head_step)))
+        kbase = kb.gep(kc, first)  # position start+j at kbase + j*row_step
         vbase = kb.gep(vc, first)
         qp = kb.gep(q, b.mul(u, i64(hd)))
         op = kb.gep(out, b.mul(u, i64(hd)))
         qv = [kb.vload(qp, c * wd, wd) for c in range(nvec)]
 
+        def load(p: ir.Value, idx: int) -> ir.Value:
+            """<wd x float> of an f32 or f16 cache row."""
+            v = kb.vload(p, idx, wd)
+            return v if kind == "f32" else b.fpext(v, ir.VectorType(F32, wd))
+
+        def q8_blocks(p: ir.Value):
+            """Per block of a q8 head slice at byte pointer p: its scale (a
+            float) and its quants as <wd x float> pieces."""
+            for blk in range(hd // QK):
+                bp = kb.gep(p, blk * Q8_BYTES)
+                d = b.fpext(b.load(b.bitcast(bp, ir.PointerType(HALF)), align=2), F32)
+                yield blk, d, [b.sitofp(kb.vload(bp, 2 + k * wd, wd), ir.VectorType(F32, wd))
+                               for k in range(QK // wd)]
+
         def dot(j: ir.Value) -> ir.Value:
             """<wd x float> partial products of k_j . q (lanes still to sum)."""
-            kp = kb.gep(kbase, b.mul(j, i64(stride)))
-            acc = kb.fmul(kb.vload(kp, 0, wd), qv[0])
+            kp = kb.gep(kbase, b.mul(j, i64(row_step)))
+            if kind == "q8":
+                acc = None
+                for blk, d, qs in q8_blocks(kp):
+                    c0 = blk * (QK // wd)
+                    s = kb.fmul(qs[0], qv[c0])
+                    for k in range(1, len(qs)):
+                        s = fmuladd(kb, qs[k], qv[c0 + k], s)
+                    acc = kb.fmul(s, kb.splat(d, wd)) if acc is None else fmuladd(kb, s, kb.splat(d, wd), acc)
+                return acc
+            acc = kb.fmul(load(kp, 0), qv[0])
             for c in range(1, nvec):
-                acc = fmuladd(kb, kb.vload(kp, c * wd, wd), qv[c], acc)
+                acc = fmuladd(kb, load(kp, c * wd), qv[c], acc)
             return acc
 
         # pass 1: scores and their max
@@ -108,9 +170,17 @@ def emit_attention(kb: KernelBuilder, sig: KernelSig) -> None:
         zero_acc = [fconst(0.0, wd)] * nvec
 
         def accumulate(accs: list[ir.Value], pj: ir.Value, j: ir.Value) -> list[ir.Value]:
-            vp = kb.gep(vbase, b.mul(j, i64(stride)))
+            vp = kb.gep(vbase, b.mul(j, i64(row_step)))
+            if kind == "q8":
+                accs = list(accs)
+                for blk, d, qs in q8_blocks(vp):
+                    ps = kb.splat(kb.fmul(pj, d), wd)
+                    for k, qf in enumerate(qs):
+                        c = blk * (QK // wd) + k
+                        accs[c] = fmuladd(kb, ps, qf, accs[c])
+                return accs
             ps = kb.splat(pj, wd)
-            return [fmuladd(kb, ps, kb.vload(vp, c * wd, wd), accs[c]) for c in range(nvec)]
+            return [fmuladd(kb, ps, load(vp, c * wd), accs[c]) for c in range(nvec)]
 
         with kb.loop_carry(0, nb, [fconst(0.0, B)] + zero_acc, step=B, name="vb") as (j, cur, setv):
             pv = exp_poly(kb, kb.fsub(kb.vload(sc, j, B), mx_v))

@@ -3,7 +3,9 @@
 rmsnorm and rope split "units" (rows, or rows x chunks/heads) between threads;
 take_last and kv_write are copies split by elements. Constant lengths are
 covered with explicit vectors whose width divides the length (see
-``pow2_divisor``), so there is no scalar tail to get wrong.
+``pow2_divisor``), so there is no scalar tail to get wrong. rmsnorm's number
+of sum-of-squares accumulators comes from the row length unless the kernel
+attribute ``unroll`` sets it (``lmc kernel``).
 """
 from __future__ import annotations
 
@@ -59,6 +61,10 @@ def emit_rmsnorm(kb: KernelBuilder, sig: KernelSig) -> None:
     vw = pow2_divisor(m, kb.vw)
     nv = m // vw
     unroll = 4 if nv >= 8 and nv % 4 == 0 else (2 if nv >= 4 and nv % 2 == 0 else 1)
+    unroll = int(sig.attr.get("unroll", unroll))  # an override from ``lmc kernel``
+    if unroll < 1 or nv % unroll:
+        raise NotImplementedError(f"rmsnorm: unroll {unroll} does not divide the {nv} vectors of a row")
+    kb.tuning["unroll"] = unroll
     with kb.loop(lo, hi, name="unit") as u:
         base = b.mul(u, i64(m))
         xr = kb.gep(x, base)
@@ -193,9 +199,14 @@ def emit_kv_write(kb: KernelBuilder, sig: KernelSig) -> None:
     """cache[pos + r] = x[r]. ``out`` and ``in0`` are both the cache; x is in1,
     pos comes in the kernel's pos argument. NO bounds check: the runtime
     guarantees 0 <= pos and pos + rows <= cache length (as kv_write_ref
-    would raise)."""
+    would raise). f16 and q8 caches convert on store (``_kv_write_f16``,
+    ``_kv_write_q8``); an f32 cache is a copy."""
     b = kb.b
     ct, xt = sig.in_types[0], sig.in_types[1]
+    if ct.layout == "Q8_0" or (ct.layout is None and ct.dtype == "f16"):
+        _check_f32(xt, "kv_write x")
+        (_kv_write_q8 if ct.layout else _kv_write_f16)(kb, int(ct.shape[1]), xt)
+        return
     _check_f32(ct, "kv_write cache")
     _check_f32(xt, "kv_write x")
     d = int(ct.shape[1])
@@ -208,3 +219,45 @@ def emit_kv_write(kb: KernelBuilder, sig: KernelSig) -> None:
         memcpy(kb, b.bitcast(dst, kb.out_raw.type), b.bitcast(src, kb.out_raw.type),
                b.mul(b.sub(hi, lo), i64(4)))
 
+
+
+HALF = ir.HalfType()
+QK, Q8_BYTES = 32, 34
+
+
+def _kv_write_f16(kb: KernelBuilder, d: int, xt) -> None:
+    """f32 -> f16 (fptrunc: round to nearest even, overflow to inf), split
+    between threads in vectors of the widest power of two dividing a row."""
+    b = kb.b
+    w = pow2_divisor(d, kb.vw)
+    lo, hi = kb.thread_share(b.mul(kb.rows_of(xt.shape), i64(d // w)))
+    src = kb.fptr(kb.in_raw[1])
+    dst = kb.gep(b.bitcast(kb.out_raw, ir.PointerType(HALF)), b.mul(kb.pos, i64(d)))
+    with kb.loop(lo, hi, name="cv") as u:
+        off = b.mul(u, i64(w))
+        kb.vstore(b.fptrunc(kb.vload(src, off, w), ir.VectorType(HALF, w)), dst, off)
+
+
+def _kv_write_q8(kb: KernelBuilder, d: int, xt) -> None:
+    """Q8_0 blocks, split between threads by block, quantized exactly as
+    ``ir.ops.quantize_q8_rows``: d = f16(amax / 127), q = rint(x * (127 / amax))
+    (no fast-math: the divisions and products round as numpy's)."""
+    b = kb.b
+    if d % QK:
+        raise NotImplementedError(f"kv_write: a q8 cache row of {d} values is not whole blocks of {QK}")
+    nbr = d // QK
+    lo, hi = kb.thread_share(b.mul(kb.rows_of(xt.shape), i64(nbr)))
+    src = kb.fptr(kb.in_raw[1])
+    first = b.mul(kb.pos, i64(nbr))  # block index of cache row pos
+    c127 = ir.Constant(F32, 127.0)
+    with kb.loop(lo, hi, name="qb") as j:
+        xv = kb.vload(src, b.mul(j, i64(QK)), QK)
+        amax = kb.hmax(kb.intrinsic("llvm.fabs", [xv]))
+        scale = b.fptrunc(b.fdiv(amax, c127), HALF)
+        inv = b.select(b.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)), b.fdiv(c127, amax),
+                       ir.Constant(F32, 0.0))
+        q = b.fptosi(kb.intrinsic("llvm.roundeven", [b.fmul(xv, kb.splat(inv, QK))]),
+                     ir.VectorType(ir.IntType(8), QK))
+        bp = kb.gep(kb.out_raw, b.mul(b.add(first, j), i64(Q8_BYTES)))
+        b.store(scale, b.bitcast(bp, ir.PointerType(HALF)), align=2)
+        kb.vstore(q, bp, 2)
