@@ -61,6 +61,10 @@ class KernelBuilder:
         self.pos, self.T, self.tid, self.nthreads, self.scratch = a[1 + N_INPUTS:]
         self.b = ir.IRBuilder(self.fn.append_basic_block("entry"))
         self.vw = vector_width
+        #: the code generator parameters an emitter chose (rows per tile,
+        #: unroll ...), recorded for ``lmc kernel``; the emitters read
+        #: overrides from optional kernel attributes of the same names
+        self.tuning: dict[str, int] = {}
 
     # --- pointers ---------------------------------------------------------
     def fptr(self, raw: ir.Value) -> ir.Value:

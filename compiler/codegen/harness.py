@@ -6,6 +6,8 @@ Tests compare every kernel with its op's numpy reference this way, and
 from __future__ import annotations
 
 import ctypes
+import threading
+import time
 from typing import Any, Sequence
 
 import llvmlite.ir as ir
@@ -17,6 +19,7 @@ from ir.types import TensorType
 from .emit import I8P, I64, KERNEL_TYPE, N_INPUTS, VOID
 from .jit import LoadedCode, emit_object
 from .kernels import KernelSig, emit_kernel
+from .lower import STEP_TYPE, Ctl, _Lowering
 from .target import host_target
 
 _CFUNC = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * (1 + N_INPUTS)), *([ctypes.c_int64] * 4),
@@ -82,3 +85,158 @@ def sig_for(op: str, in_types: Sequence[TensorType], **attrs: Any) -> KernelSig:
     """The signature of ``op`` applied to ``in_types`` (output from the rule)."""
     out = get_op(op).infer(list(in_types), attrs)
     return KernelSig(op, tuple(in_types), out, tuple(sorted(attrs.items())))
+
+
+def scratch_floats_for(sig: KernelSig) -> int:
+    """Per-thread scratch (float32 elements) a kernel of ``sig`` needs, by
+    the rules of the kernel families that use scratch."""
+    from . import k_attention, k_matmul_int, k_norm_rope
+
+    return max(k_attention.scratch_floats(sig), k_matmul_int.scratch_floats(sig),
+               k_norm_rope.scratch_floats(sig))
+
+
+#: control-block slots of the lab step, after the runtime's own (``Ctl``)
+_LAB_OUT, _LAB_IN, _LAB_REPS, _LAB_ROT_STRIDE, _LAB_ROT_COPIES, _LAB_ROT_START = 32, 33, 37, 38, 39, 40
+_LAB_SLOTS = 48
+#: runners whose workers did not stop in time: kept alive for the process
+_LEAKED: list = []
+_RUN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_WORKER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
+
+
+class ThreadedKernel:
+    """One kernel run on N threads the way the runtime runs a step: the same
+    entry points as a compiled model (``lmc_run`` for the calling thread,
+    ``lmc_worker`` waiting in native code for the others, the same barrier
+    after each call), around a step that calls the kernel ``reps`` times.
+
+    ``rotate`` (an input index) makes call r read that operand from copy
+    (start + r) % copies of a buffer of ``copies`` equal copies: a weight
+    larger in total than the caches is read from memory on every call, as a
+    decode step reads each weight once, instead of from cache."""
+
+    def __init__(self, sig: KernelSig, vector_width: int | None = None, threads: int = 1,
+                 rotate: int | None = None, level: int = 3) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        target = host_target()
+        self.sig = sig
+        self.vector_width = vector_width or target.vector_width
+        self.threads = threads
+        self.rotate = rotate
+        low = _Lowering(target, self.vector_width)
+        self.tuning: dict[str, int] = {}
+        fn = emit_kernel(low.module, sig, self.vector_width, self.tuning)
+        low.entry_points([self._step(low, fn)])
+        self.code = LoadedCode(emit_object(low.module, target, level), target)
+        self._run = _RUN(self.code.address("lmc_run"))
+        self._worker = _WORKER(self.code.address("lmc_worker"))
+        self._stop = _RUN(self.code.address("lmc_stop"))
+        self._stride = (scratch_floats_for(sig) + 64 + 15) // 16 * 16 * 4  # bytes, 64-byte multiples
+        self._scratch = _aligned_bytes(self._stride * threads)
+        self.ctl = _aligned_bytes(_LAB_SLOTS * 8).view(np.int64)
+        c = self.ctl
+        c[Ctl.NTHREADS] = threads
+        c[Ctl.SCRATCH] = self._scratch.ctypes.data
+        c[Ctl.SCRATCH_STRIDE] = self._stride
+        c[_LAB_ROT_COPIES] = 1
+        self._keep: list = []
+        self._workers = [threading.Thread(target=self._worker, args=(c.ctypes.data, t), daemon=True)
+                         for t in range(1, threads)]
+        for w in self._workers:
+            w.start()
+
+    def _step(self, low: _Lowering, fn: ir.Function) -> ir.Function:
+        """``step_lab(ctl, tid)``: for r in 0..reps: kernel(...); barrier."""
+        step = ir.Function(low.module, STEP_TYPE, "step_lab")
+        step.linkage = "internal"
+        ctl, tid = step.args
+        b = ir.IRBuilder(step.append_basic_block("entry"))
+
+        def slot(i: int) -> ir.Value:
+            return b.load(b.gep(ctl, [ir.Constant(I64, i)], inbounds=True))
+
+        def ptr(i: int) -> ir.Value:
+            return b.inttoptr(slot(i), I8P)
+
+        out = ptr(_LAB_OUT)
+        ins = [ptr(_LAB_IN + i) for i in range(N_INPUTS)]
+        pos, T, nt = slot(Ctl.POS), slot(Ctl.T), slot(Ctl.NTHREADS)
+        reps = slot(_LAB_REPS)
+        rstride, copies, rstart = slot(_LAB_ROT_STRIDE), slot(_LAB_ROT_COPIES), slot(_LAB_ROT_START)
+        scratch = b.gep(ptr(Ctl.SCRATCH), [b.mul(tid, slot(Ctl.SCRATCH_STRIDE))], inbounds=True)
+        pre = b.block
+        head, body, done = (step.append_basic_block(s) for s in ("rep.head", "rep.body", "rep.done"))
+        b.branch(head)
+        b.position_at_end(head)
+        r = b.phi(I64, "r")
+        r.add_incoming(ir.Constant(I64, 0), pre)
+        b.cbranch(b.icmp_signed("<", r, reps), body, done)
+        b.position_at_end(body)
+        args = list(ins)
+        if self.rotate is not None:
+            copy = b.urem(b.add(rstart, r), copies)
+            args[self.rotate] = b.gep(ins[self.rotate], [b.mul(copy, rstride)])
+        b.call(fn, [out, *args, pos, T, tid, nt, scratch])
+        b.call(low.barrier, [ctl])
+        r.add_incoming(b.add(r, ir.Constant(I64, 1)), b.block)
+        b.branch(head)
+        b.position_at_end(done)
+        b.ret_void()
+        return step
+
+    def set_operands(self, out: np.ndarray, inputs: Sequence[Any], pos: int = 0, T: int = 1,
+                     copies: int = 1) -> None:
+        """Point the kernel at ``out`` and ``inputs`` (kept alive here). With
+        ``rotate``, that input holds ``copies`` equal copies back to back."""
+        keep = [_array(x) for x in inputs]
+        c = self.ctl
+        c[_LAB_OUT] = out.ctypes.data
+        for i in range(N_INPUTS):
+            a = keep[i] if i < len(keep) else None
+            c[_LAB_IN + i] = 0 if a is None else a.ctypes.data
+        c[Ctl.POS], c[Ctl.T] = int(pos), int(T)
+        if self.rotate is not None:
+            total = keep[self.rotate].nbytes
+            if copies < 1 or total % copies:
+                raise ValueError(f"{total} bytes are not {copies} equal copies")
+            c[_LAB_ROT_STRIDE], c[_LAB_ROT_COPIES] = total // copies, copies
+        self._keep = [out, keep]
+
+    def run(self, reps: int = 1) -> float:
+        """Call the kernel ``reps`` times on every thread; the wall time in
+        seconds of the whole batch."""
+        c = self.ctl
+        c[_LAB_REPS] = reps
+        t0 = time.perf_counter()
+        self._run(c.ctypes.data)
+        dt = time.perf_counter() - t0
+        c[_LAB_ROT_START] = (int(c[_LAB_ROT_START]) + reps) % max(1, int(c[_LAB_ROT_COPIES]))
+        return dt
+
+    def close(self) -> None:
+        """Stop the workers (they must not outlive the code they run)."""
+        workers = getattr(self, "_workers", None)
+        if workers:
+            self._stop(self.ctl.ctypes.data)
+            for w in workers:
+                w.join(timeout=10)
+            if any(w.is_alive() for w in workers):  # never free code a thread may still run
+                _LEAKED.append((self.code, self.ctl, self._scratch, self._keep, workers))
+            self._workers = []
+
+    def __enter__(self) -> "ThreadedKernel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _aligned_bytes(nbytes: int, align: int = 64) -> np.ndarray:
+    raw = np.zeros(nbytes + align, np.uint8)
+    off = (-raw.ctypes.data) % align
+    return raw[off: off + nbytes]

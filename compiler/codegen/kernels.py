@@ -68,11 +68,15 @@ def load_emitters() -> None:
             importlib.import_module(f"{__package__}.{m.name}")
 
 
-def emit_kernel(module, sig: KernelSig, vector_width: int):
-    """Emit ``sig``'s kernel function into ``module`` (llvmlite ir.Module)."""
+def emit_kernel(module, sig: KernelSig, vector_width: int, tuning: dict[str, int] | None = None):
+    """Emit ``sig``'s kernel function into ``module`` (llvmlite ir.Module).
+    ``tuning``, if given, receives the parameters the emitter chose
+    (``KernelBuilder.tuning``: what ``lmc kernel`` reports and may override)."""
     load_emitters()
     if sig.op not in EMITTERS:
         raise NotImplementedError(f"no native kernel for op {sig.op!r}")
     kb = KernelBuilder(module, sig.name, vector_width)
     EMITTERS[sig.op](kb, sig)
+    if tuning is not None:
+        tuning.update(kb.tuning)
     return kb.finish()

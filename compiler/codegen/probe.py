@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import statistics
 import threading
 import time
 
@@ -125,31 +124,129 @@ def measure_read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5
     buf.fill(1.0)  # touched once: page faults stay out of the timing
     outs = np.zeros(threads * 16, np.float32)  # one cache line each
     base, out_base = buf.ctypes.data, outs.ctypes.data
-    start = threading.Barrier(threads + 1)
-    end = threading.Barrier(threads + 1)
+    start = threading.Barrier(threads)
     rounds = repeats + 1  # the first pass warms up (TLB, frequency) and is not counted
+    spans = np.zeros((rounds, threads, 2))
 
     def work(t: int) -> None:
-        for _ in range(rounds):
+        # each worker times its own pass; a pass spans the first start to the
+        # last end (a main thread that only waited could be descheduled past
+        # the whole pass on a busy machine and time nothing)
+        for r in range(rounds):
             start.wait()
+            spans[r, t, 0] = time.perf_counter()
             pr.fn(base + t * share * 4, share, out_base + t * 64)
-            end.wait()
+            spans[r, t, 1] = time.perf_counter()
 
     workers = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(threads)]
     for w in workers:
         w.start()
-    times = []
-    try:
-        for r in range(rounds):
-            start.wait()
-            t0 = time.perf_counter()
-            end.wait()
-            if r:
-                times.append(time.perf_counter() - t0)
-    finally:
-        for w in workers:
-            w.join()
+    for w in workers:
+        w.join()
+    times = spans[1:, :, 1].max(axis=1) - spans[1:, :, 0].min(axis=1)
     expect = float(share)
     if not np.allclose(outs[::16], expect, rtol=1e-3):
         raise RuntimeError(f"the probe summed {outs[::16]}, expected {expect}: miscompiled?")
-    return share * threads * 4 / statistics.median(times) / 1e9
+    return share * threads * 4 / float(np.median(times)) / 1e9
+
+
+# --- compute peak ---------------------------------------------------------------------------
+#: independent FMA chains per thread: FMA latency (4 cycles) x 2 pipes needs
+#: 8 in flight; a few more hide issue jitter and stay within 16 registers
+FMA_CHAINS = 12
+_FMA_PROTO = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_void_p)
+
+
+def _fma_module(width: int, chains: int = FMA_CHAINS) -> ir.Module:
+    """``void lmc_probe_fma(i64 iters, float* out)``: ``chains`` independent
+    vector chains a = fma(a, m, c), ``iters`` times; out[0] = a lane sum (so
+    nothing is dead). The values converge to c / (1 - m): no denormals."""
+    m = ir.Module(name="lmc_probe_fma")
+    fn = ir.Function(m, ir.FunctionType(VOID, [I64, F32P]), "lmc_probe_fma")
+    fn.attributes.add("nounwind")
+    iters, out = fn.args
+    vt = ir.VectorType(F32, width)
+    fma = ir.Function(m, ir.FunctionType(vt, [vt, vt, vt]), f"llvm.fma.v{width}f32")
+    mul = ir.Constant(vt, [0.999] * width)
+    add = ir.Constant(vt, [1e-3] * width)
+    entry, head, body, done = (fn.append_basic_block(s) for s in ("entry", "head", "body", "done"))
+    b = ir.IRBuilder(entry)
+    b.branch(head)
+    b.position_at_end(head)
+    i = b.phi(I64, "i")
+    i.add_incoming(ir.Constant(I64, 0), entry)
+    acc = []
+    for k in range(chains):
+        a = b.phi(vt)
+        a.add_incoming(ir.Constant(vt, [0.01 * (k + 1)] * width), entry)
+        acc.append(a)
+    b.cbranch(b.icmp_signed("<", i, iters), body, done)
+    b.position_at_end(body)
+    new = [b.call(fma, [a, mul, add]) for a in acc]
+    i.add_incoming(b.add(i, ir.Constant(I64, 1)), body)
+    for a, v in zip(acc, new):
+        a.add_incoming(v, body)
+    b.branch(head)
+    b.position_at_end(done)
+    total = acc[0]
+    for a in acc[1:]:
+        total = b.fadd(total, a)
+    s = b.extract_element(total, ir.Constant(I64, 0))
+    for lane in range(1, width):
+        s = b.fadd(s, b.extract_element(total, ir.Constant(I64, lane)))
+    b.store(s, out)
+    b.ret_void()
+    return m
+
+
+class _FmaProbe:
+    def __init__(self) -> None:
+        target = host_target()
+        self.width = target.vector_width
+        self.flops_per_iter = 2 * self.width * FMA_CHAINS
+        self.code = LoadedCode(emit_object(_fma_module(self.width), target, 2), target)
+        self.fn = _FMA_PROTO(self.code.address("lmc_probe_fma"))
+
+
+@functools.cache
+def _fma_probe() -> _FmaProbe:
+    """Compiled once per process."""
+    return _FmaProbe()
+
+
+@functools.cache
+def measure_peak_gflops(threads: int, seconds: float = 0.02, repeats: int = 5) -> float:
+    """Peak float32 GFLOP/s (an FMA is 2 FLOPs) of ``threads`` threads each
+    running independent vector FMA chains at the host's vector width for
+    about ``seconds``: the fastest of ``repeats`` concurrent runs (a peak:
+    slower runs are other work on the machine). Cached per process and
+    thread count: it is the machine's, not the kernel's."""
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    pr = _fma_probe()
+    outs = np.zeros(threads * 16, np.float32)
+    out_base = outs.ctypes.data
+    t0 = time.perf_counter()
+    pr.fn(100_000, out_base)
+    per_iter = max(time.perf_counter() - t0, 1e-6) / 100_000
+    iters = max(10_000, int(seconds / per_iter))
+    rounds = repeats + 1  # the first round warms up (frequency) and is not counted
+    start = threading.Barrier(threads)
+    spans = np.zeros((rounds, threads, 2))
+
+    def work(t: int) -> None:
+        # each worker times itself: a main thread that only waits may be
+        # descheduled past the whole round and measure nothing
+        for r in range(rounds):
+            start.wait()
+            spans[r, t, 0] = time.perf_counter()
+            pr.fn(iters, out_base + t * 64)
+            spans[r, t, 1] = time.perf_counter()
+
+    workers = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    times = spans[1:, :, 1].max(axis=1) - spans[1:, :, 0].min(axis=1)
+    return iters * pr.flops_per_iter * threads / float(times.min()) / 1e9
