@@ -23,18 +23,26 @@ class CompileOptions:
     ctx: int | None = None            # KV cache length; default: the model's context
     passes: tuple[str, ...] | None = None   # default: default_pipeline(backend)
     dump_dir: str | None = None
+    dump_after: str | None = None     # with dump_dir: one pass's input and output only, or "all"
+    kv_type: str = "f32"              # KV cache storage: f32, f16 or q8 (ir.types.KV_TYPES)
+    split_rows: dict[str, int] | None = None  # weights streamed in row blocks (memory plan)
 
 
 def model_graph(model: LoadedModel, mode: str, options: CompileOptions | None = None,
                 all_logits: bool = False, stop_after: str | None = None, run_passes: bool = True) -> Graph:
     """One graph of ``model`` (decode or prefill), after the pass pipeline."""
     options = options or CompileOptions()
-    g = build_graph(model.config, model.weights, mode, ctx=options.ctx, all_logits=all_logits, name=model.name)
+    g = build_graph(model.config, model.weights, mode, ctx=options.ctx, all_logits=all_logits, name=model.name,
+                    kv_type=options.kv_type)
     if not run_passes:
         return g
-    dump = os.path.join(options.dump_dir, g.name) if options.dump_dir else None
+    # prefill and prefill_all share a graph name; their dumps must not
+    dump = os.path.join(options.dump_dir, g.name + ("_all" if all_logits else "")) if options.dump_dir else None
     names = options.passes if options.passes is not None else default_pipeline(options.backend)
-    return run_pipeline(g, names, dump_dir=dump, stop_after=stop_after)
+    if options.split_rows:
+        g.meta["split_rows"] = dict(options.split_rows)
+        names = tuple(names) + ("split_rows",)
+    return run_pipeline(g, names, dump_dir=dump, stop_after=stop_after, dump_after=options.dump_after)
 
 
 def build_graphs(model: LoadedModel, options: CompileOptions | None = None) -> dict[str, Graph]:

@@ -13,8 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import llvmlite
-import llvmlite.binding as llvm
+import llvmlite   # the package only: llvmlite.binding (LLVM itself) loads when code is generated
 
 from frontends.loader import LoadedModel
 from ir.ops import get_op
@@ -24,8 +23,9 @@ from passes.plan_arena import plan_arena
 from . import cache
 from .artifact import FORMAT_VERSION, Artifact, ArtifactError, file_fingerprint
 from .codegen.jit import emit_object
-from .codegen.lower import lower_graphs
+from .codegen.lower import PROFILE_HEADER, lower_graphs
 from .codegen.target import Target, host_target
+from .memory import plan_manifest
 from .driver import CompileOptions, build_graphs
 
 LMC_VERSION = "0.1.0"
@@ -40,7 +40,18 @@ class NativeOptions:
     opt_level: int = 3
     use_cache: bool = True
     dump_dir: str | None = None
+    dump_after: str | None = None   # with dump_dir: one pass's input and output only, or "all"
     passes: tuple[str, ...] | None = None   # default: default_pipeline("llvm")
+    kv_type: str = "f32"    # KV cache storage: f32, f16 or q8 (ir.types.KV_TYPES)
+    profile: bool = False   # time every op (lmc profile); never served to a normal run
+    mem_budget: int | None = None   # bytes of peak RSS the process may use (passes/memory_budget)
+    stream: str | None = None       # "layers" / "all": stream at least these weights, budget or not
+    head_rows: int | None = None    # rows per streamed head block (default: about a layer's bytes)
+    stream_io: str = "pread"        # pread: copy into two buffers; mmap: map in place, unmap after use
+    lookup_only: bool = False       # return None on a cache miss instead of compiling
+    auto_ctx: bool = False          # with a budget: the planner may shorten the context
+    auto_kv: bool = False           # with a budget: the planner picks the KV cache dtype
+    threads: int | None = None      # for the budget's scratch estimate (default: the cores)
 
 
 @dataclass
@@ -49,6 +60,7 @@ class CompileResult:
     cached: bool
     seconds: float
     cache_path: str | None = None
+    graphs: dict | None = None   # the planned graphs, by entry name
 
 
 def _scratch_floats(graphs: dict, ctx: int) -> int:
@@ -87,31 +99,35 @@ def _target_info(t: Target) -> dict[str, Any]:
     return {"cpu": t.cpu, "features": t.features, "triple": t.triple}
 
 
-def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> CompileResult:
+def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> CompileResult | None:
     """Build (or fetch from the cache) the native code for ``model``."""
     o = options or NativeOptions()
     t0 = time.perf_counter()
     target = host_target()
-    ctx = o.ctx or model.config.seq_len
-    chunk = max(1, min(o.prefill_chunk, ctx))
-    graphs = build_graphs(model, CompileOptions(backend="llvm", ctx=ctx, dump_dir=o.dump_dir, passes=o.passes))
-    symbols = {"T": chunk}
-    plans = {name: plan_arena(g, symbols) for name, g in graphs.items()}
+    planned = plan_native(model, o)
+    graphs, plans, memory, sched = planned.graphs, planned.plans, planned.memory, planned.schedule
+    ctx, chunk = planned.ctx, planned.chunk
     key = cache.cache_key({
         "graphs": {n: print_graph(g) for n, g in graphs.items()},
-        "chunk": chunk, "vw": o.vector_width, "opt": o.opt_level,
+        "chunk": chunk, "vw": o.vector_width, "opt": o.opt_level, "profile": o.profile,
+        "memory": plan_manifest(memory, sched) if memory else None,
         "target": _target_info(target), "lmc": LMC_VERSION, "format": FORMAT_VERSION,
         "codegen": codegen_fingerprint(),
-        "llvm": list(llvm.llvm_version_info), "llvmlite": llvmlite.__version__,
+        "llvmlite": llvmlite.__version__,   # pins the LLVM version; asking LLVM would load it
     })
     if o.use_cache:
         hit = cache.lookup(key)
         if hit is not None and hit.manifest.get("model", {}).get("size") == os.path.getsize(model.path):
             hit.manifest["model"]["path"] = os.path.abspath(model.path)
             hit.manifest["tokenizer"] = getattr(model.tokenizer, "path", None)
-            return CompileResult(hit, True, time.perf_counter() - t0, cache.cache_path(key))
-    module, entries, state_offsets, state_bytes = lower_graphs(graphs, plans, target, o.vector_width)
+            return CompileResult(hit, True, time.perf_counter() - t0, cache.cache_path(key), graphs)
+    if o.lookup_only:
+        return None
+    module, entries, state_offsets, state_bytes = lower_graphs(graphs, plans, target, o.vector_width,
+                                                               profile=o.profile, stream=sched)
     obj = emit_object(module, target, o.opt_level)
+    import llvmlite.binding as llvm
+
     manifest = {
         "format_version": FORMAT_VERSION,
         "lmc_version": LMC_VERSION,
@@ -123,6 +139,7 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
         "tokenizer": getattr(model.tokenizer, "path", None),
         "config": dataclasses.asdict(model.config),
         "ctx": ctx,
+        "kv_type": next(iter(graphs.values())).meta.get("kv_type", "f32"),
         "prefill_chunk": chunk,
         "entries": {n: {"index": e.index, "output_offset": e.output_offset,
                         "output_shape": list(e.output_shape)} for n, e in entries.items()},
@@ -135,9 +152,72 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
         "kernels": sorted({n.op for g in graphs.values() for n in g.nodes}),
         "updates_state": sorted({n.op for g in graphs.values() for n in g.nodes if get_op(n.op).updates_state}),
     }
+    if o.profile:
+        manifest["profile"] = {"slots": max(e.profile[0] + PROFILE_HEADER + e.profile[1] for e in entries.values()),
+                               "entries": {n: {"base": e.profile[0], "nodes": e.profile[1]}
+                                           for n, e in entries.items()}}
+    if memory is not None:
+        manifest["memory"] = plan_manifest(memory, sched)
     art = Artifact(manifest, obj)
     path = cache.store(key, art) if o.use_cache else None
-    return CompileResult(art, False, time.perf_counter() - t0, path)
+    return CompileResult(art, False, time.perf_counter() - t0, path, graphs)
+
+
+@dataclass
+class NativePlan:
+    """Everything decided before code generation: graphs, arena plans, the
+    memory plan and stream schedule (with a budget), the KV length."""
+
+    graphs: dict
+    plans: dict
+    memory: Any
+    schedule: Any
+    ctx: int
+    chunk: int
+
+
+def plan_native(model: LoadedModel, o: NativeOptions) -> NativePlan:
+    """The planning half of ``compile_native`` (``lmc plan`` stops here)."""
+    ctx = o.ctx or model.config.seq_len
+    chunk = max(1, min(o.prefill_chunk, ctx))
+    graphs = build_graphs(model, CompileOptions(backend="llvm", ctx=ctx, dump_dir=o.dump_dir, passes=o.passes,
+                                                kv_type=o.kv_type, dump_after=o.dump_after))
+    symbols = {"T": chunk}
+    plans = {name: plan_arena(g, symbols) for name, g in graphs.items()}
+    memory, sched = None, None
+    if o.mem_budget is not None or o.stream:
+        memory, sched, graphs, plans, ctx = _fit_budget(model, o, graphs, plans, ctx, symbols)
+    return NativePlan(graphs, plans, memory, sched, ctx, chunk)
+
+
+def _fit_budget(model: LoadedModel, o: NativeOptions, graphs: dict, plans: dict, ctx: int,
+                symbols: dict) -> tuple:
+    """Plan memory for ``o.mem_budget``; rebuild the graphs when the plan
+    changes the KV cache or splits the head. Raises BudgetError."""
+    from passes.memory_budget import plan_memory
+    from passes.stream_schedule import build_schedule
+
+    from .memory import model_sizes
+
+    sizes = model_sizes(model, graphs, plans, _scratch_floats(graphs, 0), 2 << 20, ctx)
+    kv = getattr(o, "kv_type", None)
+    mp = plan_memory(sizes, o.mem_budget, o.threads or os.cpu_count() or 1,
+                     ctx=None if o.auto_ctx else ctx, kv_type=None if (o.auto_kv or not kv) else kv,
+                     stream=o.stream)
+    if o.head_rows and mp.stream_head:
+        mp.head_rows = o.head_rows
+    split = {name: mp.head_rows for name in mp.stream_head}
+    cur_kv = next(iter(graphs.values())).meta.get("kv_type", "f32")
+    if mp.ctx != ctx or mp.kv_type != cur_kv or split:
+        graphs = build_graphs(model, CompileOptions(backend="llvm", ctx=mp.ctx, dump_dir=o.dump_dir,
+                                                    passes=o.passes, kv_type=mp.kv_type, split_rows=split,
+                                                    dump_after=o.dump_after))
+        plans = {name: plan_arena(g, symbols) for name, g in graphs.items()}
+    sched = build_schedule(graphs, mp.stream_layers, mp.stream_head, o.stream_io) if mp.streaming else None
+    if sched is not None:  # the exact buffer size, now that the segments are known
+        mp.buffer_bytes = sched.buffer_bytes
+        mp.categories["stream buffers"] = 2 * sched.buffer_bytes
+    return mp, sched, graphs, plans, mp.ctx
 
 
 def check_artifact(art: Artifact, name: str, model_path: str | None = None) -> None:

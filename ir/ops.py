@@ -55,19 +55,22 @@ class OpDef:
     name: str
     infer: Callable[[list[TensorType], dict[str, Any]], TensorType]
     ref: Callable[..., np.ndarray]
-    n_inputs: int
+    n_inputs: int            # -1: the shape rule checks the count
     #: True when the op writes into its first (state) operand and returns it.
     updates_state: bool = False
     elementwise: bool = False
+    #: index of an (optional) input whose buffer the output takes over: the
+    #: op fills part of it in place (the arena planner gives both one offset)
+    inplace: int | None = None
 
 
 OPS: dict[str, OpDef] = {}
 
 
 def register(name: str, n_inputs: int, infer: Callable[[list[TensorType], dict[str, Any]], TensorType],
-             updates_state: bool = False, elementwise: bool = False):
+             updates_state: bool = False, elementwise: bool = False, inplace: int | None = None):
     def deco(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
-        OPS[name] = OpDef(name, infer, fn, n_inputs, updates_state, elementwise)
+        OPS[name] = OpDef(name, infer, fn, n_inputs, updates_state, elementwise, inplace)
         return fn
 
     return deco
@@ -155,6 +158,7 @@ def _rope(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
 def _kv_write(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     cache, x, pos = ts
     _need(cache.rank == 2 and x.shape[-1] == cache.shape[1], f"kv_write: {x} does not fit cache {cache}")
+    _kv_cache_ok(cache, "kv_write")
     return cache
 
 
@@ -162,9 +166,20 @@ def _attention(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     q, kc, vc, pos = ts
     h, kvh, hd = attrs["n_heads"], attrs["n_kv_heads"], attrs["head_dim"]
     _need(q.shape[-1] == h * hd, f"attention: {q} is not {h} heads of {hd}")
-    _need(kc.shape == vc.shape and kc.shape[-1] == kvh * hd, f"attention: caches {kc}, {vc} do not fit")
+    _need(kc == vc and kc.shape[-1] == kvh * hd, f"attention: caches {kc}, {vc} do not fit")
+    _kv_cache_ok(kc, "attention")
+    _need(kc.layout is None or hd % QK8 == 0, f"attention: a {kc.layout} cache needs head_dim a multiple of {QK8}")
     _need(h % kvh == 0, f"attention: {h} query heads not a multiple of {kvh} kv heads")
     return TensorType(q.shape, "f32")
+
+
+def _kv_cache_ok(t: TensorType, what: str) -> None:
+    """KV cache storage: f32 or f16 values, or Q8_0 blocks (ir.types.KV_TYPES)."""
+    if t.layout is None:
+        _need(t.dtype in ("f32", "f16"), f"{what}: a KV cache of {t.dtype} is not supported (f32, f16, Q8_0)")
+    else:
+        _need(t.layout == "Q8_0" and isinstance(t.shape[1], int) and t.shape[1] % QK8 == 0,
+              f"{what}: a KV cache {t} is not supported (f32, f16, or Q8_0 rows of whole blocks)")
 
 
 def _take_last(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -228,6 +243,30 @@ def qmatmul_ref(x: np.ndarray, w: WeightData, *, layout: str, act: str | None = 
         out[:, r:r + 4096] = np.einsum("mnb,nb,mb->mn", isum.astype(np.float64),
                                        dw[r:r + 4096].astype(np.float64), dx64)
     return out.astype(np.float32).reshape(xf.shape[:-1] + (n,))
+
+
+def _matmul_rows(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    x, w = ts[:2]
+    part = _matmul([x, w], attrs)
+    row0, total = attrs.get("row0"), attrs.get("n_total")
+    _need(isinstance(row0, int) and isinstance(total, int) and 0 <= row0 and row0 + w.shape[0] <= total,
+          f"qmatmul_rows: rows {row0}+{w.shape[0]} do not fit a result of {total}")
+    out = TensorType(part.shape[:-1] + (total,), "f32")
+    if len(ts) == 3:
+        _need(ts[2] == out, f"qmatmul_rows: accumulator {ts[2]} is not {out}")
+    return out
+
+
+@register("qmatmul_rows", -1, _matmul_rows, inplace=2)
+def qmatmul_rows_ref(x: np.ndarray, w: WeightData, acc: np.ndarray | None = None, *, layout: str,
+                     row0: int, n_total: int, act: str | None = None) -> np.ndarray:
+    """One row block of a split ``qmatmul`` (``passes/split_rows``): rows
+    [row0, row0 + n) of the full [.., n_total] result, written into ``acc``
+    (the blocks before it) in place; rows not written yet are zero."""
+    part = qmatmul_ref(x, w, layout=layout, act=act)
+    out = np.zeros(part.shape[:-1] + (n_total,), np.float32) if acc is None else np.array(acc, np.float32)
+    out[..., row0: row0 + part.shape[-1]] = part
+    return out
 
 
 #: values per block of the integer path, and the weight layouts it reads
@@ -312,14 +351,51 @@ def rope_ref(x: np.ndarray, pos: Any, *, head_dim: int, theta: float, style: str
     return out.reshape(lead + (x.shape[-1],))
 
 
+#: bytes of one Q8_0 block of a q8 KV cache row: float16 scale, 32 int8
+KV_Q8_BLOCK = 2 + QK8
+
+
+def kv_row_width(cache: np.ndarray) -> int:
+    """Values per cache row. A q8 cache is its stored bytes (uint8
+    [ctx, kv_dim / 32 * 34], from ``ir.interp.state_array``)."""
+    if cache.dtype == np.uint8:
+        return cache.shape[1] // KV_Q8_BLOCK * QK8
+    return cache.shape[1]
+
+
+def kv_encode_q8(rows: np.ndarray) -> np.ndarray:
+    """float32 [n, D] -> Q8_0 bytes [n, D / 32 * 34], quantized as
+    ``quantize_q8_rows`` (d = float16(max|x| / 127), q = rint(x * 127 / max|x|))."""
+    n, k = rows.shape
+    d, q = quantize_q8_rows(rows)
+    blk = np.empty((n, k // QK8, KV_Q8_BLOCK), np.uint8)
+    blk[..., :2] = d.astype("<f2").view(np.uint8).reshape(n, k // QK8, 2)
+    blk[..., 2:] = q.view(np.uint8)
+    return blk.reshape(n, -1)
+
+
+def kv_read(cache: np.ndarray, start: int, end: int) -> np.ndarray:
+    """Rows start..end of a cache as float32 (f16 widened, q8 dequantized: d * q)."""
+    part = cache[start:end]
+    if cache.dtype == np.uint8:
+        blk = part.reshape(-1, KV_Q8_BLOCK)
+        d = np.ascontiguousarray(blk[:, :2]).view("<f2").astype(np.float32)
+        q = np.ascontiguousarray(blk[:, 2:]).view(np.int8).astype(np.float32)
+        return (q * d).reshape(end - start, -1)
+    return part if part.dtype == np.float32 else part.astype(np.float32)
+
+
 @register("kv_write", 3, _kv_write, updates_state=True)
 def kv_write_ref(cache: np.ndarray, x: np.ndarray, pos: Any) -> np.ndarray:
-    """Store the new rows at positions pos.. (in place: the cache is state)."""
-    rows = np.asarray(x, np.float32).reshape(-1, cache.shape[1])
+    """Store the new rows at positions pos.. (in place: the cache is state),
+    rounded to the cache's storage: f16 round-to-nearest-even (overflow to
+    inf), q8 per block of 32 (``kv_encode_q8``)."""
+    rows = np.asarray(x, np.float32).reshape(-1, kv_row_width(cache))
     p = int(pos)
     if p < 0 or p + rows.shape[0] > cache.shape[0]:
         raise IndexError(f"kv_write at {p}..{p + rows.shape[0]} outside a cache of {cache.shape[0]}")
-    cache[p: p + rows.shape[0]] = rows
+    with np.errstate(over="ignore"):  # f16 (or a q8 block's f16 scale) overflows to inf, as stored natively
+        cache[p: p + rows.shape[0]] = kv_encode_q8(rows) if cache.dtype == np.uint8 else rows
     return cache
 
 
@@ -337,8 +413,8 @@ def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: Any, *, n_
     for t in range(qs.shape[0]):
         end = p0 + t + 1
         start = max(0, end - window) if window else 0
-        k = kc[start:end].reshape(end - start, n_kv_heads, head_dim)
-        v = vc[start:end].reshape(end - start, n_kv_heads, head_dim)
+        k = kv_read(kc, start, end).reshape(end - start, n_kv_heads, head_dim)
+        v = kv_read(vc, start, end).reshape(end - start, n_kv_heads, head_dim)
         for h in range(n_heads):
             kv = h // group
             sc = (k[:, kv, :] @ qs[t, h]) * np.float32(scale)
@@ -388,3 +464,19 @@ def scale_ref(x: np.ndarray, *, factor: float) -> np.ndarray:
 @register("take_last", 1, _take_last)
 def take_last_ref(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, np.float32)[-1].copy()
+
+
+def _softmax(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    (x,) = ts
+    _need(x.rank >= 1 and isinstance(x.shape[-1], int), f"softmax needs a static last axis, got {x}")
+    return TensorType(x.shape, "f32")
+
+
+@register("softmax", 1, _softmax)
+def softmax_ref(x: np.ndarray) -> np.ndarray:
+    """exp(x - max) / sum over the last axis, in float32: the normalisation
+    inside ``attention`` as an op of its own (``lmc kernel softmax``)."""
+    x = np.asarray(x, np.float32)
+    with np.errstate(invalid="ignore"):  # a row of -inf only: nan, as any softmax
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        return (e / e.sum(axis=-1, keepdims=True, dtype=np.float32)).astype(np.float32)

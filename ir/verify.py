@@ -35,7 +35,7 @@ def verify(graph: Graph) -> None:
             op = get_op(node.op)
         except ShapeError as e:
             raise VerifyError(f"{where}: {e}") from None
-        if len(node.inputs) != op.n_inputs:
+        if op.n_inputs >= 0 and len(node.inputs) != op.n_inputs:
             raise VerifyError(f"{where}: takes {op.n_inputs} operands, has {len(node.inputs)}")
         for v in node.inputs:
             if id(v) not in defined:

@@ -47,7 +47,22 @@ def arena_values(graph: Graph) -> list[Value]:
     return [n.output for n in graph.nodes if not get_op(n.op).updates_state]
 
 
+def inplace_roots(graph: Graph) -> dict[str, str]:
+    """Value name -> the name of the buffer it lives in. An op that fills
+    part of an input in place (``OpDef.inplace``, e.g. ``qmatmul_rows``)
+    takes that input's buffer; chains of them share one."""
+    root: dict[str, str] = {}
+    for n in graph.nodes:
+        op = get_op(n.op)
+        i = op.inplace
+        if i is not None and len(n.inputs) > i and n.inputs[i].kind == "node":
+            src = n.inputs[i].name
+            root[n.output.name] = root.get(src, src)
+    return root
+
+
 def liveness(graph: Graph, symbols: dict[str, int]) -> list[Interval]:
+    """One interval per buffer (values updated in place share their root's)."""
     index = {id(n.output): i for i, n in enumerate(graph.nodes)}
     last: dict[int, int] = {}
     for i, n in enumerate(graph.nodes):
@@ -56,12 +71,15 @@ def liveness(graph: Graph, symbols: dict[str, int]) -> list[Interval]:
                 last[id(v)] = i
     end_of_graph = len(graph.nodes)
     outs = {id(v) for v in graph.outputs}
-    out: list[Interval] = []
+    roots = inplace_roots(graph)
+    spans: dict[str, list[int]] = {}
     for v in arena_values(graph):
         i = index[id(v)]
         end = end_of_graph if id(v) in outs else last.get(id(v), i)
-        out.append(Interval(v.name, i, end, _align(v.type.nbytes(symbols))))
-    return out
+        size = _align(v.type.nbytes(symbols))
+        sp = spans.setdefault(roots.get(v.name, v.name), [i, end, size])
+        sp[0], sp[1], sp[2] = min(sp[0], i), max(sp[1], end), max(sp[2], size)
+    return [Interval(name, a, e, size) for name, (a, e, size) in spans.items()]
 
 
 def lower_bound(intervals: list[Interval]) -> int:
@@ -118,6 +136,8 @@ def plan_arena(graph: Graph, symbols: dict[str, int] | None = None) -> ArenaPlan
         if best is None or size < best.size:
             best = ArenaPlan(offsets, size, lower_bound(ivs), sum(iv.size for iv in ivs), ivs, name)
     assert best is not None
+    for v, r in inplace_roots(graph).items():
+        best.offsets[v] = best.offsets[r]
     return best
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from compiler.driver import LoadedModel, load_model, model_graph
+from ir.types import KV_TYPES
 
 from .model import Model, RunError
 
@@ -31,6 +32,8 @@ _TABLE = [
     ("model", "model", "{}"),
     ("backend", "backend", "{}"),
     ("threads", "threads", "{}"),
+    ("kv_type", "KV cache", "{}"),
+    ("kv_bytes", "KV cache bytes", "{:,} B"),
     ("prompt_tokens", "prompt tokens", "{}"),
     ("gen_tokens", "generated tokens", "{}"),
     ("compile_s_cold", "compile, cold", "{:.3f} s"),
@@ -81,7 +84,9 @@ def _median_time(fn, runs: int) -> float:
 
 def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_tokens: int = 128,
               gen_tokens: int = 128, runs: int = 5, backend: str = "llvm", probe_bytes: int = 1 << 30,
-              probe_repeats: int = 5, seed: int = 0) -> dict[str, Any]:
+              probe_repeats: int = 5, seed: int = 0, kv_type: str | None = None,
+              mem_budget: int | None = None, stream: str | None = None,
+              stream_io: str = "pread") -> dict[str, Any]:
     """Measure one model; see the module docstring. Compilation uses a fresh
     temporary cache (the user's cache is neither read nor written). With
     ``backend="interp"`` there is nothing to compile and the compile fields
@@ -108,10 +113,13 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
 
             # cold: an empty cache, so LLVM runs (and the artifact is stored, as
             # on a user's first run); warm: the same call, now a cache hit
-            cold = compile_native(loaded, NativeOptions())
+            opts = NativeOptions(kv_type=kv_type or "f32", mem_budget=mem_budget, stream=stream, threads=threads,
+                                 stream_io=stream_io,
+                                 auto_ctx=mem_budget is not None, auto_kv=mem_budget is not None and not kv_type)
+            cold = compile_native(loaded, opts)
             if cold.cached:
                 raise RuntimeError("the bench's fresh compile cache was not empty")
-            warm = compile_native(loaded, NativeOptions())
+            warm = compile_native(loaded, opts)
             if not warm.cached:
                 raise RuntimeError("the second compile missed the cache it had just filled")
             out["compile_s_cold"] = cold.seconds
@@ -119,8 +127,9 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
             model = Model(loaded, "llvm", threads=threads, artifact=warm.artifact)
         else:
             out["compile_s_cold"] = out["compile_s_warm"] = None
-            model = Model(loaded, backend, threads=threads)
+            model = Model(loaded, backend, threads=threads, kv_type=kv_type)
 
+        out["kv_type"], out["kv_bytes"] = model.kv_type, model.kv_bytes
         prompt, gen = _clip(model.ctx, prompt_tokens, gen_tokens)
         out["prompt_tokens"], out["gen_tokens"], out["runs"] = prompt, gen, runs
         rng = np.random.default_rng(seed)
@@ -134,14 +143,25 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
         prefill()  # warm-up: first-touch of weights and arena
         out["prefill_tok_s"] = prompt / _median_time(prefill, runs)
 
-        decode_s = []
+        decode_s, io_split = [], []
         for _ in range(runs):
             got = list(model.generate(ids, gen + 1, temperature=0.0, stop=False))
             st = model.last_stats
             if len(got) != gen + 1 or st.decode_s <= 0:
                 raise RuntimeError(f"generation stopped after {len(got)} of {gen + 1} tokens")
             decode_s.append(st.decode_s)  # exactly `gen` decode steps, sampling excluded
+            if "decode_io_wait_s" in st.extra:
+                io_split.append((st.extra["decode_io_wait_s"], st.extra["read_bytes"], st.extra["read_s"]))
         out["decode_tok_s"] = gen / statistics.median(decode_s)
+        mem = (model.executor.manifest.get("memory") or {}) if hasattr(model.executor, "manifest") else {}
+        if mem:
+            out["memory_plan"] = {"describe": mem["describe"], "total": mem["total"], "budget": mem["budget"]}
+        if io_split:  # streaming: where the decode time went (medians over the runs)
+            wait = statistics.median(w for w, _, _ in io_split)
+            dmed = statistics.median(decode_s)
+            out["decode_io_wait_s"], out["decode_compute_s"] = wait, dmed - wait
+            out["io_wait_fraction"] = wait / dmed
+            out["disk_read_gb_s"] = statistics.median(b / r for _, b, r in io_split if r > 0) / 1e9
         out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     finally:
         if model is not None and hasattr(model.executor, "close"):
@@ -198,11 +218,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="greedy decode steps timed (default 128)")
     b.add_argument("--runs", type=_count("--runs"), default=5, help="repetitions; medians are reported (default 5)")
     b.add_argument("--backend", choices=["llvm", "interp"], default="llvm")
+    b.add_argument("--kv-type", choices=list(KV_TYPES), default=None,
+                   help="KV cache storage: f32 (default), f16 or q8")
     b.add_argument("--probe-mb", type=_count("--probe-mb", 16), default=1024,
                    help="buffer of the bandwidth probe in MiB (default 1024; keep it >> the L3 cache)")
     b.add_argument("--compare-llamacpp", action="store_true",
                    help="also measure llama.cpp (the xllamacpp package) on the same file, same threads")
     b.add_argument("--json", action="store_true", help="print one JSON object")
+    from .memory_args import memory_args
+
+    memory_args(b)
     return b
 
 
@@ -213,7 +238,8 @@ def _jsonable(r: dict[str, Any]) -> dict[str, Any]:
 def cmd_bench(args: argparse.Namespace) -> int:
     r = run_bench(args.model, args.tokenizer, args.threads, prompt_tokens=args.prompt_tokens,
                   gen_tokens=args.gen_tokens, runs=args.runs, backend=args.backend,
-                  probe_bytes=args.probe_mb << 20)
+                  probe_bytes=args.probe_mb << 20, kv_type=args.kv_type, mem_budget=args.mem_budget,
+                  stream=args.stream, stream_io=args.stream_io)
     if args.compare_llamacpp:
         from .llamacpp_bench import bench_llamacpp
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from compiler.artifact import Artifact, is_artifact
 from compiler.driver import CompileOptions, LoadedModel, build_graphs, load_model
+from ir.types import KV_TYPES
 
 from .executor import InterpExecutor
 from .sampling import Sampler, SamplerConfig
@@ -53,14 +54,21 @@ class Model:
 
     def __init__(self, loaded: LoadedModel, backend: str = "llvm", ctx: int | None = None,
                  threads: int | None = None, artifact: Artifact | None = None,
-                 use_cache: bool = True, passes: tuple[str, ...] | None = None) -> None:
+                 use_cache: bool = True, passes: tuple[str, ...] | None = None,
+                 mem_budget: int | None = None, stream: str | None = None, kv_type: str | None = None,
+                 stream_io: str = "pread") -> None:
         """``passes``: the compiler's pass list; None for the backend's default
-        (``compiler.pipeline.default_pipeline``)."""
+        (``compiler.pipeline.default_pipeline``). ``mem_budget``: bytes of
+        peak resident memory for the whole process (llvm backend): weights
+        may stream from disk and the KV cache shrink to fit. ``kv_type``: KV
+        cache storage, f32 (the default), f16 or q8; None lets a budget choose."""
         cfg = loaded.config
         if ctx is not None and not 0 < ctx <= cfg.seq_len:
             raise RunError(f"--ctx {ctx}: must be between 1 and the model's context {cfg.seq_len}")
         if threads is not None and not 0 < threads <= 256:
             raise RunError(f"--threads {threads}: must be between 1 and 256")
+        if kv_type is not None and kv_type not in KV_TYPES:
+            raise RunError(f"--kv-type {kv_type}: unknown KV cache type (one of {', '.join(KV_TYPES)})")
         self.loaded = loaded
         self.config = cfg
         self.tokenizer = loaded.tokenizer
@@ -68,16 +76,28 @@ class Model:
         self.compile_info: dict = {}
         if backend == "interp":
             self.executor = InterpExecutor(build_graphs(loaded, CompileOptions(backend=backend, ctx=self.ctx,
-                                                                                passes=passes)))
+                                                                                passes=passes,
+                                                                                kv_type=kv_type or "f32")))
+            self.kv_type = kv_type or "f32"
+            self.kv_bytes = sum(int(a.nbytes) for a in self.executor.state.values())
         elif backend == "llvm":
             from compiler.native import NativeOptions, compile_native
             from .native import NativeExecutor
 
             if artifact is None:
-                res = compile_native(loaded, NativeOptions(ctx=self.ctx, use_cache=use_cache, passes=passes))
+                opts = NativeOptions(ctx=self.ctx, use_cache=use_cache, passes=passes, kv_type=kv_type or "f32")
+                if mem_budget is not None or stream:
+                    opts.mem_budget, opts.auto_ctx, opts.threads = mem_budget, ctx is None, threads
+                    opts.auto_kv, opts.stream, opts.stream_io = True, stream, stream_io
+                if kv_type is not None:
+                    opts.auto_kv = False  # the user chose the KV cache type
+                res = _compile_within_budget(loaded, opts) if opts.mem_budget is not None and use_cache \
+                    else compile_native(loaded, opts)
                 artifact = res.artifact
                 self.compile_info = {"compile_s": round(res.seconds, 4), "cache_hit": res.cached}
             self.ctx = int(artifact.manifest["ctx"])
+            self.kv_type = artifact.manifest.get("kv_type", "f32")
+            self.kv_bytes = int(artifact.manifest["state_bytes"])
             self.executor = NativeExecutor(artifact, loaded.path, threads)
         else:
             raise RunError(f"--backend {backend}: unknown backend (available: llvm, interp)")
@@ -133,9 +153,14 @@ class Model:
         if n == 0:
             return
         self.executor.reset()
+        streams = bool(getattr(self.executor, "stream", None))
+        io0 = self.executor.stream_stats() if streams else None
         t0 = time.perf_counter()
         logits = self.executor.prefill(ids, 0)
         st.prefill_s = time.perf_counter() - t0
+        io1 = self.executor.stream_stats() if streams else None
+        if streams:
+            st.extra["prefill_io_wait_s"] = round(io1["io_wait_s"] - io0["io_wait_s"], 6)
         history = list(ids)
         pos = len(ids)
         stops = set(self.config.stop_ids) if stop else set()
@@ -152,11 +177,50 @@ class Model:
             logits = self.executor.decode(tok, pos)
             st.decode_s += time.perf_counter() - t0
             pos += 1
+            if streams:  # the compute / I/O split of the decode steps so far
+                io = self.executor.stream_stats()
+                wait = io["io_wait_s"] - io1["io_wait_s"]
+                st.extra.update(decode_io_wait_s=round(wait, 6), decode_compute_s=round(st.decode_s - wait, 6),
+                                read_bytes=io["read_bytes"] - io0["read_bytes"],
+                                read_s=round(io["read_s"] - io0["read_s"], 6))
+
+
+def _compile_child(path: str, tokenizer: str | None, opts) -> None:
+    from compiler.native import compile_native
+
+    compile_native(load_model(path, tokenizer), opts)
+
+
+def _compile_within_budget(loaded: LoadedModel, opts):
+    """With a memory budget, LLVM (hundreds of MB for a large model) runs in
+    a child process that fills the compile cache; this process then loads
+    the artifact, so its own peak stays within the budget."""
+    import dataclasses
+    import multiprocessing
+
+    from compiler.native import compile_native
+
+    t0 = time.perf_counter()
+    res = compile_native(loaded, dataclasses.replace(opts, lookup_only=True))  # plans; BudgetError here
+    if res is not None:
+        return res
+    child = multiprocessing.get_context("spawn").Process(
+        target=_compile_child, args=(loaded.path, getattr(loaded.tokenizer, "path", None), opts),
+        name="lmc-compile")
+    child.start()
+    child.join()
+    res = compile_native(loaded, dataclasses.replace(opts, lookup_only=True))
+    if res is None:  # the child failed: compile here after all, and say so in the stats
+        res = compile_native(loaded, opts)
+    res.cached, res.seconds = False, time.perf_counter() - t0
+    return res
 
 
 def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, backend: str = "llvm",
          ctx: int | None = None, threads: int | None = None, use_cache: bool = True,
-         passes: tuple[str, ...] | None = None) -> Model:
+         passes: tuple[str, ...] | None = None, mem_budget: int | None = None,
+         stream: str | None = None,
+         kv_type: str | None = None, stream_io: str = "pread") -> Model:
     """Load a model file (llama2.c .bin) or a compiled artifact (``lmc
     compile``) and make it ready to run; native code comes from the compile
     cache when it can."""
@@ -169,9 +233,12 @@ def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, ba
         loaded = load_model(man["model"]["path"], tokenizer or man.get("tokenizer"))
         if backend != "llvm":
             raise RunError(f"{path}: an artifact runs on the llvm backend only")
+        if kv_type is not None and kv_type != man.get("kv_type", "f32"):
+            raise RunError(f"{path}: compiled with --kv-type {man.get('kv_type', 'f32')}, not {kv_type} "
+                           f"(recompile it with --kv-type {kv_type})")
         return Model(loaded, "llvm", ctx=man["ctx"], threads=threads, artifact=art)
     return Model(load_model(path, tokenizer), backend=backend, ctx=ctx, threads=threads, use_cache=use_cache,
-                 passes=passes)
+                 passes=passes, mem_budget=mem_budget, stream=stream, kv_type=kv_type, stream_io=stream_io)
 
 
 def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None):

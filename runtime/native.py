@@ -11,13 +11,15 @@ import ctypes
 import mmap
 import os
 import threading
+import time
 import weakref
 
 import numpy as np
 
 from compiler.artifact import Artifact
 from compiler.codegen.jit import LoadedCode
-from compiler.codegen.lower import Ctl
+from compiler.codegen.lower import PROFILE_HEADER, Ctl
+from compiler.codegen.lower_stream import StreamSlots as S
 
 _RUN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _WORKER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
@@ -25,6 +27,18 @@ _STOP = _RUN
 
 
 def _aligned(nbytes: int, align: int = 64) -> np.ndarray:
+    """Zeroed memory; from 1 MiB on an anonymous mapping (page aligned), whose
+    pages become resident only when touched, 4 KiB at a time. (numpy asks
+    for transparent huge pages on large arrays: a KV cache touched a few rows
+    per layer then costs 2 MiB per layer and tensor, ~70 MB for Gemma 3.)"""
+    if nbytes >= 1 << 20 and align <= mmap.PAGESIZE:
+        buf = mmap.mmap(-1, nbytes)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            try:
+                buf.madvise(mmap.MADV_NOHUGEPAGE)
+            except OSError:
+                pass
+        return np.frombuffer(buf, np.uint8)
     raw = np.zeros(nbytes + align, np.uint8)
     off = (-raw.ctypes.data) % align
     return raw[off: off + nbytes]
@@ -35,13 +49,17 @@ def _aligned(nbytes: int, align: int = 64) -> np.ndarray:
 _LEAKED: list = []
 
 
-def _shutdown(stop, ctl: np.ndarray, threads: list[threading.Thread], keep: tuple) -> None:
-    """Stop the workers before the code and buffers they use are freed."""
+def _shutdown(stop, ctl: np.ndarray, threads: list[threading.Thread], keep: tuple, fds: list[int]) -> None:
+    """Stop the workers (and the I/O thread) before the code and buffers they
+    use are freed."""
     stop(ctl.ctypes.data)
     for t in threads:
         t.join(timeout=10)
     if any(t.is_alive() for t in threads):
         _LEAKED.append((ctl, threads, keep))
+        return
+    for fd in fds:
+        os.close(fd)
 
 
 class NativeExecutor:
@@ -53,7 +71,7 @@ class NativeExecutor:
         m = art.manifest
         self.manifest = m
         self.threads = max(1, int(threads or os.cpu_count() or 1))
-        self.code = LoadedCode(art.obj)
+        self.code = LoadedCode(art.obj, shared=True)   # a shared library: LLVM stays unloaded
         self._run = _RUN(self.code.address("lmc_run"))
         self._worker = _WORKER(self.code.address("lmc_worker"))
         self._stop = _STOP(self.code.address("lmc_stop"))
@@ -77,6 +95,10 @@ class NativeExecutor:
         c[Ctl.IO] = self.io.ctypes.data
         c[Ctl.SCRATCH] = self.scratch.ctypes.data
         c[Ctl.SCRATCH_STRIDE] = stride
+        prof = m.get("profile")
+        self._profile = np.zeros(int(prof["slots"]), np.int64) if prof else None
+        if self._profile is not None:
+            c[Ctl.PROFILE] = self._profile.ctypes.data
         self._ctl_ptr = c.ctypes.data
         self.entries = m["entries"]
         self.vocab = int(m["config"]["vocab_size"])
@@ -87,11 +109,74 @@ class NativeExecutor:
                                  name=f"lmc-worker-{tid}")
             t.start()
             self._threads.append(t)
-        keep = (self.code, self._map, self._weights, self.arena, self.state, self.scratch, self.io)
-        self._finalizer = weakref.finalize(self, _shutdown, self._stop, self.ctl, self._threads, keep)
+        self._fds: list[int] = []
+        self._buffers: list[np.ndarray] = []
+        self.stream = (m.get("memory") or {}).get("stream")
+        if self.stream:
+            self._start_io(model_path)
+        keep = (self.code, self._map, self._weights, self.arena, self.state, self.scratch, self.io,
+                self._buffers)
+        self._finalizer = weakref.finalize(self, _shutdown, self._stop, self.ctl, self._threads, keep, self._fds)
+
+    # --- layer streaming ------------------------------------------------------------
+    def _start_io(self, model_path: str) -> None:
+        """Two stream buffers, the model file open for pread, and the I/O
+        thread (``lmc_io``, native: it never takes the GIL)."""
+        c = self.ctl
+        if self.stream.get("io", "pread") == "pread":  # mmap mode reads in place from self._map
+            n = int(self.stream["buffer_bytes"])
+            self._buffers = [_aligned(max(64, n)) for _ in range(2)]
+            c[S.BUF0], c[S.BUF1] = (b.ctypes.data for b in self._buffers)
+        fd = os.open(model_path, os.O_RDONLY)
+        self._fds.append(fd)
+        c[S.FD] = fd
+        io = _RUN(self.code.address("lmc_io"))
+        t = threading.Thread(target=io, args=(self._ctl_ptr,), daemon=True, name="lmc-io")
+        t.start()
+        self._threads.append(t)
+        self._io = io
+
+    def stream_stats(self) -> dict:
+        """Time the compute side waited for reads, time and bytes the reader
+        spent in pread, since the executor started (zeros without streaming)."""
+        c = self.ctl
+        return {"io_wait_s": float(c[S.WAIT_NS]) / 1e9, "read_s": float(c[S.READ_NS]) / 1e9,
+                "read_bytes": int(c[S.READ_BYTES]), "reader_idle_s": float(c[S.IO_IDLE_NS]) / 1e9}
 
     def close(self) -> None:
         self._finalizer()
+
+    # --- profiling builds ------------------------------------------------------
+    def profile_times(self, entry: str) -> tuple[int, int, int, np.ndarray]:
+        """Profiling builds, summed over the steps of ``entry`` since the last
+        ``reset_profile``: steps run, ns from ``lmc_run``'s start until every
+        thread is in the step (waking the workers), ns from the last op until
+        every thread is done, and ns per node."""
+        if self._profile is None:
+            raise ValueError("this artifact was not built for profiling (NativeOptions(profile=True))")
+        r = self.manifest["profile"]["entries"][entry]
+        base, n = int(r["base"]), int(r["nodes"])
+        p = self._profile
+        return (int(p[base + 1]), int(p[base + 2]), int(p[base + 3]),
+                p[base + PROFILE_HEADER: base + PROFILE_HEADER + n].copy())
+
+    def reset_profile(self) -> None:
+        if self._profile is not None:
+            self._profile[:] = 0
+
+    def time_steps(self) -> list[float]:
+        """From now on, append the wall time (s) of each native step, the
+        ``lmc_run`` call alone, to the returned list."""
+        times: list[float] = []
+        run = self._run
+
+        def timed(ctl: int) -> None:
+            t0 = time.perf_counter()
+            run(ctl)
+            times.append(time.perf_counter() - t0)
+
+        self._run = timed
+        return times
 
     def reset(self) -> None:
         """Nothing to clear: attention only reads cache rows below the position."""
@@ -103,6 +188,9 @@ class NativeExecutor:
         c[Ctl.POS] = pos
         c[Ctl.T] = T
         self._run(self._ctl_ptr)
+        if self.stream and c[S.IO_ERROR]:
+            raise OSError(f"{self.manifest['model']['path']}: reading streamed weights failed "
+                          f"(the file changed or was truncated?)")
         shape = [T if isinstance(d, str) else d for d in e["output_shape"]]
         n = int(np.prod(shape))
         return self.arena[e["output_offset"]: e["output_offset"] + 4 * n].view(np.float32).reshape(shape)

@@ -32,15 +32,21 @@ more decoder class; the loop structure below does not change:
   power-of-two vectors down to one lane;
 * each dot product ends with one horizontal sum.
 
-Decode (one token, bandwidth-bound) uses ``R = 4`` rows and ``C = 1``: F32
-with 2 vectors per row per step (8 accumulators); planar Q8 with a step of up
-to 4 vectors inside one group, whose scale multiplies the step's partial dot
-product once (``defer``) instead of every weight vector. Prefill uses
+Decode (one token, bandwidth-bound) uses ``R = 4`` rows (rows of at least
+``_LONG_ROW`` columns; shorter ones go one at a time with twice the unroll)
+and ``C = 1``: F32 with 2 vectors per row per step (8 accumulators); planar
+Q8 with a step of up to 4 vectors inside one group, whose scale multiplies
+the step's partial dot product once (``defer``) instead of every weight
+vector. Prefill uses
 ``R x C = 4 x 4`` register tiles (3 x 3 on 16-register AVX2) and walks all
 token tiles for a block of rows before moving on, so that block's weights
 stay in L1 while the activations stream through; a K of 2048 or more is cut
 into chunks of ``_K_CHUNK`` columns (partial sums are added in ``out``) so a
 chunk of activations stays in L2.
+
+R, C and U are defaults: the optional kernel attributes ``rows``,
+``tile_tokens`` (prefill) and ``unroll`` replace them. Graphs never set
+them; ``lmc kernel`` does, to try variants without editing this file.
 
 The one layout that does not fit the "blocks never straddle rows" rule is
 llama2.c's planar Q8 when ``K % group != 0``: a group of ``g`` values may
@@ -339,7 +345,7 @@ def _tile(kb: KernelBuilder, dec: Decoder, x: ir.Value, out: ir.Value, r0: ir.Va
 
 
 def _planar_rowwise_tile(kb: KernelBuilder, dec: Decoder, x: ir.Value, out: ir.Value, r: ir.Value,
-                         t0: ir.Value, C: int, n: int, k: int) -> None:
+                         t0: ir.Value, C: int, n: int, k: int, n_out: int) -> None:
     """Planar Q8 where groups may straddle rows (K % g != 0) or do not fit
     the vector width: for row r visit every group j overlapping the flat
     range [r*K, r*K + K), dot its overlap [lo, hi) (in columns) with x, and
@@ -379,32 +385,56 @@ def _planar_rowwise_tile(kb: KernelBuilder, dec: Decoder, x: ir.Value, out: ir.V
     fin = list(kb.last_carry)
     for t in range(C):
         v = b.fadd(kb.hsum(fin[t]), fin[C + t], flags=FAST)
-        kb.store(v, out, b.add(b.mul(b.add(t0, i64(t)), i64(n)), r))
+        kb.store(v, out, b.add(b.mul(b.add(t0, i64(t)), i64(n_out)), r))
 
 
 def _is_one(v: ir.Value) -> bool:
     return isinstance(v, ir.Constant) and v.constant == 1
 
 
-@kernel("matmul", "qmatmul")
+def _tuned(kb: KernelBuilder, attrs: dict, name: str, default: int) -> int:
+    """A tiling parameter: the kernel attribute ``name`` if set (``lmc kernel``
+    sets them; graphs do not), else ``default``; recorded in ``kb.tuning``."""
+    v = int(attrs.get(name, default))
+    if v < 1:
+        raise NotImplementedError(f"{name} must be >= 1, got {v}")
+    kb.tuning[name] = v
+    return v
+
+
+def out_rows(kb: KernelBuilder, sig: KernelSig) -> tuple[ir.Value, int]:
+    """Where a matmul's rows go and the output's row stride. ``qmatmul_rows``
+    (a row block of a weight split for streaming) writes its rows into the
+    full-width result at ``row0``; every other matmul owns its output."""
+    out = kb.out_f32()
+    n = _as_int(sig.in_types[1].shape[0])
+    if sig.op != "qmatmul_rows":
+        return out, n
+    a = sig.attr
+    return kb.gep(out, int(a["row0"])), int(a["n_total"])
+
+
+@kernel("matmul", "qmatmul", "qmatmul_rows")
 def emit_matmul(kb: KernelBuilder, sig: KernelSig) -> None:
     if sig.attr.get("act") == "q8":  # integer path: x quantized per block, int8 dot products
         from .k_matmul_int import emit_int_matvec
         return emit_int_matvec(kb, sig)
-    xt, wt = sig.in_types
+    xt, wt = sig.in_types[:2]
     if sig.op == "matmul" and wt.layout not in (None, "F32"):
         raise NotImplementedError(f"matmul on a {wt.layout} weight: dequant should have been fused")
     b = kb.b
     n, k = _as_int(wt.shape[0]), _as_int(wt.shape[1])
     dec = _decoder(kb, wt, kb.in_raw[1])
-    x, out = kb.in_f32(0), kb.out_f32()
+    x = kb.in_f32(0)
+    out, n_out = out_rows(kb, sig)
     m = kb.rows_of(xt.shape)          # tokens: constant 1 for decode, T for prefill
     lo, hi = kb.thread_share(n)
 
+    tune = sig.attr  # optional overrides of the constants below: rows, tile_tokens, unroll
     if not dec.row_aligned:
-        C = 1 if _is_one(m) else 4
+        C = 1 if _is_one(m) else _tuned(kb, tune, "tile_tokens", 4)
         with kb.loop(lo, hi, name="row") as r:
-            _over_tokens(kb, m, C, lambda t0, c: _planar_rowwise_tile(kb, dec, x, out, r, t0, c, n, k))
+            _over_tokens(kb, m, C, lambda t0, c: _planar_rowwise_tile(kb, dec, x, out, r, t0, c, n, k, n_out))
         return
 
     if _is_one(m):
@@ -414,13 +444,15 @@ def emit_matmul(kb: KernelBuilder, sig: KernelSig) -> None:
                    else (1, 1, 2 * dec.decode_unroll))
     else:
         (R, C), U = _PREFILL_TILE.get(kb.vw, (4, 4)), 1
+        C = _tuned(kb, tune, "tile_tokens", C)
+    R, U = _tuned(kb, tune, "rows", R), _tuned(kb, tune, "unroll", U)
     rows_main = b.sub(hi, b.srem(b.sub(hi, lo), i64(R)))
 
     def rows_pass(k0, klen, first):
         with kb.loop(lo, rows_main, step=R, name="rt") as r0:
-            _over_tokens(kb, m, C, lambda t0, c: _tile(kb, dec, x, out, r0, R, t0, c, n, k, U, k0, klen, first))
+            _over_tokens(kb, m, C, lambda t0, c: _tile(kb, dec, x, out, r0, R, t0, c, n_out, k, U, k0, klen, first))
         with kb.loop(rows_main, hi, name="r1") as r:
-            _over_tokens(kb, m, C, lambda t0, c: _tile(kb, dec, x, out, r, 1, t0, c, n, k, U, k0, klen, first))
+            _over_tokens(kb, m, C, lambda t0, c: _tile(kb, dec, x, out, r, 1, t0, c, n_out, k, U, k0, klen, first))
 
     kc = _K_CHUNK
     if _is_one(m) or k < 2 * kc or kc % dec.step(U):

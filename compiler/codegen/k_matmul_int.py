@@ -16,16 +16,18 @@ Per call (one thread)
 
    Every thread quantizes the whole row itself: no barrier, and it is a few
    hundred nanoseconds against the rows' weight traffic.
-2. Its share of the rows, ``_ROWS`` at a time, over the blocks ``G`` at a
-   time (G = 2 at vector width 16: one 512-bit register holds two blocks;
-   otherwise 1). Weight quants are made unsigned so that one ``vpdpbusd``
-   (unsigned x signed bytes, four products summed into each int32 lane) does
-   a block: Q8_0 as q + 128 (xor 0x80), Q4_0 as the raw nibble (q + 8),
-   Q5_0 as nibble | high bit << 4 (q + 16). The bias comes back as
-   c_b = -bias * sum(q_x of block b), which seeds the int32 accumulator
-   (lane 0 of the block's 8 lanes), so the 8 lanes of a block sum to the
-   exact integer dot product. Unlike llama.cpp's sign trick (|x| unsigned,
-   x's sign moved onto w) this is exact for every weight byte, -128 included.
+2. Its share of the rows, ``_ROWS`` at a time (the kernel attribute ``rows``
+   overrides it, and ``unroll`` the ``_UNROLL`` block groups per loop
+   iteration), over the blocks ``G`` at a time (G = 2 at vector width 16: one
+   512-bit register holds two blocks; otherwise 1). Weight quants are made
+   unsigned so that one ``vpdpbusd`` (unsigned x signed bytes, four products
+   summed into each int32 lane) does a block: Q8_0 as q + 128 (xor 0x80),
+   Q4_0 as the raw nibble (q + 8), Q5_0 as nibble | high bit << 4 (q + 16).
+   The bias comes back as c_b = -bias * sum(q_x of block b), which seeds the
+   int32 accumulator (lane 0 of the block's 8 lanes), so the 8 lanes of a
+   block sum to the exact integer dot product. Unlike llama.cpp's sign trick
+   (|x| unsigned, x's sign moved onto w) this is exact for every weight byte,
+   -128 included.
    The int32 lanes are converted to float and multiplied into float
    accumulators with d_w * d_x (one FMA per block group); one horizontal sum
    per row at the end.
@@ -44,7 +46,7 @@ from __future__ import annotations
 import llvmlite.ir as ir
 
 from .emit import F32, FAST, I32, KernelBuilder, i64
-from .k_matmul import HALF
+from .k_matmul import HALF, _tuned, out_rows
 from .kernels import KernelSig
 from .target import host_target
 
@@ -108,7 +110,7 @@ def _vnni_name(groups: int) -> str | None:
 
 class _IntKernel:
     def __init__(self, kb: KernelBuilder, sig: KernelSig) -> None:
-        xt, wt = sig.in_types
+        xt, wt = sig.in_types[:2]
         layout = wt.layout
         if layout not in LAYOUTS:
             raise NotImplementedError(f"int8 matvec on a {layout} weight")
@@ -119,7 +121,9 @@ class _IntKernel:
         if self.k % QK:
             raise NotImplementedError(f"row length {self.k} is not a multiple of {QK}")
         self.nb = self.k // QK
+        self.out, self.n_out = out_rows(kb, sig)
         self.G = 2 if kb.vw >= 16 else 1
+        self.U = _tuned(kb, sig.attr, "unroll", _UNROLL)
         self.xt = xt
         s = kb.scratch
         self.sq = s                                                      # i8*
@@ -200,7 +204,7 @@ class _IntKernel:
 
     def tile(self, r0: ir.Value, R: int, t: ir.Value) -> None:
         """out[t, r0 .. r0+R-1] from the quantized row in scratch."""
-        kb, b, G, U = self.kb, self.b, self.G, _UNROLL
+        kb, b, G, U = self.kb, self.b, self.G, self.U
         step = G * U
         nmain = self.nb - self.nb % step
         rows = [b.add(r0, i64(i)) for i in range(R)]
@@ -223,7 +227,7 @@ class _IntKernel:
                 else:
                     z = ir.Constant(ir.VectorType(F32, 8 * g), [0.0] * (8 * g))
                     tails[i] = self._group(rows[i], i64(jt), g, tails[i] if tails[i] is not None else z)
-        out = kb.out_f32()
+        out, n_out = self.out, self.n_out
         for i in range(R):
             v = accs[i * U]
             for u in range(1, U):
@@ -231,7 +235,7 @@ class _IntKernel:
             s = kb.hsum(v)
             if tails[i] is not None:
                 s = b.fadd(s, kb.hsum(tails[i]), flags=FAST)
-            kb.store(s, out, b.add(b.mul(t, i64(self.n)), rows[i]))
+            kb.store(s, out, b.add(b.mul(t, i64(n_out)), rows[i]))
 
 
 def emit_int_matvec(kb: KernelBuilder, sig: KernelSig) -> None:
@@ -240,7 +244,7 @@ def emit_int_matvec(kb: KernelBuilder, sig: KernelSig) -> None:
     kern = _IntKernel(kb, sig)
     b = kb.b
     lo, hi = kb.thread_share(kern.n)
-    R = _ROWS if kern.k >= _LONG_ROW else 1
+    R = _tuned(kb, sig.attr, "rows", _ROWS if kern.k >= _LONG_ROW else 1)
     rows_main = b.sub(hi, b.srem(b.sub(hi, lo), i64(R)))
     m = kb.rows_of(kern.xt.shape)
 

@@ -19,9 +19,11 @@ import llvmlite.ir as ir
 from ir.graph import Graph, Value
 from ir.ops import get_op
 from passes.plan_arena import ArenaPlan
+from passes.stream_schedule import StreamSchedule, node_segments
 
 from .emit import I8, I8P, I32, I64, N_INPUTS, VOID, i64
 from .kernels import KernelSig, emit_kernel
+from .lower_stream import StreamLowering, StreamSlots
 from .target import Target
 
 
@@ -43,7 +45,9 @@ class Ctl:
     SLEEPERS = 12        # workers blocked in futex_wait on GENERATION's low 32 bits
     BARRIER_COUNT = 16
     BARRIER_GEN = 24
-    SLOTS = 32
+    PROFILE = 28         # profiling builds: address of the i64 time accumulators (ns)
+    PROFILE_T0 = 29      # profiling builds: when lmc_run began (ns)
+    SLOTS = 64          # 32.. : streaming (see lower_stream.StreamSlots)
 
 
 I64P = ir.PointerType(I64)
@@ -60,6 +64,7 @@ class EntryInfo:
     arena_offsets: dict[str, int]
     output_offset: int
     output_shape: tuple
+    profile: tuple[int, int] | None = None   # profiling builds: (first slot, nodes)
 
 
 def state_layout(graph: Graph) -> tuple[dict[str, int], int]:
@@ -72,12 +77,17 @@ def state_layout(graph: Graph) -> tuple[dict[str, int], int]:
 
 
 class _Lowering:
-    def __init__(self, target: Target, vector_width: int) -> None:
+    def __init__(self, target: Target, vector_width: int, profile: bool = False) -> None:
         self.target = target
         self.vw = vector_width
+        self.profile = profile
+        self.profile_regions: dict[str, tuple[int, int]] = {}
+        self._prof_next = 0
+        self._prof_ts: dict[str, ir.Value] = {}   # one struct timespec per step function
         self.module = ir.Module(name="lmc")
         self.module.triple = target.triple
         self.kernels: dict[KernelSig, ir.Function] = {}
+        self.stream: StreamLowering | None = None   # set by lower_graphs when weights stream
         self.barrier = self._emit_barrier()
 
     def kernel(self, sig: KernelSig) -> ir.Function:
@@ -179,10 +189,19 @@ class _Lowering:
         for v in graph.inputs:
             ptr[id(v)] = io if v.name in ("token", "tokens") else null
         for v in graph.weights.values():
-            ptr[id(v)] = b.gep(weights, [i64(v.ref.offset)], inbounds=True)
+            sp = self.stream.weight_ptr(b, ctl, v.name) if self.stream else None
+            ptr[id(v)] = sp if sp is not None else b.gep(weights, [i64(v.ref.offset)], inbounds=True)
+        segs = node_segments(graph, self.stream.sched) if self.stream else [None] * len(graph.nodes)
+        sbase = self.stream.base(b, ctl) if self.stream else None
+        cur_seg = -1
         for sname, v in graph.states.items():
             ptr[id(v)] = b.gep(state, [i64(state_offsets[sname])], inbounds=True)
-        for node in graph.nodes:
+        if self.profile:
+            self._profile_mark(b, ctl, tid, start=name)
+        for node, seg in zip(graph.nodes, segs):
+            if seg is not None and seg > cur_seg:
+                self.stream.advance(b, ctl, tid, sbase, seg)
+                cur_seg = seg
             if get_op(node.op).updates_state:
                 out = ptr[id(node.inputs[0])]
             else:
@@ -191,8 +210,66 @@ class _Lowering:
             args = [ptr[id(v)] for v in node.inputs] + [null] * (N_INPUTS - len(node.inputs))
             b.call(self.kernel(KernelSig.of(node)), [out, *args, pos, T, tid, nt, scratch])
             b.call(self.barrier, [ctl])
+            if self.profile:
+                self._profile_mark(b, ctl, tid)
+        if self.stream:
+            self.stream.finish(b, ctl, tid, sbase)
+        if self.profile:
+            self._profile_mark(b, ctl, tid, end=True)
         b.ret_void()
         return fn
+
+    def _profile_now(self, b: ir.IRBuilder) -> ir.Value:
+        """CLOCK_MONOTONIC in ns (a vDSO call, tens of ns)."""
+        ts_ty = ir.LiteralStructType([I64, I64])  # struct timespec on 64-bit Linux
+        clock = self.module.globals.get("clock_gettime") or ir.Function(
+            self.module, ir.FunctionType(I32, [I32, ts_ty.as_pointer()]), "clock_gettime")
+        ts = self._prof_ts.get(b.function.name)
+        if ts is None:
+            with b.goto_entry_block():
+                ts = self._prof_ts[b.function.name] = b.alloca(ts_ty)
+        b.call(clock, [ir.Constant(I32, _CLOCK_MONOTONIC), ts])
+        sec = b.load(b.gep(ts, [ir.Constant(I32, 0), ir.Constant(I32, 0)]))
+        nsec = b.load(b.gep(ts, [ir.Constant(I32, 0), ir.Constant(I32, 1)]))
+        return b.add(b.mul(sec, i64(1_000_000_000)), nsec)
+
+    def _profile_mark(self, b: ir.IRBuilder, ctl: ir.Value, tid: ir.Value, start: str | None = None,
+                      end: bool = False) -> None:
+        """Profiling builds: thread 0 reads the clock after an op's barrier
+        and adds the time since its previous mark to that op's slot. Between
+        barriers it also waits for the slowest thread, so the ops' times add
+        up to the step's. ``start`` opens a step's region at Ctl.PROFILE:
+        [last mark, steps run, dispatch, exit, one slot per node], where
+        dispatch is the time from ``lmc_run``'s start until every thread is
+        in the step (waking the workers) and exit from the last op until
+        every thread is done with the step (``end``), each met at an extra
+        barrier so that no op is charged for them."""
+        if start is not None:
+            base = self._prof_next
+            self._prof_entry, self._prof_slot = start, base + PROFILE_HEADER
+        else:
+            base = self.profile_regions[self._prof_entry][0]
+        if start is not None or end:
+            b.call(self.barrier, [ctl])
+        with b.if_then(b.icmp_signed("==", tid, i64(0))):
+            now = self._profile_now(b)
+            buf = b.inttoptr(b.load(self._slot(b, ctl, Ctl.PROFILE)), I64P)
+            last_p = b.gep(buf, [i64(base)], inbounds=True)
+
+            def accumulate(slot: int, value: ir.Value) -> None:
+                p = b.gep(buf, [i64(slot)], inbounds=True)
+                b.store(b.add(b.load(p), value), p)
+
+            if start is not None:
+                accumulate(base + 1, i64(1))
+                accumulate(base + 2, b.sub(now, b.load(self._slot(b, ctl, Ctl.PROFILE_T0))))
+            else:
+                accumulate(base + 3 if end else self._prof_slot, b.sub(now, b.load(last_p)))
+            b.store(now, last_p)
+        if start is None and not end:
+            self._prof_slot += 1
+        self.profile_regions[self._prof_entry] = (base, self._prof_slot - base - PROFILE_HEADER)
+        self._prof_next = self._prof_slot
 
     def entry_points(self, steps: list[ir.Function]) -> None:
         """``lmc_run(ctl)`` for the calling thread (tid 0) and
@@ -216,6 +293,8 @@ class _Lowering:
         run = ir.Function(self.module, ir.FunctionType(VOID, [I64P]), "lmc_run")
         ctl, = run.args
         b = ir.IRBuilder(run.append_basic_block("entry"))
+        if self.profile:
+            b.store(self._profile_now(b), self._slot(b, ctl, Ctl.PROFILE_T0))
         gen_p = self._slot(b, ctl, Ctl.GENERATION)
         b.atomic_rmw("add", gen_p, i64(1), "seq_cst")
         if self._futex is not None:
@@ -227,6 +306,8 @@ class _Lowering:
         b.ret_void()
         self._emit_worker(disp)
         self._emit_stop()
+        if self.stream:
+            self.stream.emit_io_thread()
 
     def _emit_stop(self) -> None:
         """``lmc_stop(ctl)``: tell the workers to return, waking sleepers."""
@@ -238,6 +319,8 @@ class _Lowering:
         b.atomic_rmw("add", gen_p, i64(1), "seq_cst")
         if self._futex is not None:
             self._futex(b, gen_p, _FUTEX_WAKE, i64(0x7FFFFFFF))
+            if self.stream:  # the I/O thread may sleep on COMP_DONE
+                self._futex(b, self._slot(b, ctl, StreamSlots.COMP_DONE), _FUTEX_WAKE, i64(0x7FFFFFFF))
         b.ret_void()
 
     def _emit_worker(self, disp: ir.Function) -> None:
@@ -319,13 +402,24 @@ class _Lowering:
 _FUTEX_SYSCALL = {"x86_64": 202, "aarch64": 98}
 _FUTEX_WAIT, _FUTEX_WAKE = 128, 129  # the _PRIVATE variants
 _SPIN_LIMIT = 1 << 14
+_CLOCK_MONOTONIC = 1  # Linux's clock id
+PROFILE_HEADER = 4   # a step's profile region: last mark, steps, dispatch, exit, then the nodes
 
 
 def lower_graphs(graphs: dict[str, Graph], plans: dict[str, ArenaPlan], target: Target,
-                 vector_width: int | None = None) -> tuple[ir.Module, dict[str, EntryInfo], dict[str, int], int]:
+                 vector_width: int | None = None, profile: bool = False,
+                 stream: StreamSchedule | None = None,
+                 ) -> tuple[ir.Module, dict[str, EntryInfo], dict[str, int], int]:
     """One module with a step per graph. Returns the module, entry infos,
-    state offsets and the state's total size in bytes."""
-    low = _Lowering(target, vector_width or target.vector_width)
+    state offsets and the state's total size in bytes. ``profile`` builds
+    time every op (see ``_Lowering._profile_mark``)."""
+    if profile and "linux" not in target.triple:
+        raise NotImplementedError(f"profiling builds need Linux (clock_gettime), not {target.triple}")
+    low = _Lowering(target, vector_width or target.vector_width, profile)
+    if stream is not None and stream.segments:
+        if "linux" not in target.triple:
+            raise NotImplementedError(f"layer streaming needs Linux (pread, futex), not {target.triple}")
+        low.stream = StreamLowering(low, stream)
     first = next(iter(graphs.values()))
     state_offsets, state_size = state_layout(first)
     steps, infos = [], {}
@@ -335,6 +429,6 @@ def lower_graphs(graphs: dict[str, Graph], plans: dict[str, ArenaPlan], target: 
         steps.append(low.step(g, name, plans[name], state_offsets))
         out = g.outputs[0]
         infos[name] = EntryInfo(name, i, dict(plans[name].offsets), plans[name].offsets[out.name],
-                                tuple(out.type.shape))
+                                tuple(out.type.shape), low.profile_regions.get(name))
     low.entry_points(steps)
     return low.module, infos, state_offsets, state_size

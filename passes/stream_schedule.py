@@ -1,0 +1,116 @@
+"""stream_schedule: which weights are read from disk when, into which buffer.
+
+Streamed weights are grouped into segments (one per layer; one per row block
+of a split head), in the order a token step uses them. Segment i always goes
+to buffer i % 2 (the count is made even), so a weight's address is a
+compile-time offset into one of two buffers. An I/O thread reads segment
+s + 1 while segment s computes; the step waits for a segment only when its
+read is late and releases it when its last op has run (see
+``compiler/codegen/lower.py`` and ``runtime/native.py``).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ir.graph import Graph
+
+ALIGN = 64
+_LAYER = re.compile(r"blk\.(\d+)\.")
+
+
+@dataclass
+class Segment:
+    name: str
+    weights: list[str] = field(default_factory=list)
+    ranges: list[tuple[int, int, int]] = field(default_factory=list)  # (file offset, bytes, buffer offset)
+    nbytes: int = 0
+
+
+@dataclass
+class StreamSchedule:
+    segments: list[Segment]
+    placement: dict[str, tuple[int, int]]   # weight name -> (segment, offset in its buffer)
+    buffer_bytes: int
+    #: how a segment comes in: "pread" copies it into buffer s % 2; "mmap"
+    #: maps its pages in place (and unmaps segment s - 2's), no copy
+    io: str = "pread"
+
+    def segment_of(self, weight: str) -> int | None:
+        p = self.placement.get(weight)
+        return None if p is None else p[0]
+
+    def read_bytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+
+def layer_of(name: str) -> int | None:
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def build_schedule(graphs: dict[str, Graph], stream_layers: bool, stream_blocks_of: list[str],
+                   io: str = "pread") -> StreamSchedule:
+    """Segments for the streamed weights of ``graphs`` (which must all use
+    the same weights in the same order: decode, prefill ...)."""
+    weights = {}
+    for g in graphs.values():
+        for name, v in g.weights.items():
+            weights.setdefault(name, v)
+    layer_segs: dict[int, list[str]] = {}
+    block_segs: list[tuple[str, int, str]] = []
+    for name in weights:
+        li = layer_of(name)
+        if li is not None and stream_layers:
+            layer_segs.setdefault(li, []).append(name)
+            continue
+        base = name.split("[", 1)[0]
+        if base in stream_blocks_of and "[" in name:
+            r0 = int(name[name.index("[") + 1: name.index(":")])
+            block_segs.append((base, r0, name))
+    segs = [Segment(f"layer {i}", sorted(layer_segs[i], key=lambda n: weights[n].ref.offset))
+            for i in sorted(layer_segs)]
+    segs += [Segment(name, [name]) for _, _, name in sorted(block_segs)]
+    if len(segs) % 2:
+        segs.append(Segment("(padding)"))
+    placement: dict[str, tuple[int, int]] = {}
+    for i, seg in enumerate(segs):
+        top = 0
+        for name in seg.weights:
+            ref = weights[name].ref
+            placement[name] = (i, top)
+            if seg.ranges and seg.ranges[-1][0] + seg.ranges[-1][1] == ref.offset \
+                    and seg.ranges[-1][2] + seg.ranges[-1][1] == top:
+                off, n, dst = seg.ranges[-1]   # adjacent in the file and the buffer: one read
+                seg.ranges[-1] = (off, n + ref.nbytes, dst)
+            else:
+                seg.ranges.append((ref.offset, ref.nbytes, top))
+            top += ref.nbytes
+            if top % ALIGN and ref.nbytes:
+                pad = ALIGN - top % ALIGN
+                top += pad
+        seg.nbytes = sum(n for _, n, _ in seg.ranges)
+    size = max((max((d + n for _, n, d in s.ranges), default=0) for s in segs), default=0)
+    if io not in ("pread", "mmap"):
+        raise ValueError(f"stream io {io!r}: expected pread or mmap")
+    return StreamSchedule(segs, placement, (size + ALIGN - 1) // ALIGN * ALIGN, io)
+
+
+def node_segments(graph: Graph, sched: StreamSchedule) -> list[int | None]:
+    """For each node, the highest segment it reads (None: none). Checks that
+    the step uses segments in order, as the I/O thread reads them."""
+    out: list[int | None] = []
+    cur = -1
+    for node in graph.nodes:
+        segs = [sched.segment_of(v.name) for v in node.inputs if v.kind == "weight"]
+        segs = [s for s in segs if s is not None]
+        if not segs:
+            out.append(None)
+            continue
+        s = max(segs)
+        if min(segs) < cur:
+            raise ValueError(f"{graph.name}: node %{node.output.name} reads segment {min(segs)} after "
+                             f"segment {cur}: the graph does not use streamed weights in order")
+        cur = s
+        out.append(s)
+    return out
