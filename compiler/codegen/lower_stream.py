@@ -94,7 +94,7 @@ class StreamLowering:
 
     # --- helpers -------------------------------------------------------------
     def _slot(self, b: ir.IRBuilder, ctl: ir.Value, slot: int) -> ir.Value:
-        return b.gep(ctl, [i64(slot)], inbounds=True)
+        return self.low._slot(b, ctl, slot)
 
     def _extern(self, name: str, ret: ir.Type, args: list[ir.Type]) -> ir.Function:
         return self.module.globals.get(name) or ir.Function(self.module, ir.FunctionType(ret, args), name)
