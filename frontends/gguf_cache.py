@@ -11,6 +11,7 @@ with an entry means a cache miss, never an error.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import zipfile
@@ -37,7 +38,7 @@ def _entry(path: str) -> str:
     return os.path.join(_dir(), hashlib.sha256(key.encode()).hexdigest()[:32] + ".npz")
 
 
-def store(path: str, meta: dict[str, Any], tensors: list) -> None:
+def _arrays(meta: dict[str, Any], tensors: list) -> dict[str, np.ndarray]:
     arrays: dict[str, np.ndarray] = {}
     plain: dict[str, Any] = {}
     for i, (k, v) in enumerate(meta.items()):
@@ -55,6 +56,11 @@ def store(path: str, meta: dict[str, Any], tensors: list) -> None:
         else:
             plain[k] = {"value": v}
     arrays["json"] = np.frombuffer(json.dumps({"meta": plain, "tensors": tensors}).encode(), np.uint8)
+    return arrays
+
+
+def store(path: str, meta: dict[str, Any], tensors: list) -> None:
+    arrays = _arrays(meta, tensors)
     try:
         os.makedirs(_dir(), exist_ok=True)
         entry = _entry(path)
@@ -64,6 +70,23 @@ def store(path: str, meta: dict[str, Any], tensors: list) -> None:
         os.replace(tmp, entry)
     except (OSError, TypeError, ValueError):
         pass  # an unwritable cache only costs a slow read next time
+
+
+def meta_to_bytes(meta: dict[str, Any]) -> bytes:
+    """Metadata in this cache's format, as bytes (QSF files carry their
+    GGUF-style tokenizer this way)."""
+    buf = io.BytesIO()
+    np.savez(buf, **_arrays(meta, []))
+    return buf.getvalue()
+
+
+def meta_from_bytes(data: bytes) -> dict[str, Any]:
+    """The inverse of ``meta_to_bytes``; ValueError if the bytes are not one."""
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            return _load(z)[0]
+    except (OSError, KeyError, ValueError, TypeError, EOFError, zipfile.BadZipFile) as e:
+        raise ValueError(f"not a metadata blob ({type(e).__name__})") from None
 
 
 def load(path: str) -> tuple[dict[str, Any], list] | None:

@@ -148,7 +148,13 @@ class Llama2cTokenizer:
             raise TokenizerError(f"{name}: is a directory ({p})") from None
         except OSError as e:
             raise TokenizerError(f"{name}: cannot read ({e.strerror})") from None
+        tok = cls.from_bytes(data, name, vocab_size)
+        tok.path = str(p.resolve())  # artifacts record where their tokenizer is
+        return tok
 
+    @classmethod
+    def from_bytes(cls, data: bytes, name: str, vocab_size: int | None = None) -> "Llama2cTokenizer":
+        """Parse the bytes of a tokenizer.bin (a QSF file carries them)."""
         n = len(data)
         if n < 4:
             raise TokenizerError(
@@ -208,9 +214,7 @@ class Llama2cTokenizer:
             )
         if not vocab:
             raise TokenizerError(f"{name}: no pieces after the header")
-        tok = cls(vocab, np.array(scores, dtype=np.float32), max_token_length, name)
-        tok.path = str(p.resolve())  # artifacts record where their tokenizer is
-        return tok
+        return cls(vocab, np.array(scores, dtype=np.float32), max_token_length, name)
 
     # ------------------------------------------------------------ basics
 

@@ -49,6 +49,8 @@ def load_model(path: str | os.PathLike, tokenizer: str | os.PathLike | None = No
         magic = f.read(4)
     if magic == b"GGUF":
         return _load_gguf(path, tokenizer)
+    if magic == b"QSF1":
+        return _load_qsf(path, tokenizer)
     ckpt = load_llama2c(path)
     cfg = ckpt.config
     tok_path = os.fspath(tokenizer) if tokenizer is not None else _find_llama2c_tokenizer(path, cfg.vocab_size)
@@ -69,3 +71,12 @@ def _load_gguf(path: str, tokenizer: str | os.PathLike | None) -> LoadedModel:
                          f"{m.config.vocab_size} rows")
     m.config.stop_ids = tuple(sorted(set(m.config.stop_ids) | set(getattr(tok, "stop_ids", ()))))
     return LoadedModel(path, "gguf", m.config, m.weights, tok)
+
+
+def _load_qsf(path: str, tokenizer: str | os.PathLike | None) -> LoadedModel:
+    from .qsf import load_qsf
+
+    if tokenizer is not None:
+        raise ModelError(f"{path}: a QSF model carries its own tokenizer; -z is for llama2.c checkpoints")
+    m = load_qsf(path)
+    return LoadedModel(path, "qsf", m.config, m.weights, m.tokenizer)

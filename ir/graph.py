@@ -15,12 +15,29 @@ from .types import TensorType
 
 
 @dataclass(frozen=True)
+class PackedRegion:
+    """Bytes stored compressed in the file (a QSF layer's data). The model's
+    weight image is the file with each packed region appended, decompressed,
+    past its end: image bytes ``[image_offset, image_offset + size)`` are
+    ``codec``-decompressed file bytes ``[file_offset, file_offset + stored)``."""
+
+    codec: str
+    file_offset: int
+    stored: int
+    image_offset: int
+    size: int
+
+
+@dataclass(frozen=True)
 class WeightRef:
-    """Where a weight's bytes are: a file, a byte offset and a stored size."""
+    """Where a weight's bytes are: a file, a byte offset and a stored size.
+    The offset is into the file or, with ``packed``, into the weight image
+    (the file followed by its decompressed regions)."""
 
     path: str
     offset: int
     nbytes: int
+    packed: PackedRegion | None = None
 
 
 @dataclass(eq=False)
