@@ -11,7 +11,7 @@ from ir.graph import Graph
 from passes.memory_budget import MemoryPlan, ModelSizes, WeightInfo
 from passes.plan_arena import ArenaPlan
 from passes.split_rows import row_bytes
-from passes.stream_schedule import StreamSchedule, layer_of
+from passes.stream_schedule import StreamSchedule, layer_of, staging_bytes
 
 
 def model_sizes(model: LoadedModel, graphs: dict[str, Graph], plans: dict[str, ArenaPlan],
@@ -48,5 +48,8 @@ def plan_manifest(mp: MemoryPlan, sched: StreamSchedule | None) -> dict[str, Any
             "io": sched.io,
             "segments": [{"name": s.name, "bytes": s.nbytes, "reads": len(s.ranges)} for s in sched.segments],
             "read_bytes_per_step": sched.read_bytes(),
+            "staging_bytes": staging_bytes(sched),
+            # compressed regions the reader decompresses (the runtime leaves them out of the image)
+            "packed_image_offsets": [s.image_offset for s in sched.segments if s.image_offset is not None],
         }
     return out

@@ -16,6 +16,7 @@ from typing import Any
 import llvmlite   # the package only: llvmlite.binding (LLVM itself) loads when code is generated
 
 from frontends.loader import LoadedModel
+from ir.graph import packed_regions
 from ir.ops import get_op
 from ir.printer import print_graph
 from passes.plan_arena import plan_arena
@@ -158,6 +159,10 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
                                            for n, e in entries.items()}}
     if memory is not None:
         manifest["memory"] = plan_manifest(memory, sched)
+    regions = packed_regions(w.ref for w in model.weights.values())
+    if regions:  # compressed layers: the runtime builds the weight image (runtime/weight_image.py)
+        manifest["image"] = {"size": max(r.image_offset + r.size for r in regions),
+                             "regions": [dataclasses.asdict(r) for r in regions]}
     art = Artifact(manifest, obj)
     path = cache.store(key, art) if o.use_cache else None
     return CompileResult(art, False, time.perf_counter() - t0, path, graphs)
@@ -195,7 +200,7 @@ def _fit_budget(model: LoadedModel, o: NativeOptions, graphs: dict, plans: dict,
     """Plan memory for ``o.mem_budget``; rebuild the graphs when the plan
     changes the KV cache or splits the head. Raises BudgetError."""
     from passes.memory_budget import plan_memory
-    from passes.stream_schedule import build_schedule
+    from passes.stream_schedule import build_schedule, staging_bytes
 
     from .memory import model_sizes
 
@@ -217,6 +222,8 @@ def _fit_budget(model: LoadedModel, o: NativeOptions, graphs: dict, plans: dict,
     if sched is not None:  # the exact buffer size, now that the segments are known
         mp.buffer_bytes = sched.buffer_bytes
         mp.categories["stream buffers"] = 2 * sched.buffer_bytes
+        if staging_bytes(sched):
+            mp.categories["stream staging"] = staging_bytes(sched)
     return mp, sched, graphs, plans, mp.ctx
 
 

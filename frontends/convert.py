@@ -90,9 +90,11 @@ def read_f32(model: LoadedModel, name: str) -> np.ndarray:
     """A source tensor as float32, through its own layout's dequantizer."""
     from ir.interp import WeightStore
 
+    from .qsf_codecs import read_region
+
     w = model.weights[name]
     shape = tuple(int(d) for d in w.type.shape)
-    raw = WeightStore().raw(w.ref)
+    raw = WeightStore(unpack=read_region).raw(w.ref)
     return get_layout(w.type.layout or "F32").dequantize(raw, shape).astype(np.float32, copy=False)
 
 
@@ -213,13 +215,15 @@ def calibrate(model: LoadedModel, text: str, max_tokens: int = 256,
     from ir import interp
     from ir.ops import get_op
 
+    from .qsf_codecs import read_region
+
     from .arch import build_graph
 
     ids = model.tokenizer.encode(text)[:max_tokens]
     if len(ids) < 2:
         raise ModelError("calibration text: fewer than 2 tokens")
     g = build_graph(model.config, model.weights, "prefill", ctx=len(ids), all_logits=True)
-    weights = interp.WeightStore()
+    weights = interp.WeightStore(unpack=read_region)
     state = interp.new_state(g)
     env = {id(v): a for v, a in ((v, np.asarray(ids, np.int32)) for v in g.inputs if v.name == "tokens")}
     env.update({id(v): np.asarray(0, np.int32) for v in g.inputs if v.name == "pos"})

@@ -310,6 +310,7 @@ def load_qsf(path: str | os.PathLike) -> QSFModel:
     from .llama2c_tokenizer import Llama2cTokenizer
 
     qf = open_qsf(path)
+    verify(qf)   # before anything reads a tensor table's claims or a weight
     cfg = _config(qf.header, qf.path)
     weights = _weights(qf)
     check_weights(cfg, weights, qf.path)

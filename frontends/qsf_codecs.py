@@ -54,6 +54,19 @@ def decompress(codec: str, data: bytes, size: int) -> bytes:
     return out
 
 
+def read_region(path: str, region) -> "np.ndarray":
+    """A compressed region's plain bytes (``ir.graph.PackedRegion``), read
+    from ``path`` and decompressed: the interpreter's ``WeightStore.unpack``."""
+    import numpy as np
+
+    with open(path, "rb") as f:
+        f.seek(region.file_offset)
+        data = f.read(region.stored)
+    if len(data) != region.stored:
+        raise CodecError(f"{path}: short read of a compressed layer at byte {region.file_offset}")
+    return np.frombuffer(decompress(region.codec, data, region.size), np.uint8)
+
+
 @functools.cache
 def native_decompressor(codec: str) -> int:
     """Address of a C decompression function for the native I/O thread:

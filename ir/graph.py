@@ -40,6 +40,11 @@ class WeightRef:
     packed: PackedRegion | None = None
 
 
+def packed_regions(refs) -> list[PackedRegion]:
+    """The distinct compressed regions behind some weight references, in image order."""
+    return sorted({r.packed for r in refs if r is not None and r.packed is not None}, key=lambda p: p.image_offset)
+
+
 @dataclass(eq=False)
 class Value:
     """A typed SSA value. ``kind`` is input, weight, state or node."""

@@ -5,22 +5,28 @@ are tested against it, so it stays simple: one op at a time, in order.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from .graph import Graph, Value, WeightRef
+from .graph import Graph, PackedRegion, Value, WeightRef
 from .ops import WeightData, get_op
 from .types import DTYPES, TensorType
 
 
 class WeightStore:
-    """Memory-maps each model file once and hands out weights' raw bytes."""
+    """Memory-maps each model file once and hands out weights' raw bytes.
+    Weights in a compressed region (``ref.packed``) come from ``unpack``,
+    which returns the region's decompressed bytes (kept once read)."""
 
-    def __init__(self) -> None:
+    def __init__(self, unpack: Callable[[str, PackedRegion], np.ndarray] | None = None) -> None:
         self._maps: dict[str, np.memmap] = {}
+        self._unpack = unpack
+        self._regions: dict[tuple[str, PackedRegion], np.ndarray] = {}
 
     def raw(self, ref: WeightRef) -> np.ndarray:
+        if ref.packed is not None:
+            return self._packed(ref)
         m = self._maps.get(ref.path)
         if m is None:
             m = np.memmap(ref.path, dtype=np.uint8, mode="r")
@@ -29,6 +35,19 @@ class WeightStore:
             raise ValueError(f"{ref.path}: weight bytes {ref.offset}..{ref.offset + ref.nbytes} "
                              f"outside the file ({m.shape[0]} bytes)")
         return m[ref.offset: ref.offset + ref.nbytes]
+
+    def _packed(self, ref: WeightRef) -> np.ndarray:
+        p = ref.packed
+        key = (ref.path, p)
+        if key not in self._regions:
+            if self._unpack is None:
+                raise ValueError(f"{ref.path}: weights in a {p.codec}-compressed region need a decompressor")
+            self._regions[key] = self._unpack(ref.path, p)
+        lo = ref.offset - p.image_offset
+        if lo < 0 or lo + ref.nbytes > p.size:
+            raise ValueError(f"{ref.path}: weight bytes {ref.offset}..{ref.offset + ref.nbytes} lie outside "
+                             f"their compressed region")
+        return self._regions[key][lo: lo + ref.nbytes]
 
     def get(self, v: Value) -> WeightData:
         assert v.ref is not None

@@ -19,12 +19,19 @@ ALIGN = 64
 _LAYER = re.compile(r"blk\.(\d+)\.")
 
 
+#: codes of the stream reader's range kinds: a plain read, or a compressed
+#: region read into the staging buffer and decompressed into the stream buffer
+CODECS = {"none": 0, "lz4": 1, "zstd": 2}
+
+
 @dataclass
 class Segment:
     name: str
     weights: list[str] = field(default_factory=list)
-    ranges: list[tuple[int, int, int]] = field(default_factory=list)  # (file offset, bytes, buffer offset)
-    nbytes: int = 0
+    #: (file offset, bytes read, buffer offset, codec code, bytes written to the buffer)
+    ranges: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    nbytes: int = 0      # bytes read from the file
+    image_offset: int | None = None   # a compressed segment: where its region sits in the weight image
 
 
 @dataclass
@@ -74,26 +81,55 @@ def build_schedule(graphs: dict[str, Graph], stream_layers: bool, stream_blocks_
     if len(segs) % 2:
         segs.append(Segment("(padding)"))
     placement: dict[str, tuple[int, int]] = {}
+    if io not in ("pread", "mmap"):
+        raise ValueError(f"stream io {io!r}: expected pread or mmap")
     for i, seg in enumerate(segs):
+        packed = {weights[n].ref.packed for n in seg.weights}
+        if packed - {None}:
+            _packed_segment(i, seg, weights, packed, io, placement)
+            continue
         top = 0
         for name in seg.weights:
             ref = weights[name].ref
             placement[name] = (i, top)
-            if seg.ranges and seg.ranges[-1][0] + seg.ranges[-1][1] == ref.offset \
-                    and seg.ranges[-1][2] + seg.ranges[-1][1] == top:
-                off, n, dst = seg.ranges[-1]   # adjacent in the file and the buffer: one read
-                seg.ranges[-1] = (off, n + ref.nbytes, dst)
+            last = seg.ranges[-1] if seg.ranges else None
+            if last and last[0] + last[1] == ref.offset and last[2] + last[1] == top:
+                off, n, dst = last[:3]   # adjacent in the file and the buffer: one read
+                seg.ranges[-1] = (off, n + ref.nbytes, dst, 0, n + ref.nbytes)
             else:
-                seg.ranges.append((ref.offset, ref.nbytes, top))
+                seg.ranges.append((ref.offset, ref.nbytes, top, 0, ref.nbytes))
             top += ref.nbytes
             if top % ALIGN and ref.nbytes:
                 pad = ALIGN - top % ALIGN
                 top += pad
-        seg.nbytes = sum(n for _, n, _ in seg.ranges)
-    size = max((max((d + n for _, n, d in s.ranges), default=0) for s in segs), default=0)
-    if io not in ("pread", "mmap"):
-        raise ValueError(f"stream io {io!r}: expected pread or mmap")
+        seg.nbytes = sum(r[1] for r in seg.ranges)
+    size = max((max((r[2] + r[4] for r in s.ranges), default=0) for s in segs), default=0)
     return StreamSchedule(segs, placement, (size + ALIGN - 1) // ALIGN * ALIGN, io)
+
+
+def _packed_segment(i: int, seg: Segment, weights: dict, packed: set, io: str,
+                    placement: dict[str, tuple[int, int]]) -> None:
+    """A segment whose weights lie in one compressed region (a QSF layer):
+    one read of the stored bytes, decompressed whole into the buffer, each
+    weight at its offset inside the region."""
+    if len(packed) != 1 or None in packed:
+        raise ValueError(f"{seg.name}: its weights come from several compressed regions (or some from none)")
+    p = packed.pop()
+    if io == "mmap":
+        raise ValueError(f"{seg.name} is compressed: --stream-io mmap maps file pages in place, which a "
+                         f"compressed layer cannot use; stream it with pread")
+    if p.codec not in CODECS or p.codec == "none":
+        raise ValueError(f"{seg.name}: unknown compression {p.codec!r}")
+    for name in seg.weights:
+        placement[name] = (i, weights[name].ref.offset - p.image_offset)
+    seg.ranges = [(p.file_offset, p.stored, 0, CODECS[p.codec], p.size)]
+    seg.nbytes = p.stored
+    seg.image_offset = p.image_offset
+
+
+def staging_bytes(sched: StreamSchedule) -> int:
+    """Room for the largest compressed read (0 when nothing is compressed)."""
+    return max((r[1] for s in sched.segments for r in s.ranges if r[3]), default=0)
 
 
 def node_segments(graph: Graph, sched: StreamSchedule) -> list[int | None]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from frontends.qsf_codecs import read_region
 from ir.graph import Graph
 from ir.interp import WeightStore, new_state, run
 
@@ -18,7 +19,7 @@ class InterpExecutor:
 
     def __init__(self, graphs: dict[str, Graph]) -> None:
         self.graphs = graphs
-        self.weights = WeightStore()
+        self.weights = WeightStore(unpack=read_region)
         self.state = new_state(graphs["decode"])
 
     def reset(self) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 from compiler.artifact import Artifact
 from compiler.codegen.jit import LoadedCode
 from compiler.codegen.lower import PROFILE_HEADER, Ctl
-from compiler.codegen.lower_stream import StreamSlots as S
+from compiler.codegen.lower_stream import IO_ERR_DECOMPRESS, StreamSlots as S
 
 _RUN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _WORKER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
@@ -75,11 +75,19 @@ class NativeExecutor:
         self._run = _RUN(self.code.address("lmc_run"))
         self._worker = _WORKER(self.code.address("lmc_worker"))
         self._stop = _STOP(self.code.address("lmc_stop"))
-        with open(model_path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self._weights = np.frombuffer(self._map, np.uint8)
-        if self._weights.size != m["model"]["size"]:
+        self.stream = (m.get("memory") or {}).get("stream")
+        if os.path.getsize(model_path) != m["model"]["size"]:
             raise ValueError(f"{model_path}: size changed since it was compiled")
+        if m.get("image"):   # compressed layers: the file plus the decompressed ones, at one address
+            from .weight_image import WeightImage, regions_of
+
+            skip = frozenset((self.stream or {}).get("packed_image_offsets", []))
+            self._map = WeightImage(model_path, regions_of(m["image"]), int(m["image"]["size"]), skip)
+            self._weights = self._map.array
+        else:
+            with open(model_path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._weights = np.frombuffer(self._map, np.uint8)
         self.chunk = int(m["prefill_chunk"])
         self.arena = _aligned(max(64, int(m["arena_bytes"])))
         self.state = _aligned(max(64, int(m["state_bytes"])))
@@ -111,7 +119,6 @@ class NativeExecutor:
             self._threads.append(t)
         self._fds: list[int] = []
         self._buffers: list[np.ndarray] = []
-        self.stream = (m.get("memory") or {}).get("stream")
         if self.stream:
             self._start_io(model_path)
         keep = (self.code, self._map, self._weights, self.arena, self.state, self.scratch, self.io,
@@ -127,6 +134,18 @@ class NativeExecutor:
             n = int(self.stream["buffer_bytes"])
             self._buffers = [_aligned(max(64, n)) for _ in range(2)]
             c[S.BUF0], c[S.BUF1] = (b.ctypes.data for b in self._buffers)
+            staging = int(self.stream.get("staging_bytes", 0))
+            if staging:   # compressed layers: read here, decompressed into the buffers by lmc_io
+                from frontends.qsf_codecs import native_decompressor
+
+                self._buffers.append(_aligned(staging))
+                c[S.STAGE] = self._buffers[-1].ctypes.data
+                c[S.LZ4_FN] = native_decompressor("lz4")
+                try:
+                    c[S.ZSTD_FN] = native_decompressor("zstd")
+                except ValueError:
+                    if any(r.get("codec") == "zstd" for r in (self.manifest.get("image") or {}).get("regions", [])):
+                        raise
         fd = os.open(model_path, os.O_RDONLY)
         self._fds.append(fd)
         c[S.FD] = fd
@@ -189,8 +208,9 @@ class NativeExecutor:
         c[Ctl.T] = T
         self._run(self._ctl_ptr)
         if self.stream and c[S.IO_ERROR]:
-            raise OSError(f"{self.manifest['model']['path']}: reading streamed weights failed "
-                          f"(the file changed or was truncated?)")
+            what = "a compressed layer did not decompress" if c[S.IO_ERROR] == IO_ERR_DECOMPRESS \
+                else "reading streamed weights failed"
+            raise OSError(f"{self.manifest['model']['path']}: {what} (the file changed or was truncated?)")
         shape = [T if isinstance(d, str) else d for d in e["output_shape"]]
         n = int(np.prod(shape))
         return self.arena[e["output_offset"]: e["output_offset"] + 4 * n].view(np.float32).reshape(shape)

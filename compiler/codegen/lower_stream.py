@@ -44,6 +44,16 @@ class StreamSlots:
     IO_ERROR = 50
     IO_IDLE_NS = 51
     TOUCH_SINK = 52
+    STAGE = 53           # buffer for a compressed layer's stored bytes
+    LZ4_FN = 54          # int LZ4_decompress_safe(src, dst, srcSize, dstCapacity)
+    ZSTD_FN = 55         # size_t ZSTD_decompress(dst, dstCapacity, src, srcSize)
+
+
+#: IO_ERROR values: a failed or short read, a layer that did not decompress
+IO_ERR_READ = 1
+IO_ERR_DECOMPRESS = 2
+#: i64 fields per range in the table: file offset, bytes read, buffer offset, codec, bytes out
+RANGE = 5
 
 
 _POSIX_FADV_WILLNEED = 3
@@ -115,9 +125,9 @@ class StreamLowering:
         """Constant tables: segment i's reads are ranges[start[i] .. start[i+1])."""
         start, flat = [0], []
         for seg in self.sched.segments:
-            for off, n, dst in seg.ranges:
-                flat += [off, n, dst]
-            start.append(len(flat) // 3)
+            for r in seg.ranges:
+                flat += list(r)
+            start.append(len(flat) // RANGE)
         def table(name: str, vals: list[int]) -> ir.GlobalVariable:
             ty = ir.ArrayType(I64, max(1, len(vals)))
             g = ir.GlobalVariable(self.module, ty, name)
@@ -253,9 +263,12 @@ class StreamLowering:
         j.add_incoming(j0, blk["ready"])
         b.cbranch(b.icmp_signed("<", j, j1), blk["rbody"], blk["published"])
         b.position_at_end(blk["rbody"])
-        off0 = self._load_tab(b, self.range_tab, b.mul(j, i64(3)))
-        n0 = self._load_tab(b, self.range_tab, b.add(b.mul(j, i64(3)), i64(1)))
-        dst0 = self._load_tab(b, self.range_tab, b.add(b.mul(j, i64(3)), i64(2)))
+        off0, n0, dst0, codec, nout = (self._load_tab(b, self.range_tab, b.add(b.mul(j, i64(RANGE)), i64(k)))
+                                       for k in range(RANGE))
+        # a compressed range is read into the staging buffer, then decompressed
+        stage = b.inttoptr(b.load(self._slot(b, ctl, StreamSlots.STAGE)), I8P)
+        plain = b.icmp_signed("==", codec, i64(0))
+        target = b.select(plain, b.gep(buf, [dst0]), stage)
         b.branch(blk["rd"])
         b.position_at_end(blk["rd"])
         done = b.phi(I64)
@@ -265,7 +278,7 @@ class StreamLowering:
         more = fn.append_basic_block("more")
         b.cbranch(finished, blk["rnext"], more)
         b.position_at_end(more)
-        got = b.call(pread, [fd, b.gep(buf, [b.add(dst0, done)]), left, b.add(off0, done)])
+        got = b.call(pread, [fd, b.gep(target, [done]), left, b.add(off0, done)])
         b.cbranch(b.icmp_signed(">", got, i64(0)), blk["rok"], blk["rerr"])
         b.position_at_end(blk["rok"])
         nb = self._slot(b, ctl, StreamSlots.READ_BYTES)
@@ -273,13 +286,38 @@ class StreamLowering:
         done.add_incoming(b.add(done, got), blk["rok"])
         b.branch(blk["rd"])
         b.position_at_end(blk["rerr"])  # a failed or short read: flag it; the runtime raises
-        b.store_atomic(i64(1), self._slot(b, ctl, StreamSlots.IO_ERROR), "release", 8)
+        b.store_atomic(i64(IO_ERR_READ), self._slot(b, ctl, StreamSlots.IO_ERROR), "release", 8)
         b.branch(blk["rnext"])
         b.position_at_end(blk["rnext"])
-        j.add_incoming(b.add(j, i64(1)), blk["rnext"])
+        with b.if_then(b.icmp_signed("!=", codec, i64(0))):
+            self._decompress(b, ctl, codec, stage, n0, b.gep(buf, [dst0]), nout)
+        j.add_incoming(b.add(j, i64(1)), b.block)
         b.branch(blk["rng"])
 
         self._finish_io(fn, b, blk, ctl, s, t_read, io_p, fd, fadvise)
+
+    def _decompress(self, b: ir.IRBuilder, ctl: ir.Value, codec: ir.Value, src: ir.Value, n: ir.Value,
+                    dst: ir.Value, nout: ir.Value) -> None:
+        """Decompress ``n`` staged bytes into ``dst`` with the codec's C entry
+        point (its address is in the control block); anything but exactly
+        ``nout`` bytes out flags IO_ERR_DECOMPRESS."""
+        i32 = I32
+        lz4_t = ir.FunctionType(i32, [I8P, I8P, i32, i32]).as_pointer()
+        zstd_t = ir.FunctionType(I64, [I8P, I64, I8P, I64]).as_pointer()
+        with b.if_else(b.icmp_signed("==", codec, i64(1))) as (lz4, zstd):
+            with lz4:
+                fn = b.inttoptr(b.load(self._slot(b, ctl, StreamSlots.LZ4_FN)), lz4_t)
+                r_lz4 = b.sext(b.call(fn, [src, dst, b.trunc(n, i32), b.trunc(nout, i32)]), I64)
+                from_lz4 = b.block
+            with zstd:
+                fn = b.inttoptr(b.load(self._slot(b, ctl, StreamSlots.ZSTD_FN)), zstd_t)
+                r_zstd = b.call(fn, [dst, nout, src, n])
+                from_zstd = b.block
+        res = b.phi(I64)
+        res.add_incoming(r_lz4, from_lz4)
+        res.add_incoming(r_zstd, from_zstd)
+        with b.if_then(b.icmp_signed("!=", res, nout)):
+            b.store_atomic(i64(IO_ERR_DECOMPRESS), self._slot(b, ctl, StreamSlots.IO_ERROR), "release", 8)
 
     def _finish_io(self, fn, b, blk, ctl, s, t_read, io_p, fd, fadvise) -> None:
         """Publish segment s (IO_DONE), hint the next one, loop."""
@@ -294,8 +332,8 @@ class StreamLowering:
         k0 = self._load_tab(b, self.start_tab, nseg_next)
         k1 = self._load_tab(b, self.start_tab, b.add(nseg_next, i64(1)))
         with b.if_then(b.icmp_signed("<", k0, k1)):
-            first_off = self._load_tab(b, self.range_tab, b.mul(k0, i64(3)))
-            last = b.mul(b.sub(k1, i64(1)), i64(3))
+            first_off = self._load_tab(b, self.range_tab, b.mul(k0, i64(RANGE)))
+            last = b.mul(b.sub(k1, i64(1)), i64(RANGE))
             end = b.add(self._load_tab(b, self.range_tab, last), self._load_tab(b, self.range_tab,
                                                                                  b.add(last, i64(1))))
             b.call(fadvise, [fd, first_off, b.sub(end, first_off), ir.Constant(I32, _POSIX_FADV_WILLNEED)])
@@ -323,8 +361,8 @@ class StreamLowering:
             j0 = self._load_tab(b, self.start_tab, seg)
             j1 = self._load_tab(b, self.start_tab, b.add(seg, i64(1)))
             with _loop(b, j0, j1) as j:
-                off = self._load_tab(b, self.range_tab, b.mul(j, i64(3)))
-                n = self._load_tab(b, self.range_tab, b.add(b.mul(j, i64(3)), i64(1)))
+                off = self._load_tab(b, self.range_tab, b.mul(j, i64(RANGE)))
+                n = self._load_tab(b, self.range_tab, b.add(b.mul(j, i64(RANGE)), i64(1)))
                 body(off, b.add(off, n), n)
 
         def ptr(x: ir.Value) -> ir.Value:
