@@ -255,7 +255,7 @@ def calibrate(model: LoadedModel, text: str, max_tokens: int = 256,
 
 def convert(src: str, output: str, qtype: str = "q8", tokenizer: str | None = None, compression: str = "none",
             calibration: str | None = None, level: int | None = None,
-            progress: Callable[..., object] | None = None) -> ConvertReport:
+            progress: Callable[..., object] | None = None, always_compress: bool = False) -> ConvertReport:
     """Convert ``src`` to a QSF file at ``output``. ``progress(total, desc)``
     returns an object with ``update(n)`` and ``close()`` (tqdm's interface)."""
     if qtype not in QTYPES:
@@ -295,7 +295,7 @@ def convert(src: str, output: str, qtype: str = "q8", tokenizer: str | None = No
         return out
 
     bar = progress(cfg.n_layers + 2, "converting") if progress else None
-    with QSFWriter(output, _header(cfg, header_qtype, pad), compression, level) as w:
+    with QSFWriter(output, _header(cfg, header_qtype, pad), compression, level, always_compress) as w:
         w.embedding(tensors(emb))
         bar and bar.update(1)
         for i, names in enumerate(layers):

@@ -158,7 +158,8 @@ def _open(f, path: str, size: int) -> QSFFile:
 # --- checksums --------------------------------------------------------------------------
 def _stamp_path(qf: QSFFile) -> str:
     st = os.stat(qf.path)
-    key = json.dumps([os.path.abspath(qf.path), st.st_size, st.st_mtime_ns, qf.header.crc])
+    key = json.dumps([os.path.abspath(qf.path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
+                      qf.header.crc])
     d = os.environ.get("LMC_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "lmc")
     return os.path.join(d, "qsf-verified", hashlib.sha256(key.encode()).hexdigest()[:32])
@@ -320,3 +321,58 @@ def load_qsf(path: str | os.PathLike) -> QSFModel:
         stops.add(cfg.bos_id)
     cfg.stop_ids = tuple(sorted(stops))
     return QSFModel(qf, cfg, weights, tok)
+
+
+def inspect_qsf(path: str, verify: bool = False) -> dict:
+    """``lmc inspect``'s report (the schema of ``runtime/inspect_model.py``):
+    header fields, sections, per-layer sizes, types, compression and, with
+    ``verify``, every section's checksum."""
+    import dataclasses
+
+    qf = open_qsf(path)
+    h = qf.header
+    crcs = dict(check_all(qf)) if verify else {}
+    sections = [{"name": "header", "offset": 0, "size": HEADER_SIZE},
+                {"name": "index", "offset": h.index_offset, "size": index_size(h.n_layers)}]
+    for sec in qf.sections:
+        head = 0 if sec.name.startswith("layer ") else SECTION_HEAD
+        sections.append({"name": sec.name, "offset": sec.offset - head, "size": sec.stored + head})
+    layers, tensors, types = [], [], {}
+    for i, (e, sec) in enumerate(zip(qf.layers, qf.sections[1:-2])):
+        layers.append({"index": i, "offset": e.offset, "stored": e.stored, "decompressed": e.size, "qtype": e.qtype,
+                       "compression": e.compression, "tensors": e.tensors, "crc": f"{e.crc:08x}",
+                       "crc_ok": crcs.get(sec.name), "importance": round(e.importance, 4)})
+    for sec in qf.sections:
+        prefix = f"blk.{sec.name.split()[1]}." if sec.name.startswith("layer ") else ""
+        for t in sec.tensors:
+            tensors.append({"name": prefix + t.name, "type": t.qtype, "shape": list(t.shape),
+                            "offset": (sec.offset if sec.compression == "none" else sec.image_offset) + t.offset,
+                            "nbytes": t.nbytes, "layer": int(sec.name.split()[1]) if prefix else None,
+                            "section": sec.name})
+            agg = types.setdefault(t.qtype, {"count": 0, "bytes": 0, "values": 0})
+            agg["count"] += 1
+            agg["bytes"] += t.nbytes
+            n = 1
+            for d in t.shape:
+                n *= d
+            agg["values"] += n
+    total_bytes = sum(a["bytes"] for a in types.values())
+    total_values = sum(a.pop("values") for a in types.values())
+    checks = [{"what": "header CRC32 and file size", "ok": True, "detail": f"{h.crc:08x}, {qf.file_size} bytes"},
+              {"what": "index CRC32", "ok": True, "detail": f"{len(qf.layers)} layers"}]
+    if verify:
+        for name, ok in crcs.items():
+            checks.append({"what": f"{name} CRC32", "ok": ok, "detail": "" if ok else "mismatch: corrupt bytes"})
+    try:
+        cfg = dataclasses.asdict(_config(h, path))
+    except ModelError as e:
+        cfg = {}
+        checks.append({"what": "config", "ok": False, "detail": str(e)})
+    header = h.as_dict()
+    header["crc"] = f"{h.crc:08x}"
+    header["image_size"] = qf.image_size
+    return {"format": "qsf", "path": path, "size": qf.file_size, "header": header, "config": cfg,
+            "sections": sections, "layers": layers, "tensors": tensors,
+            "summary": {"types": types, "total_weight_bytes": total_bytes,
+                        "bits_per_weight": round(8 * total_bytes / max(total_values, 1), 3)},
+            "checks": checks}

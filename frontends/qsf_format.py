@@ -105,6 +105,11 @@ class Header:
     file_size: int
     crc: int = 0
 
+    def __post_init__(self) -> None:
+        # the file stores these as f32: hold exactly what will be read back
+        for k in ("rope_theta", "norm_eps", "rope_local_theta"):
+            setattr(self, k, struct.unpack("<f", struct.pack("<f", getattr(self, k)))[0])
+
     def pack(self) -> bytes:
         """The 128 bytes, with the CRC32 of the first 124 filled in."""
         qt = MIXED if self.qtype == "mixed" else code_of(QTYPES, self.qtype, "quant type")

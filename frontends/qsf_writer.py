@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Iterable
-
 import numpy as np
 
 from . import qsf_codecs
-from .qsf_format import (ALIGN, HEADER_SIZE, Header, LayerEntry, TensorEntry, align_up, crc32,
+from .qsf_format import (HEADER_SIZE, SECTION_HEAD, Header, LayerEntry, TensorEntry, align_up, crc32,
                          group_header_size, index_size, pack_group_header, pack_index, pack_section_head,
                          pack_tokenizer)
 
@@ -56,17 +54,22 @@ class QSFWriter:
     ``w.embedding(...)``, ``w.layer(...)`` per layer in order, ``w.final(...)``,
     ``w.tokenizer(...)``. The header's offsets and sizes are filled in here."""
 
-    def __init__(self, path: str, header: Header, compression: str = "none", level: int | None = None) -> None:
+    def __init__(self, path: str, header: Header, compression: str = "none", level: int | None = None,
+                 always_compress: bool = False) -> None:
         if compression not in qsf_codecs.CODECS:
             raise qsf_codecs.CodecError(f"unknown compression {compression!r}")
         self.path, self.tmp = path, path + ".part"
         self.header = replace(header)
         self.compression, self.level = compression, level
+        self.always_compress = always_compress   # keep compressed layers even when larger (tests, benchmarks)
         self.entries: list[LayerEntry] = []
         self._f = None
 
     def __enter__(self) -> "QSFWriter":
-        self._f = open(self.tmp, "wb")
+        try:
+            self._f = open(self.tmp, "wb")
+        except OSError as e:
+            raise OSError(e.errno, f"cannot write ({e.strerror})", self.path) from None
         n = self.header.n_layers
         self.header.index_offset = HEADER_SIZE
         self._f.write(bytes(align_up(HEADER_SIZE + index_size(n))))   # filled in by close()
@@ -100,8 +103,6 @@ class QSFWriter:
 
     def _section_aligned(self, name: str, payload: bytes) -> int:
         """A tensor-group section: pad so its payload (and so each tensor) is 64-aligned."""
-        from .qsf_format import SECTION_HEAD
-
         pos = self._f.tell()
         start = align_up(pos + SECTION_HEAD) - SECTION_HEAD
         self._f.write(bytes(start - pos))
@@ -116,7 +117,7 @@ class QSFWriter:
         codec = self.compression
         if codec != "none":
             packed = qsf_codecs.compress(codec, data, self.level)
-            if len(packed) < len(data):
+            if len(packed) < len(data) or self.always_compress:
                 data_stored = packed
             else:
                 codec, data_stored = "none", data
@@ -156,8 +157,3 @@ class QSFWriter:
         os.replace(self.tmp, self.path)
 
 
-def write_layers(w: QSFWriter, layers: Iterable[QSFLayer]) -> list[LayerEntry]:
-    return [w.layer(layer) for layer in layers]
-
-
-__all__ = ["ALIGN", "QSFLayer", "QSFTensor", "QSFWriter", "pack_group", "write_layers"]

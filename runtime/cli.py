@@ -145,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
     from . import bench
     bench.add_parser(sub)
 
+    from . import inspect_model, perplexity
+    perplexity.add_parser(sub)
+    inspect_model.add_parser(sub)
+
+    from . import convert_cmd
+    convert_cmd.add_parser(sub)
+
     from . import kernel_lab
     kn = sub.add_parser("kernel", help="compile one kernel on its own: check it, time it, try variants")
     kernel_lab.add_arguments(kn)
@@ -435,8 +442,30 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     return kernel_lab.cmd_kernel(args)
 
 
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from . import perplexity
+
+    return perplexity.cmd_perplexity(args)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from . import inspect_model
+
+    return inspect_model.cmd_inspect(args)
+
+
 COMMANDS = {"run": cmd_run, "compile": cmd_compile, "plan": cmd_plan, "synth": cmd_synth, "bench": cmd_bench,
             "tokenize": cmd_tokenize, "ir": cmd_ir, "profile": cmd_profile, "kernel": cmd_kernel}
+COMMANDS.update(perplexity=cmd_perplexity, inspect=cmd_inspect)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from . import convert_cmd
+
+    return convert_cmd.cmd_convert(args)
+
+
+COMMANDS["convert"] = cmd_convert
 
 
 def main(argv: Sequence[str] | None = None) -> int:
