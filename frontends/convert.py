@@ -86,15 +86,19 @@ def _fixed_policy(qtype: str, name: str, shape: tuple[int, ...]) -> str:
     return t
 
 
-def read_f32(model: LoadedModel, name: str) -> np.ndarray:
-    """A source tensor as float32, through its own layout's dequantizer."""
+def _store():
     from ir.interp import WeightStore
 
     from .qsf_codecs import read_region
 
+    return WeightStore(unpack=read_region)
+
+
+def read_f32(model: LoadedModel, name: str, store=None) -> np.ndarray:
+    """A source tensor as float32, through its own layout's dequantizer."""
     w = model.weights[name]
     shape = tuple(int(d) for d in w.type.shape)
-    raw = WeightStore(unpack=read_region).raw(w.ref)
+    raw = (store or _store()).raw(w.ref)
     return get_layout(w.type.layout or "F32").dequantize(raw, shape).astype(np.float32, copy=False)
 
 
@@ -104,6 +108,33 @@ def quantize(values: np.ndarray, layout: str) -> np.ndarray:
     if layout == "F32":
         return values.astype(np.float32)
     return get_layout(layout).quantize(values.reshape(-1, values.shape[-1]))
+
+
+#: values per work item when a matrix is converted in row chunks
+_CHUNK = 1 << 20
+
+
+def encode_tensor(model: LoadedModel, name: str, layout: str, store=None, pool=None) -> tuple[tuple[int, ...], bytes]:
+    """A source tensor stored as ``layout``: converted in chunks of rows
+    (dequantize, quantize), so a large embedding never exists whole in
+    float32, and the chunks run on ``pool``'s threads (numpy releases the
+    GIL in its loops)."""
+    w = model.weights[name]
+    shape = tuple(int(d) for d in w.type.shape)
+    src = get_layout(w.type.layout or "F32")
+    raw = (store or _store()).raw(w.ref)
+    if len(shape) != 2:
+        return shape, quantize(src.dequantize(raw, shape), layout).tobytes()
+    rows, cols = shape
+    step = max(1, _CHUNK // cols)
+
+    def part(r0: int) -> bytes:
+        v = src.dequantize_rows(raw, shape, np.arange(r0, min(rows, r0 + step))).astype(np.float32, copy=False)
+        return quantize(v, layout).tobytes()
+
+    starts = range(0, rows, step)
+    parts = list(pool.map(part, starts)) if pool is not None else [part(r) for r in starts]
+    return shape, b"".join(parts)
 
 
 def _header(cfg: ModelConfig, qtype: str, pad_id: int) -> Header:
@@ -215,15 +246,13 @@ def calibrate(model: LoadedModel, text: str, max_tokens: int = 256,
     from ir import interp
     from ir.ops import get_op
 
-    from .qsf_codecs import read_region
-
     from .arch import build_graph
 
     ids = model.tokenizer.encode(text)[:max_tokens]
     if len(ids) < 2:
         raise ModelError("calibration text: fewer than 2 tokens")
     g = build_graph(model.config, model.weights, "prefill", ctx=len(ids), all_logits=True)
-    weights = interp.WeightStore(unpack=read_region)
+    weights = _store()
     state = interp.new_state(g)
     env = {id(v): a for v, a in ((v, np.asarray(ids, np.int32)) for v in g.inputs if v.name == "tokens")}
     env.update({id(v): np.asarray(0, np.int32) for v in g.inputs if v.name == "pos"})
@@ -243,7 +272,7 @@ def calibrate(model: LoadedModel, text: str, max_tokens: int = 256,
     for i, name in enumerate(names):
         if progress:
             progress(f"calibrating {name} ({i + 1}/{len(names)})")
-        W = read_f32(model, name).astype(np.float64)
+        W = read_f32(model, name, weights).astype(np.float64)
         e = sq[name]
         ref = float(((W * W) * e).sum()) or 1.0
         out[name] = {}
@@ -287,15 +316,20 @@ def convert(src: str, output: str, qtype: str = "q8", tokenizer: str | None = No
         report.importance = [0.0] * cfg.n_layers
     header_qtype = QTYPES[qtype] if qtype != "mixed" else "mixed"
 
+    store = _store()
+
     def tensors(names: list[str], strip: str = "") -> list[QSFTensor]:
         out = []
         for n in names:
-            v = read_f32(model, n)
-            out.append(QSFTensor(n[len(strip):], types[n], v.shape, quantize(v, types[n])))
+            shape, data = encode_tensor(model, n, types[n], store, pool)
+            out.append(QSFTensor(n[len(strip):], types[n], shape, data))
         return out
 
     bar = progress(cfg.n_layers + 2, "converting") if progress else None
-    with QSFWriter(output, _header(cfg, header_qtype, pad), compression, level, always_compress) as w:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool, \
+            QSFWriter(output, _header(cfg, header_qtype, pad), compression, level, always_compress) as w:
         w.embedding(tensors(emb))
         bar and bar.update(1)
         for i, names in enumerate(layers):
