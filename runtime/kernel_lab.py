@@ -273,7 +273,8 @@ def _operand_bytes(p: Problem) -> int:
 def make_weight(rng: np.random.Generator, layout: str, n: int, k: int) -> WeightData:
     """An [n, k] weight stored in ``layout``: normal values (sd 0.05, as in
     trained models) quantized by the format's own quantizer where we have
-    one (gguf.quants, our Q4_K and llama2.c Q8 writers); random quants with
+    one (gguf.quants, our Q4_K and llama2.c Q8 writers, a layout's own
+    ``quantize`` such as QSF's); random quants with
     small positive and negative super-block scales otherwise (Q5_K, Q6_K)."""
     t = TensorType((n, k), "f32", layout)
     data = (rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.05))
@@ -295,6 +296,8 @@ def make_weight(rng: np.random.Generator, layout: str, n: int, k: int) -> Weight
 
         q, s = quantize_q8(data.reshape(-1), int(layout[len("L2C_Q8G"):]))
         raw = np.concatenate([q.view(np.uint8), s.astype("<f4").view(np.uint8)])
+    elif hasattr(_layout(layout), "quantize"):   # layouts with their own quantizer (QSF_*)
+        raw = _layout(layout).quantize(data)
     else:
         lay = _layout(layout)
         nblocks = lay.nbytes(t.shape) // lay.block_bytes

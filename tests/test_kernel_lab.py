@@ -53,7 +53,7 @@ def test_qmatvec_every_layout(capsys, qtype):
     assert r["params"]["vector_width"] == HOST_VW
     assert r["params"]["dot"] == ("int" if kernel_lab.default_int_dot(
         kernel_lab.Problem("qmatvec", 64, 256, qtype=qtype)) else "float")
-    assert r["bytes_read"] > 64 * 256 // 2 and r["flops"] == 2 * 64 * 256
+    assert r["bytes_read"] > 64 * 256 // 4 and r["flops"] == 2 * 64 * 256  # >= 2 bits a weight (QSF_Q2)
     for key in ("median_us", "gb_s", "gflop_s"):  # figures present; their size is never tested
         assert isinstance(r[key], (int, float)) and r[key] >= 0
     m = r["machine"]

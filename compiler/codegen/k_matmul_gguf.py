@@ -97,19 +97,21 @@ class GGUFBlockDecoder(Decoder):
     finished (scaled) weights, or None to use ``quants``."""
 
     block_bytes = 34
+    #: values per block, a power of two (QSF's decoders reuse this class with 64)
+    qk = QK
     #: byte offset of the float16 offset ``m`` (None: symmetric, value = q * d)
     m_at: int | None = None
     decode_unroll = 4
 
     def __init__(self, kb: KernelBuilder, raw: ir.Value, n: int, k: int) -> None:
         super().__init__(kb, raw, n, k)
-        if k % QK:
-            raise ValueError(f"row length {k} is not a multiple of the block size {QK}")
-        self.nb = k // QK
+        if k % self.qk:
+            raise ValueError(f"row length {k} is not a multiple of the block size {self.qk}")
+        self.nb = k // self.qk
 
     def step(self, unroll: int) -> int:
         s = self.kb.vw * unroll
-        return max(QK, s - s % QK)
+        return max(self.qk, s - s % self.qk)
 
     # --- per-type parts ---------------------------------------------------------------
     def quants(self, blk: _Block, o: int, w: int) -> ir.Value:
@@ -131,16 +133,17 @@ class GGUFBlockDecoder(Decoder):
     # --- the Decoder interface ----------------------------------------------------------
     def decode(self, row, col, widths, align, defer=False):
         kb, b = self.kb, self.kb.b
-        assert align == 0 or align % QK == 0, (align, widths)
-        first = b.add(b.mul(row, i64(self.nb)), b.lshr(col, i64(5)))   # col // 32
+        qk = self.qk
+        assert align == 0 or align % qk == 0, (align, widths)
+        first = b.add(b.mul(row, i64(self.nb)), b.lshr(col, i64(qk.bit_length() - 1)))   # col // qk
         base = b.mul(first, i64(self.block_bytes))
         blocks: dict[int, _Block] = {}
         vecs: list[ir.Value] = []
         scaled: list[bool] = []
         off = 0
         for w in widths:
-            j, o = divmod(off, QK)
-            assert o + w <= QK, (off, w)
+            j, o = divmod(off, qk)
+            assert o + w <= qk, (off, w)
             if j not in blocks:
                 bp = kb.gep(self.raw, b.add(base, i64(j * self.block_bytes)))
                 blocks[j] = _Block(bp, self._f16(bp, 0), None if self.m_at is None else self._f16(bp, self.m_at))
@@ -157,7 +160,7 @@ class GGUFBlockDecoder(Decoder):
         out, off = [], 0
         for v, w, done in zip(vecs, widths, scaled):
             if not done:
-                blk = blocks[off // QK]
+                blk = blocks[off // qk]
                 v = b.fmul(v, kb.splat(blk.d, w), flags=EXACT)
                 if blk.m is not None:
                     v = b.fadd(v, kb.splat(blk.m, w), flags=EXACT)
