@@ -80,13 +80,20 @@ def meta_to_bytes(meta: dict[str, Any]) -> bytes:
     return buf.getvalue()
 
 
-def meta_from_bytes(data: bytes) -> dict[str, Any]:
-    """The inverse of ``meta_to_bytes``; ValueError if the bytes are not one."""
+def meta_from_file(f: Any) -> dict[str, Any]:
+    """The inverse of ``meta_to_bytes``, read from a binary file positioned
+    at the blob, which must end at the end of the file (a zip archive may
+    have other data before it): members are read one at a time, the blob
+    never whole. ValueError if it is not one."""
     try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        with np.load(f, allow_pickle=False) as z:
             return _load(z)[0]
     except (OSError, KeyError, ValueError, TypeError, EOFError, zipfile.BadZipFile) as e:
         raise ValueError(f"not a metadata blob ({type(e).__name__})") from None
+
+
+def meta_from_bytes(data: bytes) -> dict[str, Any]:
+    return meta_from_file(io.BytesIO(data))
 
 
 def load(path: str) -> tuple[dict[str, Any], list] | None:

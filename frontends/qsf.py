@@ -282,24 +282,27 @@ def _weights(qf: QSFFile) -> dict[str, WeightInfo]:
 
 
 def read_tokenizer(qf: QSFFile, vocab_size: int):
-    """The tokenizer the file carries (its CRC checked: it is read whole)."""
-    from .gguf_cache import meta_from_bytes
+    """The tokenizer the file carries (its CRC checked first: it is read whole).
+    A GGUF-style vocabulary is read member by member from the file, so a
+    262144-token vocabulary never sits in memory twice."""
+    from .gguf_cache import meta_from_file
     from .gguf_tokenizer import GGUFTokenizer
     from .llama2c_tokenizer import Llama2cTokenizer
 
     sec = qf.section("tokenizer")
     with open(qf.path, "rb") as f:
-        payload = _read(f, sec.offset, sec.stored, "tokenizer section", qf.file_size)
-    if crc32(payload) != sec.crc:
-        raise ModelError(f"{qf.path}: tokenizer section: CRC32 mismatch (the stored bytes are corrupt)")
-    try:
-        kind, blob = unpack_tokenizer(payload)
-        if kind == "llama2c":
-            tok = Llama2cTokenizer.from_bytes(blob, os.path.basename(qf.path), vocab_size)
-        else:
-            tok = GGUFTokenizer.from_metadata(meta_from_bytes(blob), qf.path)
-    except (QSFError, ValueError) as e:
-        raise ModelError(f"{qf.path}: tokenizer section: {e}") from None
+        if check_section(f, sec) != sec.crc:
+            raise ModelError(f"{qf.path}: tokenizer section: CRC32 mismatch (the stored bytes are corrupt)")
+        head = _read(f, sec.offset, min(sec.stored, 8), "tokenizer section", qf.file_size)
+        try:
+            kind, _ = unpack_tokenizer(head)
+            f.seek(sec.offset + 8)
+            if kind == "llama2c":
+                tok = Llama2cTokenizer.from_bytes(f.read(sec.stored - 8), os.path.basename(qf.path), vocab_size)
+            else:
+                tok = GGUFTokenizer.from_metadata(meta_from_file(f), qf.path)
+        except (QSFError, ValueError) as e:
+            raise ModelError(f"{qf.path}: tokenizer section: {e}") from None
     tok.path = os.path.abspath(qf.path)
     if tok.vocab_size != vocab_size:
         raise ModelError(f"{qf.path}: the tokenizer has {tok.vocab_size} tokens, the header says {vocab_size}")

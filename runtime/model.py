@@ -185,6 +185,14 @@ class Model:
                                 read_s=round(io["read_s"] - io0["read_s"], 6))
 
 
+def _separate_tokenizer(model_path: str, tokenizer: str | None) -> str | None:
+    """The tokenizer file to pass along, or None when the model carries its
+    own (GGUF, QSF: its tokenizer's path is the model's)."""
+    if tokenizer is None or os.path.abspath(tokenizer) == os.path.abspath(model_path):
+        return None
+    return tokenizer
+
+
 def _compile_child(path: str, tokenizer: str | None, opts) -> None:
     from compiler.native import compile_native
 
@@ -205,7 +213,8 @@ def _compile_within_budget(loaded: LoadedModel, opts):
     if res is not None:
         return res
     child = multiprocessing.get_context("spawn").Process(
-        target=_compile_child, args=(loaded.path, getattr(loaded.tokenizer, "path", None), opts),
+        target=_compile_child, args=(loaded.path, _separate_tokenizer(loaded.path, getattr(loaded.tokenizer, "path",
+                                                                                           None)), opts),
         name="lmc-compile")
     child.start()
     child.join()
@@ -230,7 +239,8 @@ def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, ba
         art = Artifact.read(path)
         check_artifact(art, os.fspath(path))
         man = art.manifest
-        loaded = load_model(man["model"]["path"], tokenizer or man.get("tokenizer"))
+        loaded = load_model(man["model"]["path"],
+                            tokenizer or _separate_tokenizer(man["model"]["path"], man.get("tokenizer")))
         if backend != "llvm":
             raise RunError(f"{path}: an artifact runs on the llvm backend only")
         if kv_type is not None and kv_type != man.get("kv_type", "f32"):
