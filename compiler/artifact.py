@@ -6,12 +6,12 @@ altered file is refused before anything in it is trusted.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
 from dataclasses import dataclass
 from typing import Any
+from ir.digest import sha256
 
 MAGIC = b"LMCART1\0"
 FORMAT_VERSION = 1
@@ -29,7 +29,7 @@ class Artifact:
     def to_bytes(self) -> bytes:
         man = json.dumps(self.manifest, sort_keys=True).encode()
         body = MAGIC + struct.pack("<Q", len(man)) + man + struct.pack("<Q", len(self.obj)) + self.obj
-        return body + hashlib.sha256(body).digest()
+        return body + sha256(body).digest()
 
     def write(self, path: str | os.PathLike) -> None:
         """Write atomically: a crash never leaves a half-written artifact."""
@@ -49,7 +49,7 @@ class Artifact:
         if len(data) < len(MAGIC) + 8 + 8 + 32 or data[: len(MAGIC)] != MAGIC:
             raise ArtifactError(f"{name}: not an lmc artifact (bad magic or too short)")
         body, digest = data[:-32], data[-32:]
-        if hashlib.sha256(body).digest() != digest:
+        if sha256(body).digest() != digest:
             raise ArtifactError(f"{name}: corrupt or truncated artifact (checksum mismatch)")
         p = len(MAGIC)
         (mlen,) = struct.unpack_from("<Q", body, p)
@@ -122,12 +122,12 @@ def _fingerprint_memo(path: str, st: os.stat_result) -> str | None:
     from .cache import cache_dir
 
     ident = json.dumps([os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
-    return os.path.join(cache_dir(), "fingerprints", hashlib.sha256(ident.encode()).hexdigest()[:32] + ".json")
+    return os.path.join(cache_dir(), "fingerprints", sha256(ident.encode()).hexdigest()[:32] + ".json")
 
 
 def _hash_file(path: str) -> dict[str, Any]:
     size = os.path.getsize(path)
-    h = hashlib.sha256()
+    h = sha256()
     with open(path, "rb") as f:
         if size <= 256 << 20:
             for chunk in iter(lambda: f.read(1 << 20), b""):

@@ -7,13 +7,13 @@ reported, removed and rebuilt, never trusted.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
 from typing import Any
 
 from .artifact import Artifact, ArtifactError
+from ir.digest import sha256
 
 
 def cache_dir() -> str:
@@ -25,7 +25,7 @@ def cache_dir() -> str:
 
 
 def cache_key(parts: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+    return sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def cache_path(key: str) -> str:

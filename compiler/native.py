@@ -85,10 +85,10 @@ def _scratch_floats(graphs: dict, ctx: int) -> int:
 def codegen_fingerprint() -> str:
     """Hash of the code generator's own source: a changed kernel or lowering
     must never be served stale object code from the cache."""
-    import hashlib
+    from ir.digest import sha256
     import pathlib
 
-    h = hashlib.sha256()
+    h = sha256()
     here = pathlib.Path(__file__).resolve().parent
     for f in sorted([*here.glob("*.py"), *(here / "codegen").glob("*.py"), *(here.parent / "ir").glob("*.py"),
                      *(here.parent / "passes").glob("*.py")]):

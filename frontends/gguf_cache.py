@@ -10,7 +10,6 @@ with an entry means a cache miss, never an error.
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -20,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .string_table import INDEX_SCHEME, StringArray, StringIndex
+from ir.digest import sha256
 
 FORMAT = 2
 
@@ -35,7 +35,7 @@ def _dir() -> str:
 def _entry(path: str) -> str:
     st = os.stat(path)
     key = json.dumps([os.path.abspath(path), st.st_size, st.st_mtime_ns, FORMAT])
-    return os.path.join(_dir(), hashlib.sha256(key.encode()).hexdigest()[:32] + ".npz")
+    return os.path.join(_dir(), sha256(key.encode()).hexdigest()[:32] + ".npz")
 
 
 def _arrays(meta: dict[str, Any], tensors: list) -> dict[str, np.ndarray]:

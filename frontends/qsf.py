@@ -20,12 +20,12 @@ reader fills layer by layer.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ir.digest import sha256
 from ir.graph import PackedRegion, WeightRef
 from ir.layouts import get_layout
 from ir.types import TensorType
@@ -162,7 +162,7 @@ def _stamp_path(qf: QSFFile) -> str:
                       qf.header.crc])
     d = os.environ.get("LMC_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "lmc")
-    return os.path.join(d, "qsf-verified", hashlib.sha256(key.encode()).hexdigest()[:32])
+    return os.path.join(d, "qsf-verified", sha256(key.encode()).hexdigest()[:32])
 
 
 def check_section(f, sec: Section) -> int:

@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 MiB = 1 << 20
 PAGE = 4096
 #: the runtime's resident floor before any model data: Python, numpy, lmc's
-#: modules and the loaded native code (measured: VmHWM of a warm `lmc run`
-#: of stories260K, whose weights are 1 MB, is the base; see the issue note)
-RUNTIME_BASE = 40 * MiB
+#: modules and the loaded native code (measured: VmHWM of a warm `lmc run
+#: --mem-budget` of stories260K, whose weights are 1 MB, 37.4 MB once lmc
+#: stopped loading OpenSSL for its hashes and returns freed heap after loading)
+RUNTIME_BASE = 36 * MiB
 #: resident bytes per vocabulary entry of a loaded tokenizer (measured on
-#: Gemma's 262144 entries)
-TOKENIZER_PER_TOKEN = 120
+#: Gemma's 262144 entries: 51 bytes each after loading, with some margin)
+TOKENIZER_PER_TOKEN = 56
 #: the shortest context the planner will choose on its own
 MIN_CTX = 256
 KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8": 34 / 32}

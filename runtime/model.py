@@ -49,6 +49,20 @@ class GenerationStats:
         }
 
 
+def _return_freed_memory() -> None:
+    """Loading and planning leave freed heap behind (graphs, the tokenizer's
+    build); under a budget, give it back to the system before the run
+    grows the resident set (glibc keeps freed memory otherwise)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):   # not glibc
+        pass
+
+
 class Model:
     """A loaded, compiled model with its own KV cache."""
 
@@ -103,6 +117,8 @@ class Model:
             raise RunError(f"--backend {backend}: unknown backend (available: llvm, interp)")
         self.backend = backend
         self.last_stats = GenerationStats()
+        if mem_budget is not None:
+            _return_freed_memory()
 
     # --- text --------------------------------------------------------------
     def encode(self, text: str, bos: bool = True) -> list[int]:

@@ -207,7 +207,7 @@ def test_plan_command_formats(tmp_path):
 @pytest.mark.parametrize("args,msg", [
     (["--mem-budget", "12X"], "not a size"),
     (["--mem-budget", "1M"], "below the runtime's own floor"),
-    (["--mem-budget", "42.5M", "-c", "512", "--kv-type", "f32"], "smallest workable budget"),
+    (["--mem-budget", "38.5M", "-c", "512", "--kv-type", "f32"], "smallest workable budget"),
 ])
 def test_bad_budgets_get_one_line(args, msg):
     for cmd in ("plan", "run"):

@@ -13,7 +13,6 @@ against libm and libc, which the library names as dependencies.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import shutil
 import subprocess
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING
 import llvmlite.ir as ir
 
 from .target import Target, host_target
+from ir.digest import sha256
 
 if TYPE_CHECKING:
     import llvmlite.binding as llvm
@@ -143,7 +143,7 @@ def _linkers() -> list[list[str]]:
 def _file_sha256(path: str) -> str | None:
     try:
         with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
+            return sha256(f.read()).hexdigest()
     except OSError:
         return None
 
@@ -165,7 +165,7 @@ def shared_library(obj: bytes) -> str | None:
     linker or linking fails (the caller falls back to MCJIT)."""
     from ..cache import cache_dir
 
-    digest = hashlib.sha256(obj).hexdigest()[:32]
+    digest = sha256(obj).hexdigest()[:32]
     folder = os.path.join(cache_dir(), "native")
     path = os.path.join(folder, f"{digest}.so")
     if os.path.exists(path):

@@ -7,7 +7,6 @@ and must give the same numbers as the op's numpy reference (tests compare).
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -15,6 +14,7 @@ from ir.graph import Node
 from ir.types import TensorType
 
 from .emit import KernelBuilder
+from ir.digest import sha1
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class KernelSig:
 
     @property
     def name(self) -> str:
-        h = hashlib.sha1(repr(self).encode()).hexdigest()[:10]
+        h = sha1(repr(self).encode()).hexdigest()[:10]
         return f"k_{self.op}_{h}"
 
 

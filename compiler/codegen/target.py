@@ -10,12 +10,12 @@ keyed by this CPU's identity in /proc/cpuinfo and the llvmlite version.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import platform
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
+from ir.digest import sha256
 
 if TYPE_CHECKING:
     import llvmlite.binding as llvm
@@ -80,7 +80,7 @@ def _cpu_identity() -> str | None:
 def _cache_file(identity: str) -> str:
     from ..cache import cache_dir
 
-    key = hashlib.sha256(identity.encode()).hexdigest()[:24]
+    key = sha256(identity.encode()).hexdigest()[:24]
     return os.path.join(cache_dir(), "targets", f"host-{key}.json")
 
 
