@@ -32,7 +32,7 @@ from ir.types import TensorType
 
 from .arch import ARCHITECTURES, ModelConfig, ModelError, WeightInfo, check_weights
 from .qsf_format import (ALIGN, FLAG_EMBED_SCALE, FLAG_POST_NORMS, FLAG_QK_NORM, FLAG_QKV_BIAS, FLAG_TIED,
-                         HEADER_SIZE, SECTION_HEAD, Header, LayerEntry, QSFError, TensorEntry, crc32,
+                         HEADER_SIZE, SECTION_HEAD, Header, LayerEntry, QSFError, TensorEntry,
                          group_header_size, index_size, unpack_group, unpack_index, unpack_section_head,
                          unpack_tokenizer)
 

@@ -54,7 +54,7 @@ def decompress(codec: str, data: bytes, size: int) -> bytes:
     return out
 
 
-def read_region(path: str, region) -> "np.ndarray":
+def read_region(path: str, region):
     """A compressed region's plain bytes (``ir.graph.PackedRegion``), read
     from ``path`` and decompressed: the interpreter's ``WeightStore.unpack``."""
     import numpy as np

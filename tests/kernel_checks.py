@@ -16,3 +16,45 @@ def check_dot(got: np.ndarray, want: np.ndarray, x: np.ndarray, w: WeightData, f
     err = np.abs(got.astype(np.float64) - want.astype(np.float64))
     bad = err > 1e-5 * scale + floor
     assert not bad.any(), (np.argwhere(bad)[:5], got[bad][:5], want[bad][:5], scale[bad][:5])
+
+
+# --- compiled kernels shared by the layout test files ------------------------------------------
+_KERNELS: dict = {}
+
+
+def compiled(sig, vector_width=None):
+    """One CompiledKernel per signature, width and prefill K chunk (a test may patch the chunk)."""
+    from compiler.codegen import k_matmul
+    from compiler.codegen.harness import CompiledKernel
+
+    key = (sig, vector_width, k_matmul._K_CHUNK)
+    if key not in _KERNELS:
+        _KERNELS[key] = CompiledKernel(sig, vector_width=vector_width)
+    return _KERNELS[key]
+
+
+def activations(rng: np.random.Generator, t: int | None, k: int) -> np.ndarray:
+    return rng.standard_normal((k,) if t is None else (t, k)).astype(np.float32)
+
+
+def run_qmatmul(x: np.ndarray, w: WeightData, nthreads: int, vector_width=None) -> tuple[np.ndarray, np.ndarray]:
+    """The native qmatmul on ``x`` (one row, or T rows) and the numpy reference's answer."""
+    from compiler.codegen.harness import run_kernel_like_reference, sig_for
+    from ir.ops import qmatmul_ref
+    from ir.types import TensorType
+
+    k, lay = int(w.type.shape[1]), w.type.layout
+    sig = sig_for("qmatmul", [TensorType((k,) if x.ndim == 1 else ("T", k)), w.type], layout=lay)
+    sym = {"T": x.shape[0]} if x.ndim == 2 else None
+    got = run_kernel_like_reference(sig, [x, w], nthreads=nthreads, symbols=sym, kernel=compiled(sig, vector_width))
+    return got, qmatmul_ref(x, w, layout=lay)
+
+
+def run_embedding(w: WeightData, ids: np.ndarray, nt: int, vector_width=None) -> np.ndarray:
+    from compiler.codegen.harness import run_kernel_like_reference, sig_for
+    from ir.types import TensorType
+
+    ids = np.asarray(ids, np.int32)
+    sig = sig_for("embedding", [w.type, TensorType(() if ids.ndim == 0 else ("T",), "i32")])
+    sym = {"T": ids.shape[0]} if ids.ndim else None
+    return run_kernel_like_reference(sig, [w, ids], nthreads=nt, symbols=sym, kernel=compiled(sig, vector_width))

@@ -17,13 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from compiler.codegen import k_matmul
-from compiler.codegen.harness import CompiledKernel, run_kernel_like_reference, sig_for
+from compiler.codegen.harness import sig_for
 from compiler.codegen.jit import emit_assembly
 from compiler.codegen.target import host_target
 from ir.layouts import BlockLayout, get_layout
-from ir.ops import WeightData, embedding_ref, qmatmul_ref
+from ir.ops import WeightData, embedding_ref
 from ir.types import TensorType
-from kernel_checks import check_dot
+from kernel_checks import activations, check_dot, compiled, run_embedding, run_qmatmul
 
 LAYOUTS = ["BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 QTYPES = LAYOUTS[1:]
@@ -39,14 +39,6 @@ EXTREME_F16 = np.array([65504.0, -65504.0, F16_MIN_NORMAL, -F16_MIN_NORMAL, F16_
 SPECIAL_F16 = np.array([np.inf, -np.inf, np.nan], dtype=np.float16)
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
-_KERNELS: dict = {}
-
-
-def compiled(sig, vector_width=None) -> CompiledKernel:
-    key = (sig, vector_width, k_matmul._K_CHUNK)
-    if key not in _KERNELS:
-        _KERNELS[key] = CompiledKernel(sig, vector_width=vector_width)
-    return _KERNELS[key]
 
 
 # --- operands -----------------------------------------------------------------------------
@@ -94,12 +86,6 @@ def gguf_weight(rng: np.random.Generator, name: str, n: int, k: int, scales: str
 def gguf_dequant(raw: np.ndarray, name: str, n: int) -> np.ndarray:
     with np.errstate(all="ignore"):
         return gq.dequantize(raw.reshape(n, -1), GGMLQuantizationType[name])
-
-
-def activations(rng, t: int | None, k: int) -> np.ndarray:
-    return rng.standard_normal((k,) if t is None else (t, k)).astype(np.float32)
-
-
 
 
 # --- the numpy dequantizers -------------------------------------------------------------------
@@ -194,16 +180,6 @@ def test_round_trip_gguf_quantize(name):
 
 
 # --- native qmatmul ------------------------------------------------------------------------------
-def run_qmatmul(x: np.ndarray, w: WeightData, nthreads: int, vector_width=None) -> tuple[np.ndarray, np.ndarray]:
-    k = int(w.type.shape[1])
-    lay = w.type.layout
-    sig = sig_for("qmatmul", [TensorType((k,) if x.ndim == 1 else ("T", k)), w.type], layout=lay)
-    sym = {"T": x.shape[0]} if x.ndim == 2 else None
-    got = run_kernel_like_reference(sig, [x, w], nthreads=nthreads, symbols=sym,
-                                    kernel=compiled(sig, vector_width))
-    return got, qmatmul_ref(x, w, layout=lay)
-
-
 tokens = st.one_of(st.none(), st.integers(1, 9))   # None: decode (x is [K])
 odd_n = st.sampled_from([1, 3, 5, 7, 13, 33])
 block_k = st.sampled_from([32, 64, 96, 160, 256, 352, 512])
@@ -276,13 +252,6 @@ def test_qmatmul_bf16_any_row_length(k):
 
 
 # --- native embedding ------------------------------------------------------------------------------
-def run_embedding(w: WeightData, ids: np.ndarray, nt: int, vector_width=None) -> np.ndarray:
-    ids = np.asarray(ids, np.int32)
-    sig = sig_for("embedding", [w.type, TensorType(() if ids.ndim == 0 else ("T",), "i32")])
-    sym = {"T": ids.shape[0]} if ids.ndim else None
-    return run_kernel_like_reference(sig, [w, ids], nthreads=nt, symbols=sym, kernel=compiled(sig, vector_width))
-
-
 @settings(max_examples=40, **SETTINGS)
 @given(name=st.sampled_from(LAYOUTS), v=odd_n, d=block_k, t=tokens, nt=st.integers(1, 3),
        vw=st.sampled_from([None, 8, 4]), scales=st.sampled_from(["normal", "extreme", "special", "bytes"]),

@@ -16,14 +16,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compiler.codegen.harness import CompiledKernel, run_kernel_like_reference, sig_for
+from compiler.codegen.harness import sig_for
 from compiler.codegen.jit import emit_assembly
 from compiler.codegen.target import host_target
 from ir import layouts
 from ir.layouts import get_layout
-from ir.ops import WeightData, embedding_ref, qmatmul_ref
+from ir.ops import WeightData, embedding_ref
 from ir.types import TensorType
-from kernel_checks import check_dot
+from kernel_checks import activations, check_dot, compiled, run_embedding, run_qmatmul
 
 # get_layout only auto-loads the ir/layouts_*.py modules while no layout is
 # registered; another module importing one of them by name (as the GGUF
@@ -37,14 +37,6 @@ SCALE_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q
 N_FOR_K = {256: 9, 512: 7, 768: 5}
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-_KERNELS: dict = {}
-
-
-def compiled(sig, vector_width=None) -> CompiledKernel:
-    key = (sig, vector_width)
-    if key not in _KERNELS:
-        _KERNELS[key] = CompiledKernel(sig, vector_width=vector_width)
-    return _KERNELS[key]
 
 
 # --- super-blocks -------------------------------------------------------------------
@@ -140,20 +132,6 @@ def test_roundtrip_q4_k_quantizer(seed, scale, shift):
 # --- native kernels ------------------------------------------------------------------------
 
 
-def run_qmatmul(x: np.ndarray, w: WeightData, nthreads: int, vector_width=None):
-    k, lay = int(w.type.shape[1]), w.type.layout
-    xshape = (k,) if x.ndim == 1 else ("T", k)
-    sig = sig_for("qmatmul", [TensorType(xshape), w.type], layout=lay)
-    sym = {"T": x.shape[0]} if x.ndim == 2 else None
-    got = run_kernel_like_reference(sig, [x, w], nthreads=nthreads, symbols=sym,
-                                    kernel=compiled(sig, vector_width))
-    return got, qmatmul_ref(x, w, layout=lay)
-
-
-def activations(rng, t: int | None, k: int) -> np.ndarray:
-    return rng.standard_normal((k,) if t is None else (t, k)).astype(np.float32)
-
-
 #: (K, vector width): every K at the host's width, the narrow (AVX2 / NEON) widths once
 SHAPES = [(256, None), (512, None), (768, None), (512, 8), (768, 4)]
 
@@ -184,13 +162,6 @@ def test_qmatmul_kquants_paths(layout, n, k, t):
     for nt in (1, 3):
         got, want = run_qmatmul(x, w, nt)
         check_dot(got, want, x, w, floor=1e-30)
-
-
-def run_embedding(w: WeightData, ids: np.ndarray, nt: int) -> np.ndarray:
-    ishape = () if ids.ndim == 0 else ("T",)
-    sig = sig_for("embedding", [w.type, TensorType(ishape, "i32")])
-    sym = {"T": ids.shape[0]} if ids.ndim else None
-    return run_kernel_like_reference(sig, [w, ids], nthreads=nt, symbols=sym, kernel=compiled(sig))
 
 
 @settings(max_examples=15, **SETTINGS)

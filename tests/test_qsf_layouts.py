@@ -15,14 +15,13 @@ import struct
 import numpy as np
 import pytest
 
-from compiler.codegen import k_matmul
-from compiler.codegen.harness import CompiledKernel, run_kernel_like_reference, sig_for
+from compiler.codegen.harness import sig_for
 from compiler.codegen.jit import emit_assembly
 from compiler.codegen.target import host_target
 from ir.layouts import get_layout
-from ir.ops import WeightData, embedding_ref, qmatmul_ref
+from ir.ops import WeightData, embedding_ref
 from ir.types import TensorType
-from kernel_checks import check_dot
+from kernel_checks import activations, check_dot, compiled, run_embedding, run_qmatmul
 
 LAYOUTS = ["QSF_Q8", "QSF_Q4", "QSF_Q2", "QSF_Q2S", "QSF_TERNARY"]
 BLOCK_BYTES = {"QSF_Q8": 66, "QSF_Q4": 36, "QSF_Q2": 20, "QSF_Q2S": 18, "QSF_TERNARY": 18}
@@ -32,14 +31,6 @@ QK = 64
 EXTREME_F16 = np.array([65504.0, -65504.0, 2.0 ** -14, -(2.0 ** -14), 2.0 ** -24, -(2.0 ** -24),
                         1023 * 2.0 ** -24, 0.0, -0.0, 1.0, -3.5, 1000.0], dtype=np.float16)
 HOST_VW = host_target().vector_width
-_KERNELS: dict = {}
-
-
-def compiled(sig, vector_width=None) -> CompiledKernel:
-    key = (sig, vector_width, k_matmul._K_CHUNK)
-    if key not in _KERNELS:
-        _KERNELS[key] = CompiledKernel(sig, vector_width=vector_width)
-    return _KERNELS[key]
 
 
 # --- the format table, one value at a time ------------------------------------------------------------
@@ -266,20 +257,6 @@ def test_quantize_in_chunks(monkeypatch):
 
 
 # --- native qmatmul and embedding ----------------------------------------------------------------------
-def run_qmatmul(x: np.ndarray, w: WeightData, nthreads: int, vector_width=None) -> tuple[np.ndarray, np.ndarray]:
-    k = int(w.type.shape[1])
-    lay = w.type.layout
-    sig = sig_for("qmatmul", [TensorType((k,) if x.ndim == 1 else ("T", k)), w.type], layout=lay)
-    sym = {"T": x.shape[0]} if x.ndim == 2 else None
-    got = run_kernel_like_reference(sig, [x, w], nthreads=nthreads, symbols=sym,
-                                    kernel=compiled(sig, vector_width))
-    return got, qmatmul_ref(x, w, layout=lay)
-
-
-def activations(rng, t: int | None, k: int) -> np.ndarray:
-    return rng.standard_normal((k,) if t is None else (t, k)).astype(np.float32)
-
-
 #: (N, K) per vector width: two shapes at every width, all four at the host's
 SHAPES = [(7, 192), (130, 640), (1, 64), (64, 640)]
 
@@ -309,13 +286,6 @@ def test_qmatmul_long_rows_and_k_chunks(name):
         x = activations(rng, t, k)
         got, want = run_qmatmul(x, w, 2)
         check_dot(got, want, x, w)
-
-
-def run_embedding(w: WeightData, ids: np.ndarray, nt: int, vector_width=None) -> np.ndarray:
-    ids = np.asarray(ids, np.int32)
-    sig = sig_for("embedding", [w.type, TensorType(() if ids.ndim == 0 else ("T",), "i32")])
-    sym = {"T": ids.shape[0]} if ids.ndim else None
-    return run_kernel_like_reference(sig, [w, ids], nthreads=nt, symbols=sym, kernel=compiled(sig, vector_width))
 
 
 @pytest.mark.parametrize("vw", [4, 8, 16])
