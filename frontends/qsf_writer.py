@@ -92,23 +92,21 @@ class QSFWriter:
         return align_up(pos)
 
     def _section(self, name: str, payload: bytes) -> int:
-        at = self._pad()
-        self._f.write(pack_section_head(name, payload))
-        self._f.write(payload)
-        return at
-
-    def embedding(self, tensors: list[QSFTensor]) -> None:
-        table, data = pack_group(tensors)
-        self.header.embedding_offset = self._section_aligned("embedding", table + data)
-
-    def _section_aligned(self, name: str, payload: bytes) -> int:
-        """A tensor-group section: pad so its payload (and so each tensor) is 64-aligned."""
+        """A section header and its payload, padded so the payload (and so
+        each tensor in a group) starts 64-aligned; returns the header's offset."""
         pos = self._f.tell()
         start = align_up(pos + SECTION_HEAD) - SECTION_HEAD
         self._f.write(bytes(start - pos))
         self._f.write(pack_section_head(name, payload))
         self._f.write(payload)
         return start
+
+    def _group(self, name: str, tensors: list[QSFTensor]) -> int:
+        table, data = pack_group(tensors)
+        return self._section(name, table + data)
+
+    def embedding(self, tensors: list[QSFTensor]) -> None:
+        self.header.embedding_offset = self._group("embedding", tensors)
 
     def layer(self, layer: QSFLayer) -> LayerEntry:
         """Write one layer; returns its index entry (compression kept only
@@ -132,8 +130,7 @@ class QSFWriter:
         return e
 
     def final(self, tensors: list[QSFTensor]) -> None:
-        table, data = pack_group(tensors)
-        self.header.final_offset = self._section_aligned("final", table + data)
+        self.header.final_offset = self._group("final", tensors)
 
     def tokenizer(self, kind: str, blob: bytes) -> None:
         self.header.tokenizer_offset = self._section("tokenizer", pack_tokenizer(kind, blob))
