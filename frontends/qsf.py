@@ -136,6 +136,8 @@ def _open(f, path: str, size: int) -> QSFFile:
         head = group_header_size(len(tensors))
         if e.compression == "none" and e.stored != e.size:
             raise QSFError(f"index: {what} is not compressed but stores {e.stored} of {e.size} bytes")
+        if e.size > 1 << 40 or (e.compression != "none" and e.size > 1024 * e.stored):
+            raise QSFError(f"index: {what} claims {e.size} bytes decompressed from {e.stored}")
         if e.compression != "none" and not head < e.stored:
             raise QSFError(f"index: {what} stores {e.stored} bytes, less than its table")
         sec = Section(what, e.offset, e.stored, e.crc, e.size, e.compression, tensors)
