@@ -271,7 +271,9 @@ def test_corrupt_compressed_layer_in_a_stream_is_an_error(tmp_path):
     with open(out, "r+b") as f:   # same size: garble the start of the compressed data (LZ4 blocks carry no
         f.seek(sec.offset + group_header_size(len(sec.tensors)))   # checksum: changed literals would pass)
         f.write(b"\xff" * 200)
-    os.posix_fadvise(os.open(out, os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
+    fd = os.open(out, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
     with pytest.raises(OSError, match="did not decompress|reading streamed weights failed"):
         for _ in range(3):
             list(m.generate([1, 2, 3], 5, temperature=0.0))
