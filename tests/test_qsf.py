@@ -326,3 +326,18 @@ def test_cli_convert_inspect_and_errors(tmp_path):
         assert not (tmp_path / "x.qsf").exists() and not (tmp_path / "x.qsf.part").exists()
     r = lmc("convert", str(out), str(out))
     assert r.returncode == 2 and "overwrite" in r.stderr
+
+
+@needs_shared
+@pytest.mark.parametrize("source", ["qsf", "gguf"])
+def test_artifact_of_a_model_with_its_own_tokenizer_runs(stories_q8, tmp_path, source):
+    """A compiled artifact of a GGUF or QSF model runs (it used to pass the
+    model's own path as a separate -z tokenizer and fail)."""
+    model = stories_q8 if source == "qsf" else str(MODELS / "stories260K.gguf")
+    art = str(tmp_path / "m.lmca")
+    r = lmc("compile", model, "-o", art)
+    assert r.returncode == 0, r.stderr
+    r = lmc("run", art, "-p", "Once upon a time", "-n", "20", "--temp", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    want = RUNC[0]["generated_ids"][:20]
+    assert json.loads(r.stdout)["generated_ids"] == want
