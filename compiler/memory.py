@@ -31,9 +31,11 @@ def model_sizes(model: LoadedModel, graphs: dict[str, Graph], plans: dict[str, A
                                 matmul=name in matmuls))
     run = [p for n, p in plans.items() if n != "prefill_all"] or list(plans.values())
     head_dim = cfg.dim // cfg.n_heads if not getattr(cfg, "head_dim", None) else cfg.head_dim
+    packed = [v.ref.packed.stored for name, v in g.weights.items()
+              if v.ref.packed is not None and layer_of(name) is not None]
     return ModelSizes(infos, cfg.n_layers, cfg.kv_dim, head_dim, cfg.vocab_size, max_ctx,
                       max(p.size for p in run), max(p.lower_bound for p in run), 4, 4 * scratch_floats,
-                      code_bytes)
+                      code_bytes, max(packed, default=0))
 
 
 def plan_manifest(mp: MemoryPlan, sched: StreamSchedule | None) -> dict[str, Any]:

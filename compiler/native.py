@@ -200,7 +200,7 @@ def _fit_budget(model: LoadedModel, o: NativeOptions, graphs: dict, plans: dict,
     """Plan memory for ``o.mem_budget``; rebuild the graphs when the plan
     changes the KV cache or splits the head. Raises BudgetError."""
     from passes.memory_budget import plan_memory
-    from passes.stream_schedule import build_schedule, staging_bytes
+    from passes.stream_schedule import build_schedule
 
     from .memory import model_sizes
 
@@ -222,8 +222,6 @@ def _fit_budget(model: LoadedModel, o: NativeOptions, graphs: dict, plans: dict,
     if sched is not None:  # the exact buffer size, now that the segments are known
         mp.buffer_bytes = sched.buffer_bytes
         mp.categories["stream buffers"] = 2 * sched.buffer_bytes
-        if staging_bytes(sched):
-            mp.categories["stream staging"] = staging_bytes(sched)
     return mp, sched, graphs, plans, mp.ctx
 
 

@@ -27,6 +27,9 @@ RUNTIME_BASE = 36 * MiB
 #: resident bytes per vocabulary entry of a loaded tokenizer (measured on
 #: Gemma's 262144 entries: 51 bytes each after loading, with some margin)
 TOKENIZER_PER_TOKEN = 56
+#: a decompressor's own memory on the I/O thread: libzstd's pages and its
+#: decompression context (measured: 0.9 MB beyond the staging buffer)
+DECOMPRESSOR_BYTES = 1 * MiB
 #: the shortest context the planner will choose on its own
 MIN_CTX = 256
 KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8": 34 / 32}
@@ -77,6 +80,9 @@ class ModelSizes:
     scratch_bytes_per_ctx: int  # per thread and context position (attention scores)
     scratch_fixed: int          # per thread, the rest
     code_bytes: int = 2 * MiB
+    #: the largest compressed layer's stored bytes (0: none): streamed, it is
+    #: read into a staging buffer and decompressed into a stream buffer
+    packed_layer_bytes: int = 0
 
 
 @dataclass
@@ -150,6 +156,7 @@ def _evaluate(s: ModelSizes, threads: int, stream_layers: bool, stream_head: boo
     cats = {
         "resident weights": resident,
         "stream buffers": 2 * seg,
+        "stream staging": s.packed_layer_bytes + DECOMPRESSOR_BYTES if stream_layers and s.packed_layer_bytes else 0,
         "kv cache": kv,
         "activation arena": s.arena_bytes,
         "scratch": scratch,
