@@ -156,12 +156,13 @@ def _evaluate(s: ModelSizes, threads: int, stream_layers: bool, stream_head: boo
     cats = {
         "resident weights": resident,
         "stream buffers": 2 * seg,
-        "stream staging": s.packed_layer_bytes + DECOMPRESSOR_BYTES if stream_layers and s.packed_layer_bytes else 0,
         "kv cache": kv,
         "activation arena": s.arena_bytes,
         "scratch": scratch,
         "runtime": runtime_floor(s.vocab_size, s.code_bytes),
     }
+    if stream_layers and s.packed_layer_bytes:   # compressed layers are read here, then decompressed
+        cats["stream staging"] = s.packed_layer_bytes + DECOMPRESSOR_BYTES
     return MemoryPlan(None, stream_layers, [w.name for w in heads], head_rows, seg, kv_type, ctx, cats,
                       s.arena_lower_bound)
 
