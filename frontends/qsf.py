@@ -329,9 +329,9 @@ def load_qsf(path: str | os.PathLike) -> QSFModel:
 
 
 def inspect_qsf(path: str, verify: bool = False) -> dict:
-    """``lmc inspect``'s report (the schema of ``runtime/inspect_model.py``):
-    header fields, sections, per-layer sizes, types, compression and, with
-    ``verify``, every section's checksum."""
+    """``lmc inspect``'s report (the schema of ``runtime/inspect_model.py``,
+    which adds the per-type summary): header fields, sections, per-layer
+    sizes, types, compression and, with ``verify``, every section's checksum."""
     import dataclasses
 
     qf = open_qsf(path)
@@ -342,7 +342,7 @@ def inspect_qsf(path: str, verify: bool = False) -> dict:
     for sec in qf.sections:
         head = 0 if sec.name.startswith("layer ") else SECTION_HEAD
         sections.append({"name": sec.name, "offset": sec.offset - head, "size": sec.stored + head})
-    layers, tensors, types = [], [], {}
+    layers, tensors = [], []
     for i, (e, sec) in enumerate(zip(qf.layers, qf.sections[1:-2])):
         layers.append({"index": i, "offset": e.offset, "stored": e.stored, "decompressed": e.size, "qtype": e.qtype,
                        "compression": e.compression, "tensors": e.tensors, "crc": f"{e.crc:08x}",
@@ -354,15 +354,6 @@ def inspect_qsf(path: str, verify: bool = False) -> dict:
                             "offset": (sec.offset if sec.compression == "none" else sec.image_offset) + t.offset,
                             "nbytes": t.nbytes, "layer": int(sec.name.split()[1]) if prefix else None,
                             "section": sec.name})
-            agg = types.setdefault(t.qtype, {"count": 0, "bytes": 0, "values": 0})
-            agg["count"] += 1
-            agg["bytes"] += t.nbytes
-            n = 1
-            for d in t.shape:
-                n *= d
-            agg["values"] += n
-    total_bytes = sum(a["bytes"] for a in types.values())
-    total_values = sum(a.pop("values") for a in types.values())
     checks = [{"what": "header CRC32 and file size", "ok": True, "detail": f"{h.crc:08x}, {qf.file_size} bytes"},
               {"what": "index CRC32", "ok": True, "detail": f"{len(qf.layers)} layers"}]
     if verify:
@@ -377,7 +368,4 @@ def inspect_qsf(path: str, verify: bool = False) -> dict:
     header["crc"] = f"{h.crc:08x}"
     header["image_size"] = qf.image_size
     return {"format": "qsf", "path": path, "size": qf.file_size, "header": header, "config": cfg,
-            "sections": sections, "layers": layers, "tensors": tensors,
-            "summary": {"types": types, "total_weight_bytes": total_bytes,
-                        "bits_per_weight": round(8 * total_bytes / max(total_values, 1), 3)},
-            "checks": checks}
+            "sections": sections, "layers": layers, "tensors": tensors, "checks": checks}

@@ -421,11 +421,11 @@ def inspect_file(path: str | os.PathLike, tokenizer: str | None = None, verify: 
     if magic in (b"GGUF", QSF_MAGIC) and tokenizer is not None:
         raise ModelError(f"{path}: the file carries its own vocabulary; -z is for llama2.c checkpoints")
     if magic == QSF_MAGIC:
-        try:
-            from frontends.qsf import inspect_qsf
-        except ImportError as e:
-            raise ModelError(f"{path}: a QSF file, but this lmc cannot inspect QSF ({e})") from None
-        return inspect_qsf(path, verify)
+        from frontends.qsf import inspect_qsf
+
+        r = inspect_qsf(path, verify)
+        r["summary"] = _summary(r["tensors"])
+        return r
     if magic == b"GGUF":
         return inspect_gguf(path, verify)
     return inspect_llama2c(path, tokenizer, verify)
