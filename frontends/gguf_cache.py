@@ -92,9 +92,6 @@ def meta_from_file(f: Any) -> dict[str, Any]:
         raise ValueError(f"not a metadata blob ({type(e).__name__})") from None
 
 
-def meta_from_bytes(data: bytes) -> dict[str, Any]:
-    return meta_from_file(io.BytesIO(data))
-
 
 def load(path: str) -> tuple[dict[str, Any], list] | None:
     try:

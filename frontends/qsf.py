@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ir.digest import sha256
 from ir.graph import PackedRegion, WeightRef
@@ -183,13 +183,13 @@ def check_section(f, sec: Section) -> int:
     return crc & 0xFFFFFFFF
 
 
-def verify(qf: QSFFile, force: bool = False, progress: Callable[[int], None] | None = None) -> list[tuple[str, bool]]:
+def verify(qf: QSFFile, force: bool = False) -> list[tuple[str, bool]]:
     """Check every section's CRC32; ModelError naming the first bad one.
     Skipped when this exact file was verified before (unless ``force``)."""
     stamp = _stamp_path(qf)
     if not force and os.path.exists(stamp):
         return [(s.name, True) for s in qf.sections]
-    results = check_all(qf, progress)
+    results = check_all(qf)
     bad = [name for name, ok in results if not ok]
     if bad:
         sec = qf.section(bad[0])
@@ -204,15 +204,10 @@ def verify(qf: QSFFile, force: bool = False, progress: Callable[[int], None] | N
     return results
 
 
-def check_all(qf: QSFFile, progress: Callable[[int], None] | None = None) -> list[tuple[str, bool]]:
+def check_all(qf: QSFFile) -> list[tuple[str, bool]]:
     """(section, CRC ok) for every section, reading the whole file once."""
-    out = []
     with open(qf.path, "rb") as f:
-        for sec in qf.sections:
-            out.append((sec.name, check_section(f, sec) == sec.crc))
-            if progress:
-                progress(sec.stored)
-    return out
+        return [(sec.name, check_section(f, sec) == sec.crc) for sec in qf.sections]
 
 
 # --- the model ------------------------------------------------------------------------------
