@@ -58,3 +58,15 @@ def run_embedding(w: WeightData, ids: np.ndarray, nt: int, vector_width=None) ->
     sig = sig_for("embedding", [w.type, TensorType(() if ids.ndim == 0 else ("T",), "i32")])
     sym = {"T": ids.shape[0]} if ids.ndim else None
     return run_kernel_like_reference(sig, [w, ids], nthreads=nt, symbols=sym, kernel=compiled(sig, vector_width))
+
+
+def check_long_rows_and_k_chunks(make_weight) -> None:
+    """Decode with K >= 8192 (4 rows share each x load) and prefill with
+    K >= 2048 (K cut into chunks, partial sums added in out), on weights
+    from ``make_weight(rng, n, k)``."""
+    rng = np.random.default_rng(9)
+    for n, k, t in ((5, 8192, None), (3, 2112, 6)):
+        w = make_weight(rng, n, k)
+        x = activations(rng, t, k)
+        got, want = run_qmatmul(x, w, 2)
+        check_dot(got, want, x, w)

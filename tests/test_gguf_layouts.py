@@ -23,7 +23,7 @@ from compiler.codegen.target import host_target
 from ir.layouts import BlockLayout, get_layout
 from ir.ops import WeightData, embedding_ref
 from ir.types import TensorType
-from kernel_checks import activations, check_dot, compiled, run_embedding, run_qmatmul
+from kernel_checks import activations, check_dot, check_long_rows_and_k_chunks, compiled, run_embedding, run_qmatmul
 
 LAYOUTS = ["BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 QTYPES = LAYOUTS[1:]
@@ -214,14 +214,7 @@ def test_qmatmul_every_layout_and_width(name, t, vw):
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_qmatmul_long_rows_and_k_chunks(name):
-    """Decode with K >= 8192 (4 rows share each x load) and prefill with
-    K >= 2048 (K cut into chunks, partial sums added in out)."""
-    rng = np.random.default_rng(9)
-    for n, k, t in ((5, 8192, None), (3, 2112, 6)):
-        w = gguf_weight(rng, name, n, k)
-        x = activations(rng, t, k)
-        got, want = run_qmatmul(x, w, 2)
-        check_dot(got, want, x, w)
+    check_long_rows_and_k_chunks(lambda rng, n, k: gguf_weight(rng, name, n, k))
 
 
 @settings(max_examples=12, **SETTINGS)

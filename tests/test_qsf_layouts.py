@@ -21,7 +21,7 @@ from compiler.codegen.target import host_target
 from ir.layouts import get_layout
 from ir.ops import WeightData, embedding_ref
 from ir.types import TensorType
-from kernel_checks import activations, check_dot, compiled, run_embedding, run_qmatmul
+from kernel_checks import activations, check_dot, check_long_rows_and_k_chunks, compiled, run_embedding, run_qmatmul
 
 LAYOUTS = ["QSF_Q8", "QSF_Q4", "QSF_Q2", "QSF_Q2S", "QSF_TERNARY"]
 BLOCK_BYTES = {"QSF_Q8": 66, "QSF_Q4": 36, "QSF_Q2": 20, "QSF_Q2S": 18, "QSF_TERNARY": 18}
@@ -278,14 +278,7 @@ def test_qmatmul(name, vw, t):
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_qmatmul_long_rows_and_k_chunks(name):
-    """Decode with K >= 8192 (4 rows share each x load) and prefill with
-    K >= 2048 (K cut into chunks, partial sums added in out)."""
-    rng = np.random.default_rng(9)
-    for n, k, t in ((5, 8192, None), (3, 2112, 6)):
-        w = random_weight(rng, name, n, k)
-        x = activations(rng, t, k)
-        got, want = run_qmatmul(x, w, 2)
-        check_dot(got, want, x, w)
+    check_long_rows_and_k_chunks(lambda rng, n, k: random_weight(rng, name, n, k))
 
 
 @pytest.mark.parametrize("vw", [4, 8, 16])
