@@ -11,6 +11,7 @@ import os
 import struct
 from dataclasses import dataclass
 from typing import Any
+
 from ir.digest import sha256
 
 MAGIC = b"LMCART1\0"

@@ -12,16 +12,14 @@ import os
 import sys
 from typing import Any
 
-from .artifact import Artifact, ArtifactError
+from frontends.cache_dir import cache_root
 from ir.digest import sha256
+
+from .artifact import Artifact, ArtifactError
 
 
 def cache_dir() -> str:
-    d = os.environ.get("LMC_CACHE_DIR")
-    if not d:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        d = os.path.join(base, "lmc")
-    return d
+    return cache_root()
 
 
 def cache_key(parts: dict[str, Any]) -> str:

@@ -18,18 +18,16 @@ from typing import Any
 
 import numpy as np
 
-from .string_table import INDEX_SCHEME, StringArray, StringIndex
 from ir.digest import sha256
+
+from .cache_dir import cache_root
+from .string_table import INDEX_SCHEME, StringArray, StringIndex
 
 FORMAT = 2
 
 
 def _dir() -> str:
-    d = os.environ.get("LMC_CACHE_DIR")
-    if not d:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        d = os.path.join(base, "lmc")
-    return os.path.join(d, "gguf")
+    return os.path.join(cache_root(), "gguf")
 
 
 def _entry(path: str) -> str:

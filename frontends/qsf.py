@@ -31,6 +31,7 @@ from ir.layouts import get_layout
 from ir.types import TensorType
 
 from .arch import ARCHITECTURES, ModelConfig, ModelError, WeightInfo, check_weights
+from .cache_dir import cache_root
 from .qsf_format import (ALIGN, FLAG_EMBED_SCALE, FLAG_POST_NORMS, FLAG_QK_NORM, FLAG_QKV_BIAS, FLAG_TIED,
                          HEADER_SIZE, SECTION_HEAD, Header, LayerEntry, QSFError, TensorEntry,
                          group_header_size, index_size, unpack_group, unpack_index, unpack_section_head,
@@ -162,9 +163,7 @@ def _stamp_path(qf: QSFFile) -> str:
     st = os.stat(qf.path)
     key = json.dumps([os.path.abspath(qf.path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
                       qf.header.crc])
-    d = os.environ.get("LMC_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "lmc")
-    return os.path.join(d, "qsf-verified", sha256(key.encode()).hexdigest()[:32])
+    return os.path.join(cache_root(), "qsf-verified", sha256(key.encode()).hexdigest()[:32])
 
 
 def check_section(f, sec: Section) -> int:

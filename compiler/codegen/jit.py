@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING
 
 import llvmlite.ir as ir
 
-from .target import Target, host_target
 from ir.digest import sha256
+
+from .target import Target, host_target
 
 if TYPE_CHECKING:
     import llvmlite.binding as llvm

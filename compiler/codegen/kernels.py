@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ir.digest import sha1
 from ir.graph import Node
 from ir.types import TensorType
 
 from .emit import KernelBuilder
-from ir.digest import sha1
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import os
 import platform
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
+
 from ir.digest import sha256
 
 if TYPE_CHECKING:
