@@ -123,7 +123,9 @@ def op_label(node: Node) -> str:
     if node.op == "attention" and node.attrs.get("window"):
         lines.append(f"sliding window {node.attrs['window']}")
     elif node.op == "rope" and "theta" in node.attrs:
-        lines.append(f"theta={node.attrs['theta']:g}")
+        a = node.attrs
+        scaling = ("yarn " if a.get("ext_factor") else "") + (f"x{1 / a['freq_scale']:g}" if "freq_scale" in a else "")
+        lines.append(f"theta={a['theta']:g}" + (f", scaled {scaling}" if scaling else ""))
     return "\n".join(lines)
 
 

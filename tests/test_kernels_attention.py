@@ -111,6 +111,29 @@ def test_rope(T, hd, heads, pos, theta, style, nt, vw):
     close(got, ops.rope_ref(x, pos, head_dim=hd, theta=theta, style=style), rtol=0, atol=1e-5)
 
 
+@given(T=rows_t, hd=st.sampled_from([8, 16, 64, 128]), heads=st.integers(1, 2),
+       pos=st.one_of(st.integers(0, 40), st.integers(0, 9000)), style=st.sampled_from(["interleaved", "neox"]),
+       factors=st.booleans(), scale=st.sampled_from([1.0, 0.25, 0.125]), yarn=st.booleans(),
+       attn=st.sampled_from([1.0, 1.25]), nt=threads, vw=widths)
+@settings(deadline=None, max_examples=60)
+def test_rope_scaled(T, hd, heads, pos, style, factors, scale, yarn, attn, nt, vw):
+    """Frequency factors (a weight input), linear and YaRN scaling, a
+    magnitude factor: the kernel against the reference."""
+    n = hd * heads
+    x = act(T, n)
+    attrs = dict(head_dim=hd, theta=500000.0, style=style, freq_scale=scale, attn_factor=attn)
+    if yarn:
+        attrs.update(ext_factor=1.0, yarn_orig_ctx=512)
+    ins, args = [act_type(T, n), i32()], [x, pos]
+    if factors:
+        ff = weight(np.linspace(1.0, 8.0, hd // 2).astype(np.float32))
+        ins.append(ff.type)
+        args.append(ff)
+    sig = sig_for("rope", ins, **attrs)
+    got = run(sig, args, pos=pos, T=T or 1, nthreads=nt, vw=vw)
+    close(got, ops.rope_ref(*args, **attrs), rtol=0, atol=1e-5)
+
+
 # --- take_last -------------------------------------------------------------------
 @given(T=st.integers(1, 6), n=st.integers(1, 50), nt=threads)
 @settings(deadline=None, max_examples=30)

@@ -99,6 +99,48 @@ def test_rope(style, t, heads, half, pos):
     close(out, expect, tol=2e-4)
 
 
+def _llama_cpp_angle(p: int, i: int, hd: int, theta: float, ff: float, freq_scale: float, ext: float,
+                     orig_ctx: int) -> tuple[float, float]:
+    """Angle and magnitude of pair i at position p, in float64, written from
+    llama.cpp's description of ggml_rope_cache_init / rope_yarn /
+    ggml_rope_yarn_corr_dims (beta_fast 32, beta_slow 1)."""
+    extrap = p * theta ** (-2 * i / hd) / ff
+    angle, mscale = freq_scale * extrap, 1.0
+    if ext:
+        def corr(beta: float) -> float:
+            return hd * math.log(orig_ctx / (beta * 2 * math.pi)) / (2 * math.log(theta))
+        lo, hi = max(0, math.floor(corr(32.0))), min(hd - 1, math.ceil(corr(1.0)))
+        ramp = 1 - min(1.0, max(0.0, (i - lo) / max(0.001, hi - lo)))
+        mix = ramp * ext
+        angle = angle * (1 - mix) + extrap * mix
+        mscale *= 1 + 0.1 * math.log(1 / freq_scale)
+    return angle, mscale
+
+
+@pytest.mark.parametrize("factors,scale,ext", [(True, 1.0, 0.0), (False, 0.25, 0.0), (False, 0.25, 1.0),
+                                               (True, 0.125, 1.0)])
+def test_rope_scaled(factors, scale, ext):
+    hd, heads, pos = 16, 2, 777
+    ff = np.linspace(1.0, 8.0, hd // 2).astype(np.float32) if factors else None
+    x = rng.standard_normal((3, heads * hd)).astype(np.float32)
+    attrs = dict(freq_scale=scale, ext_factor=ext, yarn_orig_ctx=256)
+    w = None if ff is None else ops.WeightData(ff.view(np.uint8), TensorType((hd // 2,), "f32", "F32"))
+    out = ops.rope_ref(x, np.int32(pos), w, head_dim=hd, theta=10000.0, style="neox", **attrs)
+    expect = np.array(x, np.float64)
+    for r in range(3):
+        for h in range(heads):
+            for i in range(hd // 2):
+                ang, ms = _llama_cpp_angle(pos + r, i, hd, 10000.0, 1.0 if ff is None else float(ff[i]), scale,
+                                           ext, 256)
+                a, b = h * hd + i, h * hd + i + hd // 2
+                xa, xb = float(x[r, a]), float(x[r, b])
+                expect[r, a] = (xa * math.cos(ang) - xb * math.sin(ang)) * ms
+                expect[r, b] = (xa * math.sin(ang) + xb * math.cos(ang)) * ms
+    close(out, expect, tol=2e-3)
+    plain = ops.rope_ref(x, np.int32(pos), head_dim=hd, theta=10000.0, style="neox")
+    assert np.abs(out - plain).max() > 0.1  # the scaling did something
+
+
 def test_kv_write_in_place_and_bounds():
     cache = np.zeros((5, 3), np.float32)
     x = rng.standard_normal((2, 3)).astype(np.float32)

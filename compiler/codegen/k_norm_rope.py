@@ -15,6 +15,8 @@ import numpy as np
 
 import llvmlite.ir as ir
 
+from ir.ops import rope_base_freqs, rope_mix
+
 from .emit import F32, KernelBuilder, const_f32_array, f32c, fconst, hsum_many, i64, memcpy, pow2_divisor
 from .kernels import KernelSig, kernel
 
@@ -108,6 +110,10 @@ def emit_rmsnorm(kb: KernelBuilder, sig: KernelSig) -> None:
 # --- rope -----------------------------------------------------------------------------
 @kernel("rope")
 def emit_rope(kb: KernelBuilder, sig: KernelSig) -> None:
+    """Rotate pairs by position x frequency; the cos/sin table is built once
+    per row. Scaling (``ir.ops.rope_tables``) changes only how the table's
+    angles and magnitudes are computed: the same float32 steps in the same
+    order as the reference, and none of them when the op is unscaled."""
     b = kb.b
     xt = sig.in_types[0]
     _check_f32(xt, "rope x")
@@ -119,9 +125,16 @@ def emit_rope(kb: KernelBuilder, sig: KernelSig) -> None:
     n = int(xt.shape[-1])
     nh = n // hd
     # the frequencies exactly as rope_tables computes them (float32 numpy)
-    i2 = np.arange(0, hd, 2, dtype=np.float32)
-    freq = np.float32(1.0) / np.power(np.float32(theta), i2 / np.float32(hd))
-    ftab = const_f32_array(kb, "freq", freq.astype(np.float32).tolist())
+    ftab = const_f32_array(kb, "freq", rope_base_freqs(hd, theta).tolist())
+    fs = float(np.float32(a.get("freq_scale", 1.0)))
+    mix, mscale = rope_mix(hd, theta, a)
+    if mix is not None:
+        mixtab = const_f32_array(kb, "mix", mix.tolist())
+        keeptab = const_f32_array(kb, "keep", (np.float32(1) - mix).astype(np.float32).tolist())
+    ffp = None
+    if len(sig.in_types) == 3:
+        _check_f32(sig.in_types[2], "rope frequency factors")
+        ffp = kb.fptr(kb.in_raw[2])
 
     rows = kb.rows_of(xt.shape)
     units = b.mul(rows, i64(nh))
@@ -142,8 +155,19 @@ def emit_rope(kb: KernelBuilder, sig: KernelSig) -> None:
             p = b.sitofp(b.add(kb.pos, r), F32)
             with kb.loop(0, half, name="f") as i:
                 ang = b.fmul(p, kb.load(ftab, i))  # float32 product, as the reference
-                kb.store(b.call(cos_f, [ang]), tab, i)
-                kb.store(b.call(sin_f, [ang]), tab, b.add(i, i64(half)))
+                if ffp is not None:
+                    ang = b.fdiv(ang, kb.load(ffp, i))
+                if fs != 1.0 or mix is not None:
+                    interp = b.fmul(f32c(fs), ang)
+                    if mix is not None:
+                        ang = b.fadd(b.fmul(interp, kb.load(keeptab, i)), b.fmul(ang, kb.load(mixtab, i)))
+                    else:
+                        ang = interp
+                c, s = b.call(cos_f, [ang]), b.call(sin_f, [ang])
+                if mscale != 1:
+                    c, s = b.fmul(c, f32c(float(mscale))), b.fmul(s, f32c(float(mscale)))
+                kb.store(c, tab, i)
+                kb.store(s, tab, b.add(i, i64(half)))
             rbase = b.mul(r, i64(nh))
             h0 = kb.imax(b.sub(lo, rbase), i64(0))
             h1 = kb.imin(b.sub(hi, rbase), i64(nh))
