@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from ir.graph import Graph, Value, WeightRef
 from ir.types import KV_TYPES, TensorType, kv_cache_type
 
@@ -29,15 +31,48 @@ class ArchSpec:
     post_norms: bool = False       # RMSNorm after attention and after FFN
     embed_scale: bool = False      # embeddings times sqrt(dim)
     swa_every: int = 0             # every n-th layer global, others sliding-window
+    rope_freqs: bool = False       # may carry per-frequency RoPE divisors (Llama 3's rope_freqs tensor)
+    scale_local_rope: bool = True  # RoPE scaling applies to sliding-window layers too
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
-    "llama": ArchSpec(),
-    "mistral": ArchSpec(),
+    "llama": ArchSpec(rope_freqs=True),
+    "mistral": ArchSpec(rope_freqs=True),
     "qwen2": ArchSpec(rope_style="neox", qkv_bias=True),
+    # llama.cpp scales only the global layers' RoPE (the local ones keep base 10000, no scaling)
     "gemma3": ArchSpec(ffn_act="gelu_tanh", rope_style="neox", qk_norm=True, post_norms=True, embed_scale=True,
-                       swa_every=6),
+                       swa_every=6, scale_local_rope=False),
 }
+
+#: the RoPE scaling types lmc implements (GGUF ``rope.scaling.type``)
+ROPE_SCALING_TYPES = ("none", "linear", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How a model stretches RoPE past its training context, as llama.cpp
+    applies it: ``linear`` multiplies every angle by 1/factor; ``yarn``
+    interpolates the low frequencies only (ramp between llama.cpp's
+    correction dims for ``orig_ctx``) and scales the attention magnitude;
+    ``attn_factor`` multiplies cos and sin in every layer."""
+
+    kind: str = "none"
+    factor: float = 1.0
+    orig_ctx: int = 0
+    attn_factor: float = 1.0
+
+    def attrs(self, scaled: bool = True) -> dict:
+        """The ``rope`` op's scaling attributes (``ir.ops.ROPE_SCALING_DEFAULTS``);
+        ``scaled=False`` for layers the family does not scale. Empty when
+        nothing changes, so unscaled graphs are the same as ever."""
+        out: dict = {}
+        if scaled and self.kind in ("linear", "yarn") and self.factor != 1.0:
+            out["freq_scale"] = float(np.float32(1.0) / np.float32(self.factor))
+            if self.kind == "yarn":
+                out.update(ext_factor=1.0, yarn_orig_ctx=int(self.orig_ctx))
+        if self.attn_factor != 1.0:
+            out["attn_factor"] = float(np.float32(self.attn_factor))
+        return out
 
 
 @dataclass
@@ -60,6 +95,7 @@ class ModelConfig:
     eos_id: int = 2
     #: tokens that end generation; llama2.c stops when it samples BOS
     stop_ids: tuple[int, ...] = (1, 2)
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -117,23 +153,51 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def optional_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Tensors a model of the family may carry and the graph then uses: a
+    bias for any projection (llama.cpp reads them for llama too), and the
+    RoPE frequency divisors where the family has them."""
+    shapes = {name + ".bias": (shape[0],) for name, shape in expected_shapes(cfg).items()
+              if len(shape) == 2 and name != "token_embd"}
+    if not cfg.tied_output:
+        shapes["output.bias"] = (cfg.vocab_size,)
+    if cfg.spec.rope_freqs:
+        shapes["rope_freqs"] = (cfg.head_dim // 2,)
+    return shapes
+
+
 def check_weights(cfg: ModelConfig, weights: dict[str, WeightInfo], path: str) -> None:
-    """Every needed tensor is present with the shape the config implies."""
-    for name, shape in expected_shapes(cfg).items():
+    """Every needed tensor is present with the shape the config implies, and
+    nothing else is there: a tensor the family does not use would change the
+    computation in the program that wrote it (no silent fallback)."""
+    needed = expected_shapes(cfg)
+    for name, shape in needed.items():
         w = weights.get(name)
         if w is None:
             raise ModelError(f"{path}: missing tensor {name}")
         if tuple(w.type.shape) != shape:
             raise ModelError(f"{path}: tensor {name} has shape {tuple(w.type.shape)}, the config needs {shape}")
+    optional = optional_shapes(cfg)
+    for name, w in weights.items():
+        if name in needed:
+            continue
+        if name not in optional:
+            raise ModelError(f"{path}: tensor {name} is not part of lmc's {cfg.arch} family (it would change the "
+                             f"computation, and lmc does not implement it)")
+        if tuple(w.type.shape) != optional[name]:
+            raise ModelError(f"{path}: tensor {name} has shape {tuple(w.type.shape)}, the config needs "
+                             f"{optional[name]}")
 
 
 class _Builder:
     def __init__(self, g: Graph, cfg: ModelConfig, weights: dict[str, WeightInfo]) -> None:
         self.g, self.cfg, self.weights = g, cfg, weights
 
-    def w(self, name: str) -> Value:
+    def w(self, name: str, alias: str | None = None) -> Value:
+        """The weight ``name``, known to the graph as ``alias`` when given
+        (one tensor of the file used by every layer, named per layer)."""
         info = self.weights[name]
-        return self.g.add_weight(name, info.type, info.ref)
+        return self.g.add_weight(alias or name, info.type, info.ref)
 
     def op(self, op: str, *inputs: Value, **attrs) -> Value:
         return self.g.add_node(op, list(inputs), attrs)
@@ -190,8 +254,13 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
         if s.qk_norm:
             q = b.op("rmsnorm", q, b.w(p + "attn_q_norm"), eps=eps)
             k = b.op("rmsnorm", k, b.w(p + "attn_k_norm"), eps=eps)
-        q = b.op("rope", q, pos, head_dim=cfg.head_dim, theta=float(theta), style=s.rope_style)
-        k = b.op("rope", k, pos, head_dim=cfg.head_dim, theta=float(theta), style=s.rope_style)
+        rope = dict(head_dim=cfg.head_dim, theta=float(theta), style=s.rope_style,
+                    **cfg.rope_scaling.attrs(scaled=glob or s.scale_local_rope))
+        # Llama 3's frequency divisors: one tensor, a weight of every layer (as llama.cpp's
+        # per-layer rope_freqs), so each block's section and stream segment hold their own
+        factors = [b.w("rope_freqs", p + "rope_freqs")] if "rope_freqs" in weights else []
+        q = b.op("rope", q, pos, *factors, **rope)
+        k = b.op("rope", k, pos, *factors, **rope)
         kc = b.op("kv_write", kc, k, pos)
         vc = b.op("kv_write", vc, v, pos)
         a = b.op("attention", q, kc, vc, pos, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,

@@ -35,7 +35,7 @@ import numpy as np
 
 from ir.layouts import get_layout
 
-from .arch import ModelConfig, ModelError, expected_shapes
+from .arch import ModelConfig, ModelError, RopeScaling, expected_shapes
 from .loader import LoadedModel, load_model
 from .qsf_format import (FLAG_EMBED_SCALE, FLAG_POST_NORMS, FLAG_QK_NORM, FLAG_QKV_BIAS, FLAG_TIED, Header)
 from .qsf_writer import QSFLayer, QSFTensor, QSFWriter
@@ -292,6 +292,11 @@ def convert(src: str, output: str, qtype: str = "q8", tokenizer: str | None = No
     if os.path.abspath(src) == os.path.abspath(output):
         raise ModelError(f"{output}: the output would overwrite the input")
     model = load_model(src, tokenizer)
+    if model.config.rope_scaling != RopeScaling() or "rope_freqs" in model.weights:
+        # the v1 header has no field for it: converting would silently drop it
+        raise ModelError(f"{src}: the model scales its RoPE ({model.config.rope_scaling.kind}"
+                         f"{', rope_freqs' if 'rope_freqs' in model.weights else ''}), which QSF version 1 "
+                         f"cannot record; lmc convert refuses rather than write a different model")
     sens = None
     if calibration is not None:
         if qtype != "mixed":

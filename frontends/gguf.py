@@ -7,6 +7,7 @@ config, before anything reads them.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -17,11 +18,47 @@ from ir.graph import WeightRef
 from ir.layouts import get_layout
 from ir.types import TensorType
 
-from .arch import ModelConfig, ModelError, WeightInfo, check_weights
+from .arch import ROPE_SCALING_TYPES, ModelConfig, ModelError, RopeScaling, WeightInfo, check_weights
 from .string_table import StringArray
 
 #: GGUF architectures we read -> (our family row, RoPE layout in the file)
 FAMILIES: dict[str, str] = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3": "gemma3"}
+
+#: ``{arch}.*`` metadata keys lmc reads, for every family; values that
+#: would need what lmc lacks are refused where they are read
+UNDERSTOOD_KEYS = frozenset({
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
+    "attention.layer_norm_rms_epsilon", "attention.sliding_window",
+    "rope.freq_base", "rope.dimension_count",
+    "rope.scaling.type", "rope.scaling.factor", "rope.scale_linear", "rope.scaling.original_context_length",
+    "rope.scaling.attn_factor", "rope.scaling.finetuned",
+    "expert_count", "expert_used_count",
+})
+
+#: keys known to change the computation, with what they do (a clearer refusal)
+COMPUTATION_KEYS = {
+    "attn_logit_softcapping": "attention-logit soft-capping",
+    "final_logit_softcapping": "final-logit soft-capping",
+    "attention.scale": "a custom attention scale",
+    "logit_scale": "scaled output logits",
+    "embedding_scale": "scaled embeddings",
+    "residual_scale": "scaled residuals",
+    "attention.clamp_kqv": "clamped Q/K/V",
+    "attention.max_alibi_bias": "ALiBi position biases",
+    "attention.layer_norm_epsilon": "LayerNorm (lmc's families use RMSNorm)",
+    "attention.causal": "non-causal attention",
+    "use_parallel_residual": "parallel attention and FFN branches",
+    "rope.dimension_sections": "multi-section (M-RoPE) rotary embeddings",
+    "rope.freq_base_swa": "a separate RoPE base for sliding-window layers",
+    "attention.sliding_window_pattern": "a custom sliding-window layer pattern",
+    "rope.scaling.yarn_log_multiplier": "YaRN's log-multiplier attention factor",
+    "rope.scaling.yarn_ext_factor": "a custom YaRN extrapolation mix",
+    "rope.scaling.yarn_attn_factor": "a custom YaRN attention factor",
+    "rope.scaling.yarn_beta_fast": "custom YaRN correction dimensions",
+    "rope.scaling.yarn_beta_slow": "custom YaRN correction dimensions",
+    "rope.scaling.alpha": "NTK-alpha RoPE scaling",
+}
 
 
 @dataclass
@@ -110,25 +147,71 @@ def _str(v: Any) -> Any:
     return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
 
 
+def _short(v: Any) -> str:
+    text = repr(_str(v))
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_metadata(path: str, md: dict[str, Any], arch: str) -> None:
+    """Every ``{arch}.*`` key is one lmc reads: a key that changes the
+    computation and that lmc does not implement fails the load, in one line,
+    before anything runs (never a silently different model)."""
+    a = arch + "."
+    for key, value in md.items():
+        if key.startswith(a):
+            sub = key[len(a):]
+            if sub in UNDERSTOOD_KEYS:
+                continue
+            what = COMPUTATION_KEYS.get(sub)
+            why = f"it sets {what}" if what else "lmc does not know this key, and it may change the computation"
+            raise ModelError(f"{path}: metadata {key} = {_short(value)}: {why}; lmc's {FAMILIES[arch]} family "
+                             f"does not implement it")
+    if int(md.get("split.count", 1) or 1) > 1:
+        raise ModelError(f"{path}: one part of a split GGUF (split.count = {md['split.count']}); merge the parts "
+                         f"into one file (llama-gguf-split --merge)")
+    if _str(md.get("general.type")) == "adapter":
+        raise ModelError(f"{path}: a LoRA adapter (general.type = adapter), not a model")
+
+
+def _rope_scaling(path: str, meta: Any, n_ctx_train: int) -> RopeScaling:
+    """The RoPE scaling llama.cpp applies for these keys: a factor alone
+    means linear; type ``none`` ignores the factor; YaRN's original context
+    defaults to the training context."""
+    kind = meta("rope.scaling.type", "linear")
+    if kind not in ROPE_SCALING_TYPES:
+        raise ModelError(f"{path}: rope.scaling.type {kind!r} is not implemented (lmc implements "
+                         f"{', '.join(ROPE_SCALING_TYPES)})")
+    factor = meta("rope.scaling.factor")
+    if factor is None:
+        factor = meta("rope.scale_linear", 0.0)
+    factor = float(factor)
+    attn = float(meta("rope.scaling.attn_factor", 1.0))
+    orig = int(meta("rope.scaling.original_context_length", n_ctx_train))
+    for name, v in (("rope.scaling.factor", factor), ("rope.scaling.attn_factor", attn)):
+        if not (math.isfinite(v) and (v > 0 or (name == "rope.scaling.factor" and v == 0))):
+            raise ModelError(f"{path}: metadata {name} = {v} is not a positive number")
+    if kind == "none" or factor == 0.0:
+        factor = 1.0
+    if kind == "yarn" and not 0 < orig <= 1 << 24:
+        raise ModelError(f"{path}: rope.scaling.original_context_length {orig} is out of range")
+    if factor == 1.0:
+        return RopeScaling(attn_factor=attn)
+    return RopeScaling(kind=kind, factor=factor, orig_ctx=orig if kind == "yarn" else 0, attn_factor=attn)
+
+
 def load_gguf(path: str | os.PathLike) -> GGUFModel:
     path = os.fspath(path)
     contents = read_gguf(path)
     md = contents.meta
-
-    def _field(_: Any, key: str, default: Any = None) -> Any:
-        v = md.get(key, default)
-        return _str(v)
-
-    reader = None
-    arch = _field(reader, "general.architecture")
+    arch = _str(md.get("general.architecture"))
     if arch not in FAMILIES:
         raise ModelError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(sorted(FAMILIES))})")
-    a = arch
+    check_metadata(path, md, arch)
 
     def meta(key: str, default: Any = None, required: bool = False) -> Any:
-        v = _field(reader, f"{a}.{key}", default)
+        v = _str(md.get(f"{arch}.{key}", default))
         if required and v is None:
-            raise ModelError(f"{path}: metadata {a}.{key} is missing")
+            raise ModelError(f"{path}: metadata {arch}.{key} is missing")
         return v
 
     size = os.path.getsize(path)
@@ -160,13 +243,22 @@ def load_gguf(path: str | os.PathLike) -> GGUFModel:
     n_heads = int(meta("attention.head_count", required=True))
     head_dim = int(meta("attention.key_length", dim // max(n_heads, 1)))
     vocab = int(weights["token_embd"].type.shape[0])
+    n_ctx_train = int(meta("context_length", 2048))
     extra: dict[str, Any] = {}
+    window = int(meta("attention.sliding_window", 0))
     if arch == "gemma3":
         extra["sliding_window"] = int(meta("attention.sliding_window", 512))
         extra["rope_local_theta"] = 10000.0
+    elif window:
+        raise ModelError(f"{path}: metadata {arch}.attention.sliding_window = {window}: sliding-window attention "
+                         f"is not implemented for lmc's {FAMILIES[arch]} family")
     n_kv = meta("attention.head_count_kv", n_heads)
-    if isinstance(n_kv, list):
+    if isinstance(n_kv, (list, np.ndarray, StringArray)):
         raise ModelError(f"{path}: per-layer KV head counts are not supported")
+    n_experts = int(meta("expert_count", 0) or 0)
+    if n_experts:
+        raise ModelError(f"{path}: metadata {arch}.expert_count = {n_experts}: mixture-of-experts layers are not "
+                         f"implemented in lmc")
     cfg = ModelConfig(
         arch=FAMILIES[arch],
         dim=dim,
@@ -175,11 +267,12 @@ def load_gguf(path: str | os.PathLike) -> GGUFModel:
         n_heads=n_heads,
         n_kv_heads=int(n_kv),
         vocab_size=vocab,
-        seq_len=int(meta("context_length", 2048)),
+        seq_len=n_ctx_train,
         head_dim=head_dim,
         norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         tied_output="output" not in weights,
+        rope_scaling=_rope_scaling(path, meta, n_ctx_train),
         extra=extra,
     )
     for k, v in (("dim", cfg.dim), ("n_layers", cfg.n_layers), ("n_heads", cfg.n_heads),
@@ -188,8 +281,16 @@ def load_gguf(path: str | os.PathLike) -> GGUFModel:
             raise ModelError(f"{path}: metadata {k} = {v} is out of range")
     if cfg.n_heads % cfg.n_kv_heads:
         raise ModelError(f"{path}: head_count {cfg.n_heads} is not a multiple of head_count_kv {cfg.n_kv_heads}")
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    for key, want, what in (("rope.dimension_count", cfg.head_dim, "partial rotary embeddings (only some dims of "
+                                                                   "each head rotate)"),
+                            ("attention.value_length", cfg.head_dim, "value heads of another size than the keys'"),
+                            ("vocab_size", vocab, "a vocabulary of another size than the embedding's rows")):
+        got = meta(key)
+        if got is not None and int(got) != want:
+            raise ModelError(f"{path}: metadata {arch}.{key} = {int(got)}, not {want}: {what}; lmc does not "
+                             f"implement that")
+    bos = md.get("tokenizer.ggml.bos_token_id")
+    eos = md.get("tokenizer.ggml.eos_token_id")
     if bos is not None:
         cfg.bos_id = int(bos)
     if eos is not None:

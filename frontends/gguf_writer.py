@@ -8,11 +8,11 @@ Tensors are written one at a time (a llama2-7b Q4_0 file is ~3.8 GB).
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from .arch import ModelConfig, expected_shapes
+from .arch import ModelConfig, expected_shapes, optional_shapes
 from .quantize import quantize
 
 QTYPES = ("F32", "Q8_0", "Q4_0", "Q4_K")
@@ -55,11 +55,57 @@ def _tensor_name(n: str) -> str:
     return n if n.endswith(".bias") else n + ".weight"
 
 
+def _add_value(w: Any, key: str, value: Any) -> None:
+    """One metadata key, typed by its Python value (the types GGUF files use)."""
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, str):
+        w.add_string(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value) if value >= 0 else w.add_int32(key, value)
+    else:
+        raise TypeError(f"metadata {key}: cannot write a {type(value).__name__}")
+
+
+def family_metadata(cfg: ModelConfig) -> dict[str, Any]:
+    """The ``{arch}.*`` keys llama.cpp's converter writes for ``cfg``, so
+    that lmc and llama.cpp read the same model from the file."""
+    a = cfg.arch
+    md: dict[str, Any] = {
+        f"{a}.context_length": int(cfg.seq_len), f"{a}.embedding_length": int(cfg.dim),
+        f"{a}.block_count": int(cfg.n_layers), f"{a}.feed_forward_length": int(cfg.hidden_dim),
+        f"{a}.attention.head_count": int(cfg.n_heads), f"{a}.attention.head_count_kv": int(cfg.n_kv_heads),
+        f"{a}.attention.layer_norm_rms_epsilon": float(cfg.norm_eps), f"{a}.rope.freq_base": float(cfg.rope_theta),
+        f"{a}.rope.dimension_count": int(cfg.head_dim),
+    }
+    if cfg.head_dim != cfg.dim // cfg.n_heads:
+        md[f"{a}.attention.key_length"] = md[f"{a}.attention.value_length"] = int(cfg.head_dim)
+    if cfg.spec.swa_every:
+        md[f"{a}.attention.sliding_window"] = int(cfg.extra.get("sliding_window", 512))
+    rs = cfg.rope_scaling
+    if rs.kind != "none":
+        md[f"{a}.rope.scaling.type"] = rs.kind
+        md[f"{a}.rope.scaling.factor"] = float(rs.factor)
+        if rs.kind == "yarn":
+            md[f"{a}.rope.scaling.original_context_length"] = int(rs.orig_ctx)
+    if rs.attn_factor != 1.0:
+        md[f"{a}.rope.scaling.attn_factor"] = float(rs.attn_factor)
+    return md
+
+
 def write_gguf(path: str | os.PathLike, cfg: ModelConfig, tensor: Callable[[str], np.ndarray],
-               qtype: str = "Q8_0", name: str = "synth") -> None:
+               qtype: str = "Q8_0", name: str = "synth", metadata: dict[str, Any] | None = None,
+               extra_tensors: Iterable[str] = (),
+               vocab: tuple[list[bytes], list[float], list[int]] | None = None) -> None:
     """Write ``cfg``'s tensors (``tensor(name)`` gives each as float32) to a
-    llama GGUF; matrices in ``qtype``, vectors in F32. Atomic: a temp file is
-    renamed into place only when complete."""
+    GGUF of its family, with the family's metadata keys (``family_metadata``)
+    and ``metadata`` on top; matrices in ``qtype``, vectors in F32.
+    ``extra_tensors`` names optional tensors to include (``rope_freqs``,
+    biases: ``frontends.arch.optional_shapes``). Atomic: a temp file is
+    renamed into place only when complete. ``vocab``: (pieces, scores,
+    token types) of an SPM vocabulary; default ``synth_vocab``."""
     import gguf
 
     if qtype not in QTYPES:
@@ -69,16 +115,10 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig, tensor: Callable[[str]
     w = gguf.GGUFWriter(tmp, cfg.arch)  # metadata keys are "<arch>.*"
     try:
         w.add_name(name)
-        w.add_context_length(cfg.seq_len)
-        w.add_embedding_length(cfg.dim)
-        w.add_block_count(cfg.n_layers)
-        w.add_feed_forward_length(cfg.hidden_dim)
-        w.add_head_count(cfg.n_heads)
-        w.add_head_count_kv(cfg.n_kv_heads)
-        w.add_layer_norm_rms_eps(cfg.norm_eps)
-        w.add_rope_freq_base(cfg.rope_theta)
+        for key, value in {**family_metadata(cfg), **(metadata or {})}.items():
+            _add_value(w, key, value)
         w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType.GUESSED)
-        toks, scores, types = synth_vocab(cfg.vocab_size)
+        toks, scores, types = vocab or synth_vocab(cfg.vocab_size)
         w.add_tokenizer_model("llama")
         w.add_token_list(toks)
         w.add_token_scores(scores)
@@ -88,6 +128,11 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig, tensor: Callable[[str]
         w.add_unk_token_id(0)
         w.add_add_bos_token(True)
         shapes = expected_shapes(cfg)
+        optional = optional_shapes(cfg)
+        for n in extra_tensors:
+            if n not in optional:
+                raise ValueError(f"{n} is not an optional tensor of the {cfg.arch} family")
+            shapes[n] = optional[n]
         order = list(shapes)
 
         for n in order:  # tensor infos first (shapes and sizes), data after
