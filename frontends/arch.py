@@ -93,8 +93,8 @@ class ModelConfig:
     tied_output: bool = True
     bos_id: int = 1
     eos_id: int = 2
-    #: tokens that end generation; llama2.c stops when it samples BOS
-    stop_ids: tuple[int, ...] = (1, 2)
+    #: tokens that end generation; llama2.c's run.c stops when it samples BOS (and goes on past EOS)
+    stop_ids: tuple[int, ...] = (1,)
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     extra: dict = field(default_factory=dict)
 

@@ -65,7 +65,7 @@ def _config(path: str, vals: tuple[int, ...]) -> tuple[ModelConfig, bool]:
     if (d["dim"] // d["n_heads"]) % 2:
         raise ModelError(f"{path}: head size {d['dim'] // d['n_heads']} is odd; RoPE needs pairs")
     cfg = ModelConfig(arch="llama", norm_eps=1e-5, rope_theta=10000.0, tied_output=not separate,
-                      bos_id=1, eos_id=2, stop_ids=(1, 2), **d)
+                      bos_id=1, eos_id=2, stop_ids=(1,), **d)
     return cfg, separate
 
 

@@ -316,8 +316,8 @@ def load_qsf(path: str | os.PathLike) -> QSFModel:
     check_weights(cfg, weights, qf.path)
     tok = read_tokenizer(qf, cfg.vocab_size)
     stops = set(cfg.stop_ids) | set(getattr(tok, "stop_ids", ()))
-    if isinstance(tok, Llama2cTokenizer):   # run.c stops when it samples BOS
-        stops.add(cfg.bos_id)
+    if isinstance(tok, Llama2cTokenizer):   # run.c stops when it samples BOS, and goes on past EOS
+        stops = {cfg.bos_id}
     cfg.stop_ids = tuple(sorted(stops))
     return QSFModel(qf, cfg, weights, tok)
 

@@ -15,6 +15,7 @@ from ir.types import KV_TYPES
 
 from .executor import InterpExecutor
 from .sampling import Sampler, SamplerConfig
+from .stop_strings import StopMatcher
 
 
 #: KV cache length when the user gives none: a model's own context can be
@@ -117,11 +118,17 @@ class Model:
             raise RunError(f"--backend {backend}: unknown backend (available: llvm, interp)")
         self.backend = backend
         self.last_stats = GenerationStats()
+        self.last_completion: Completion | None = None
+        self._kv: list[int] = []   # the ids whose K/V rows the cache holds, from position 0
         if mem_budget is not None:
             _return_freed_memory()
 
     # --- text --------------------------------------------------------------
-    def encode(self, text: str, bos: bool = True) -> list[int]:
+    def encode(self, text: str, bos: bool = True, special: bool = False) -> list[int]:
+        """Token ids of ``text``; ``special=True`` also recognises control
+        tokens written in it (``<|im_start|>``), as llama.cpp's parse_special."""
+        if special:
+            return self.tokenizer.encode(text, bos=bos, special=True)
         return self.tokenizer.encode(text, bos=bos)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -142,38 +149,62 @@ class Model:
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Next-token logits after each position: float32 [len(ids), vocab]."""
         ids = self._check_ids(ids)
+        self._kv = []
         self.executor.reset()
-        return np.array(self.executor.prefill(ids, 0, all_logits=True), dtype=np.float32)
+        out = np.array(self.executor.prefill(ids, 0, all_logits=True), dtype=np.float32)
+        self._kv = ids
+        return out
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repeat_penalty: float = 1.0,
-                 seed: int | None = None, stop: bool = True) -> Iterator[int]:
+                 seed: int | None = None, stop: bool = True, reuse_cache: bool = False) -> Iterator[int]:
         """Yield new token ids. The prompt goes through one prefill pass; a
-        sampled stop token is yielded and ends generation."""
+        sampled stop token is yielded and ends generation. Generation also
+        ends when the context is full, whatever ``max_new_tokens`` says (as
+        run.c clips its steps); ``last_completion.stop_reason`` then says
+        ``length`` (``eos`` after a stop token). ``reuse_cache``: keep the KV
+        rows of the longest prefix the cache already holds from the last
+        call and prefill only the rest (a chat's earlier turns)."""
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         ids = self._check_ids(ids)
         if max_new_tokens < 0:
             raise RunError(f"-n {max_new_tokens}: must be >= 0")
-        if len(ids) + max_new_tokens - 1 > self.ctx:
-            room = self.ctx - len(ids) + 1
-            raise RunError(f"-n {max_new_tokens}: the prompt ({len(ids)} tokens) and {max_new_tokens} new tokens "
-                           f"do not fit the context of {self.ctx} (at most -n {room})")
         cfg = SamplerConfig(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             repeat_penalty=repeat_penalty, seed=seed)
         cfg.validate()
         sampler = Sampler(cfg, self.config.vocab_size)
-        return self._generate(ids, max_new_tokens, sampler, stop)
+        # positions P-1 .. ctx-1 each give one token: at most ctx - P + 1
+        n = min(max_new_tokens, self.ctx - len(ids) + 1)
+        comp = self.last_completion = Completion(prompt_ids=ids)
+        self.last_stats = comp.stats
+        return self._generate(ids, n, sampler, stop, reuse_cache, comp)
 
-    def _generate(self, ids: list[int], n: int, sampler: Sampler, stop: bool) -> Iterator[int]:
-        st = self.last_stats = GenerationStats(prompt_tokens=len(ids))
+    def _prefill(self, ids: list[int], reuse: bool) -> np.ndarray:
+        """Logits after ``ids``, running only what the cache lacks when
+        ``reuse`` (at least the last token, whose logits are needed)."""
+        start = 0
+        if reuse:
+            start = min(_common_prefix(ids, self._kv), len(ids) - 1)
+        if start == 0:
+            self.executor.reset()
+        self._kv = ids[:start]   # rows past start are overwritten from here on
+        logits = self.executor.prefill(ids[start:], start)
+        self._kv = list(ids)
+        self.last_completion.cached_tokens = start
+        return logits
+
+    def _generate(self, ids: list[int], n: int, sampler: Sampler, stop: bool, reuse: bool,
+                  comp: "Completion") -> Iterator[int]:
+        st = comp.stats
         if n == 0:
+            comp.stop_reason = "length"
             return
-        self.executor.reset()
         streams = bool(getattr(self.executor, "stream", None))
         io0 = self.executor.stream_stats() if streams else None
         t0 = time.perf_counter()
-        logits = self.executor.prefill(ids, 0)
+        logits = self._prefill(ids, reuse)
         st.prefill_s = time.perf_counter() - t0
+        st.extra["cached_tokens"] = comp.cached_tokens
         io1 = self.executor.stream_stats() if streams else None
         if streams:
             st.extra["prefill_io_wait_s"] = round(io1["io_wait_s"] - io0["io_wait_s"], 6)
@@ -186,11 +217,17 @@ class Model:
             st.sample_s += time.perf_counter() - t0
             st.generated_tokens += 1
             history.append(tok)
+            comp.generated_ids.append(tok)
+            if tok in stops:
+                comp.stop_reason = "eos"
+            elif i == n - 1:
+                comp.stop_reason = "length"
             yield tok
-            if tok in stops or i == n - 1:
+            if comp.stop_reason is not None:
                 return
             t0 = time.perf_counter()
             logits = self.executor.decode(tok, pos)
+            self._kv.append(tok)
             st.decode_s += time.perf_counter() - t0
             pos += 1
             if streams:  # the compute / I/O split of the decode steps so far
@@ -199,6 +236,110 @@ class Model:
                 st.extra.update(decode_io_wait_s=round(wait, 6), decode_compute_s=round(st.decode_s - wait, 6),
                                 read_bytes=io["read_bytes"] - io0["read_bytes"],
                                 read_s=round(io["read_s"] - io0["read_s"], 6))
+
+    # --- text in, text out -------------------------------------------------------
+    def complete(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, stream: bool = False,
+                 stop: Sequence[str] | str | None = None, special: bool = False, reuse_cache: bool = True,
+                 **sampling) -> "str | TextStream":
+        """The continuation of raw text (or token ids) as text: the whole of
+        it, or with ``stream=True`` an iterator of text pieces. Generation
+        ends at an end-of-generation token, at a stop string (never shown)
+        or at ``max_new_tokens``/the end of the context; ``last_completion``
+        then holds the ids, text and ``stop_reason`` (eos, stop, length).
+        ``sampling``: temperature, top_p, top_k, min_p, repeat_penalty, seed."""
+        ids = self.encode(prompt, bos=True, special=special) if isinstance(prompt, str) else list(prompt)
+        return self._text(ids, max_new_tokens, stop, stream, reuse_cache, sampling)
+
+    def chat(self, messages: Sequence[dict], max_new_tokens: int = 256, *, stream: bool = False,
+             stop: Sequence[str] | str | None = None, tools: Sequence[dict] | None = None,
+             reuse_cache: bool = True, **sampling) -> "str | TextStream":
+        """The assistant's reply to ``messages`` (``[{"role", "content"}]``),
+        rendered with the model's chat template (``tokenizer.chat_template``);
+        the template's text may hold control tokens, the messages' text never
+        does. The KV cache keeps the conversation: a next turn prefills only
+        what is new. Otherwise as ``complete``."""
+        ids = self.tokenizer.chat_ids(messages, add_generation_prompt=True, tools=tools)
+        return self._text(ids, max_new_tokens, stop, stream, reuse_cache, sampling)
+
+    def _text(self, ids: list[int], n: int, stops, stream: bool, reuse: bool, sampling: dict
+              ) -> "str | TextStream":
+        matcher = StopMatcher(stops)
+        tokens = self.generate(ids, n, reuse_cache=reuse, **sampling)
+        comp = self.last_completion
+        text = TextStream(self._pieces(tokens, matcher, comp), comp)
+        return text if stream else "".join(text)
+
+    def _pieces(self, tokens: Iterator[int], matcher: StopMatcher, comp: "Completion") -> Iterator[str]:
+        dec = self.tokenizer.stream_decoder()
+        prev = comp.prompt_ids[-1]
+        stops = set(self.config.stop_ids)
+        try:
+            for t in tokens:
+                if t in stops:
+                    break
+                out, stopped = matcher.feed(dec.feed(prev, t))
+                prev = t
+                if out:
+                    comp.text += out
+                    yield out
+                if stopped:
+                    comp.stop_reason, comp.stop_string = "stop", matcher.stopped
+                    return
+            out, stopped = matcher.feed(dec.flush())
+            out += matcher.flush()
+            if stopped:
+                comp.stop_reason, comp.stop_string = "stop", matcher.stopped
+            if out:
+                comp.text += out
+                yield out
+        finally:
+            tokens.close()
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class Completion:
+    """One generation: its prompt, what came out and why it ended."""
+
+    prompt_ids: list[int]
+    generated_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    #: eos (an end-of-generation token), stop (a stop string), length
+    #: (max_new_tokens or the context); None while running
+    stop_reason: str | None = None
+    stop_string: str | None = None
+    cached_tokens: int = 0     # prompt tokens whose KV rows came from the last call
+    stats: GenerationStats = field(default_factory=lambda: GenerationStats())
+
+    def __post_init__(self) -> None:
+        self.stats.prompt_tokens = len(self.prompt_ids)
+
+
+class TextStream:
+    """Text pieces as they are generated; ``completion`` fills in as they come
+    (its ``stop_reason`` is set once the stream is exhausted or closed)."""
+
+    def __init__(self, pieces: Iterator[str], completion: Completion) -> None:
+        self._pieces = pieces
+        self.completion = completion
+
+    def __iter__(self) -> Iterator[str]:
+        return self._pieces
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        """Stop generating (a client went away, Ctrl-C): the KV cache keeps
+        what was computed."""
+        self._pieces.close()
 
 
 def _separate_tokenizer(model_path: str, tokenizer: str | None) -> str | None:
