@@ -56,7 +56,7 @@ def build_graphs(model: LoadedModel, options: CompileOptions | None = None) -> d
 
 
 def load_tokenizer_file(path: str | os.PathLike, vocab_size: int | None = None):
-    """A tokenizer on its own (llama2.c tokenizer.bin)."""
-    from frontends.llama2c_tokenizer import Llama2cTokenizer
+    """A tokenizer on its own (llama2.c tokenizer.bin, GGUF or QSF file)."""
+    from frontends.loader import load_tokenizer
 
-    return Llama2cTokenizer.from_file(path, vocab_size)
+    return load_tokenizer(path, vocab_size)

@@ -80,3 +80,27 @@ def _load_qsf(path: str, tokenizer: str | os.PathLike | None) -> LoadedModel:
         raise ModelError(f"{path}: a QSF model carries its own tokenizer; -z is for llama2.c checkpoints")
     m = load_qsf(path)
     return LoadedModel(path, "qsf", m.config, m.weights, m.tokenizer)
+
+
+def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None) -> Any:
+    """A tokenizer on its own, from any file that holds one: a llama2.c
+    ``tokenizer.bin``, a GGUF model or vocabulary-only GGUF, or a QSF model.
+    ``vocab_size`` (llama2.c only) is the checkpoint's: that file does not say."""
+    from .llama2c_tokenizer import Llama2cTokenizer, TokenizerError
+
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot read: {e.strerror}") from None
+    if magic == b"GGUF":
+        from .gguf_tokenizer import GGUFTokenizer
+
+        return GGUFTokenizer.from_file(path)
+    if magic == b"QSF1":
+        from .qsf import open_qsf, read_tokenizer
+
+        qf = open_qsf(path)
+        return read_tokenizer(qf, qf.header.vocab_size)
+    return Llama2cTokenizer.from_file(path, vocab_size)

@@ -40,8 +40,12 @@ _CACHE: dict[str, GGUFTokenizer] = {}
 
 
 def vocab_tokenizer(name: str) -> GGUFTokenizer:
+    """Through the public interface a user calls (it once refused every GGUF)."""
     if name not in _CACHE:
-        _CACHE[name] = GGUFTokenizer.from_file(VOCAB / f"ggml-vocab-{name}.gguf")
+        import runtime
+
+        _CACHE[name] = runtime.load_tokenizer(VOCAB / f"ggml-vocab-{name}.gguf")
+        assert isinstance(_CACHE[name], GGUFTokenizer)
     return _CACHE[name]
 
 

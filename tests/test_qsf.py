@@ -182,6 +182,7 @@ def test_llama2c_conversion_keeps_config_and_tokenizer(stories_q8):
     assert np.array_equal(q.tokenizer.scores, src.tokenizer.scores)
     for text in ["Once upon a time", "Lily and Tom went to the park.", "x\ny  zz!"]:
         assert q.tokenizer.encode(text) == src.tokenizer.encode(text)
+        assert runtime.load_tokenizer(stories_q8).encode(text) == src.tokenizer.encode(text)
     assert sorted(q.weights) == sorted(src.weights)
 
 
