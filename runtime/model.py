@@ -345,7 +345,8 @@ class TextStream:
 def _separate_tokenizer(model_path: str, tokenizer: str | None) -> str | None:
     """The tokenizer file to pass along, or None when the model carries its
     own (GGUF, QSF: its tokenizer's path is the model's)."""
-    if tokenizer is None or os.path.abspath(tokenizer) == os.path.abspath(model_path):
+    # realpath: the tokenizer records its resolved path, the model path may pass through a symlink
+    if tokenizer is None or os.path.realpath(tokenizer) == os.path.realpath(model_path):
         return None
     return tokenizer
 
@@ -409,7 +410,9 @@ def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, ba
 
 
 def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None):
-    """The tokenizer alone, from a llama2.c tokenizer.bin."""
+    """The tokenizer alone: from a llama2.c tokenizer.bin (``vocab_size``:
+    its checkpoint's), a GGUF file (a model or a vocabulary-only file) or a
+    QSF model. ``encode(text, bos=True)``, ``decode(ids)``."""
     from compiler.driver import load_tokenizer_file
 
     return load_tokenizer_file(path, vocab_size)

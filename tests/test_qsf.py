@@ -205,6 +205,9 @@ def test_gguf_conversion_keeps_config_and_tokenizer(tmp_path):
         assert _encode(q.tokenizer, text) == _encode(src.tokenizer, text)
     ids = src.tokenizer.encode("The cat sat on the mat.")
     assert q.tokenizer.decode(ids) == src.tokenizer.decode(ids)
+    # the public tokenizer loader reads the same vocabulary from either file
+    for path in (gguf, out):
+        assert runtime.load_tokenizer(path).encode("The cat sat on the mat.") == ids
     # q4 logits follow the source's (a check of the quantizer through the file; measured 0.987 and 94%)
     ms, mq = runtime.load(gguf, backend="interp"), runtime.load(out, backend="interp")
     ids = ms.encode("Once upon a time, there was a little girl named Lily. She liked to play in the park.")
@@ -342,3 +345,18 @@ def test_artifact_of_a_model_with_its_own_tokenizer_runs(stories_q8, tmp_path, s
     assert r.returncode == 0, r.stderr
     want = RUNC[0]["generated_ids"][:20]
     assert json.loads(r.stdout)["generated_ids"] == want
+
+
+@needs_shared
+def test_artifact_compiled_through_a_symlinked_folder_runs(tmp_path):
+    """The tokenizer records its resolved path, the manifest the model path
+    as given: through a symlinked folder they differed, and the artifact's
+    own vocabulary was passed back as a -z tokenizer and refused."""
+    link = tmp_path / "models"
+    link.symlink_to(MODELS, target_is_directory=True)
+    art = str(tmp_path / "m.lmca")
+    r = lmc("compile", str(link / "stories260K.gguf"), "-o", art)
+    assert r.returncode == 0, r.stderr
+    r = lmc("run", art, "-p", "Once upon a time", "-n", "8", "--temp", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["generated_ids"] == RUNC[0]["generated_ids"][:8]
