@@ -323,7 +323,7 @@ def load_qsf(path: str | os.PathLike) -> QSFModel:
 
 
 def inspect_qsf(path: str, verify: bool = False) -> dict:
-    """``lmc inspect``'s report (the schema of ``runtime/inspect_model.py``,
+    """``lmc inspect``'s report (the schema of ``runtime/cli/inspect.py``,
     which adds the per-type summary): header fields, sections, per-layer
     sizes, types, compression and, with ``verify``, every section's checksum."""
     import dataclasses

@@ -12,7 +12,7 @@ Views: ``all`` (every node, one cluster a layer), ``overview`` (one block
 drawn once in a cluster "x N layers" between embedding and head, so a 7B
 model stays readable) and ``layer`` (one block in full, with stubs for what
 flows in and out). This module writes DOT text only; rendering to SVG/PNG
-needs Graphviz and lives on the runtime side (``runtime/ir_render.py``).
+needs Graphviz and lives on the runtime side (``runtime/cli/ir_render.py``).
 """
 from __future__ import annotations
 

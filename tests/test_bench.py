@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from compiler.codegen.probe import measure_read_bandwidth, probe_sum
-from runtime.bench import _clip, add_parser, cmd_bench, format_table, run_bench
+from runtime.cli.bench import _clip, add_parser, format_table, run, run_bench
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = os.path.join(HERE, "..", "runtime", "default_model", "stories260K.bin")
@@ -111,7 +111,7 @@ def test_cli_json(capsys):
     args = p.parse_args(["bench", MODEL, "-z", TOKENIZER, "-t", "2", "--prompt-tokens", "12",
                          "--gen-tokens", "6", "--runs", "1", "--backend", "interp", "--probe-mb", "64",
                          "--json"])
-    assert cmd_bench(args) == 0
+    assert run(args) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["weight_bytes_per_token"] == header_weight_bytes(MODEL)
     assert r["decode_tok_s"] > 0

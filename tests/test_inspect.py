@@ -11,7 +11,7 @@ import pytest
 
 from frontends.arch import ModelConfig, ModelError
 from frontends.synth import synth_llama2c, write_synth_tokenizer
-from runtime.inspect_model import human_size, inspect_file, render_text
+from runtime.cli.inspect import human_size, inspect_file, render_text
 from runtime.models import BUNDLED_MODEL, BUNDLED_TOKENIZER
 from shared_data import MODELS, ROOT, needs_shared
 

@@ -222,7 +222,7 @@ def test_bad_flags_are_one_line_errors(capsys, tmp_path, q4k):
 
 
 def test_missing_dot_program_is_one_line_error(capsys, tmp_path, monkeypatch, q4k):
-    import runtime.ir_render as ir_render
+    import runtime.cli.ir_render as ir_render
 
     monkeypatch.setattr(ir_render.shutil, "which", lambda name: None)
     out = tmp_path / "x.svg"

@@ -47,7 +47,7 @@ class _Bar:
             self.bar.close()
 
 
-def cmd_convert(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.output.endswith(os.sep) or os.path.isdir(args.output):
         raise ValueError(f"{args.output}: is a directory; give the .qsf file to write")
     if args.level is not None and args.compress == "none":

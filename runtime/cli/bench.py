@@ -25,7 +25,7 @@ import numpy as np
 from compiler.driver import LoadedModel, load_model, model_graph
 from ir.types import KV_TYPES
 
-from .model import Model, RunError
+from ..model import Model, RunError
 
 #: fields in the order the table prints them, with their labels and formats
 _TABLE = [
@@ -225,7 +225,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--compare-llamacpp", action="store_true",
                    help="also measure llama.cpp (the xllamacpp package) on the same file, same threads")
     b.add_argument("--json", action="store_true", help="print one JSON object")
-    from .memory_args import memory_args
+    from .common import memory_args
 
     memory_args(b)
     return b
@@ -235,7 +235,7 @@ def _jsonable(r: dict[str, Any]) -> dict[str, Any]:
     return {k: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v) for k, v in r.items()}
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     r = run_bench(args.model, args.tokenizer, args.threads, prompt_tokens=args.prompt_tokens,
                   gen_tokens=args.gen_tokens, runs=args.runs, backend=args.backend,
                   probe_bytes=args.probe_mb << 20, kv_type=args.kv_type, mem_budget=args.mem_budget,

@@ -540,7 +540,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tensors", action="store_true", help="list every tensor in the text report")
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     report = inspect_file(args.model, args.tokenizer, args.verify)
     if args.json:
         sys.stdout.write(json.dumps(report, indent=1) + "\n")

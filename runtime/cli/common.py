@@ -1,0 +1,108 @@
+"""What several ``lmc`` commands share: the parser class, the error of a bad
+command line, and the argument helpers (model and tokenizer, threads, the KV
+cache type, the execution flags, and the memory flags shared by ``run``,
+``compile``, ``bench`` and ``plan``)."""
+from __future__ import annotations
+
+import argparse
+
+from ir.types import KV_TYPES
+from passes.memory_budget import BudgetError, parse_size
+
+
+class CliError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own errors also exit 2, one line
+        raise CliError(message)
+
+
+def _positive_or_zero(flag: str):
+    def conv(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a whole number, not {s!r}") from None
+        if v < 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= 0, got {v}")
+        if v > 10_000_000:
+            raise argparse.ArgumentTypeError(f"{flag} {v} is absurdly large")
+        return v
+
+    return conv
+
+
+def _model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    if optional:
+        p.add_argument("model", nargs="?", default=None,
+                       help="model file (.bin, .gguf) or compiled artifact; default: Gemma 3 270M with the demo "
+                            "extra installed, else the bundled stories260K")
+    else:
+        p.add_argument("model", help="model file (.bin)")
+    p.add_argument("-z", "--tokenizer", default=None, help="tokenizer file (llama2.c tokenizer.bin)")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except BudgetError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def memory_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mem-budget", type=_size, default=None, metavar="SIZE",
+                   help="peak resident memory for the whole process (200M, 1.5G ...): weights that do not fit "
+                        "stream from disk, the KV cache shrinks to fit")
+    p.add_argument("--stream", choices=["layers", "all"], default=None,
+                   help="stream at least the layers (or the layers and the output head) from disk, "
+                        "whether or not they would fit")
+    p.add_argument("--stream-io", choices=["pread", "mmap"], default="pread",
+                   help="how streamed weights come in: pread copies each layer into one of two buffers "
+                        "(default); mmap maps its pages in place and unmaps them after use (no copy)")
+
+
+def _threads(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"-t/--threads takes a whole number, not {s!r}") from None
+    if not 1 <= v <= 256:
+        raise argparse.ArgumentTypeError(f"-t/--threads must be between 1 and 256, got {v}")
+    return v
+
+
+def kv_type_arg(p: argparse.ArgumentParser) -> None:
+    """``--kv-type``: how the KV cache stores keys and values."""
+    p.add_argument("--kv-type", choices=list(KV_TYPES), default=None,
+                   help="KV cache storage: f32 (default), f16 (half the memory) or q8 (blocks of 32 int8 with "
+                        "an f16 scale, 34/128 of f32; needs head_dim a multiple of 32)")
+
+
+def _exec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=["llvm", "interp"], default="llvm",
+                   help="llvm: compiled native code (default); interp: the numpy reference interpreter")
+    p.add_argument("-t", "--threads", type=_threads, default=None, help="threads (default: the number of cores)")
+    p.add_argument("--no-cache", action="store_true", help="do not use the compile cache")
+
+
+def _resolve_model(args: argparse.Namespace) -> tuple[str, str | None]:
+    if args.model is None:
+        from ..models import default_model
+
+        model, tok = default_model()
+        return model, args.tokenizer or tok
+    return args.model, args.tokenizer
+
+
+def _native_options(args: argparse.Namespace, m, default_ctx: int):
+    """NativeOptions from the flags of ``compile`` and ``plan``."""
+    from compiler.native import NativeOptions
+
+    o = NativeOptions(ctx=args.ctx or min(m.config.seq_len, default_ctx), kv_type=args.kv_type or "f32",
+                      mem_budget=args.mem_budget, stream=args.stream, threads=getattr(args, "threads", None),
+                      stream_io=args.stream_io)
+    o.auto_ctx = args.ctx is None and args.mem_budget is not None
+    o.auto_kv = args.kv_type is None and args.mem_budget is not None
+    return o

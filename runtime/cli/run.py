@@ -1,0 +1,73 @@
+"""``lmc run``: generate text from a prompt."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ..model import load
+from .common import _exec_args, _model_args, _positive_or_zero, kv_type_arg, memory_args, _resolve_model
+
+
+def add_parser(sub) -> None:
+    r = sub.add_parser("run", help="generate text from a prompt")
+    _model_args(r, optional=True)
+    r.add_argument("-p", "--prompt", default="", help="prompt text")
+    r.add_argument("-n", "--max-new-tokens", type=_positive_or_zero("-n"), default=256,
+                   help="new tokens to generate at most (default 256)")
+    r.add_argument("--temp", type=float, default=1.0, help="temperature; 0 = greedy (default 1.0, as run.c)")
+    r.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling threshold (default 0.9)")
+    r.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    r.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
+    r.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (1 = off)")
+    r.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock)")
+    r.add_argument("-c", "--ctx", type=int, default=None, help="context length (default: the model's, at most 4096)")
+    kv_type_arg(r)
+    memory_args(r)
+    _exec_args(r)
+    r.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def run(args: argparse.Namespace) -> int:
+    model_path, tok_path = _resolve_model(args)
+    model = load(model_path, tok_path, backend=args.backend, ctx=args.ctx, threads=args.threads,
+                 use_cache=not args.no_cache, kv_type=args.kv_type, mem_budget=args.mem_budget,
+                 stream=args.stream, stream_io=args.stream_io)
+    prompt_ids = model.encode(args.prompt, bos=True)
+    gen = model.generate(prompt_ids, args.max_new_tokens, temperature=args.temp, top_p=args.top_p,
+                         top_k=args.top_k, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                         seed=args.seed)
+    tok = model.tokenizer
+    out_ids: list[int] = []
+    if args.json:
+        out_ids = list(gen)
+        text_ids = prompt_ids + [t for t in out_ids if t not in model.config.stop_ids]
+        print(json.dumps({
+            "model": os.path.basename(model_path),
+            "prompt": args.prompt,
+            "prompt_ids": prompt_ids,
+            "generated_ids": out_ids,
+            "text": tok.decode(text_ids),
+            "stats": {**model.last_stats.as_dict(), **model.compile_info, "backend": model.backend,
+                      "threads": getattr(model.executor, "threads", 1), "kv_type": model.kv_type,
+                      "kv_bytes": model.kv_bytes},
+        }))
+        return 0
+    dec = tok.stream_decoder()
+    write = sys.stdout.write
+    write(args.prompt)  # the prompt as typed (not every vocabulary starts with BOS)
+    sys.stdout.flush()
+    prev = prompt_ids[-1] if prompt_ids else None
+    for t in gen:
+        if t in model.config.stop_ids:
+            break
+        write(dec.feed(prev, t))
+        sys.stdout.flush()
+        prev = t
+    write(dec.flush() + "\n")
+    st = model.last_stats.as_dict()
+    if sys.stderr.isatty():
+        sys.stderr.write(f"[{st['prompt_tokens']} prompt tokens, {st['generated_tokens']} generated, "
+                         f"{st['decode_tok_s']} tok/s decode]\n")
+    return 0
