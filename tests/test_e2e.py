@@ -220,7 +220,28 @@ def test_bad_input(tmp_path):
     _bad(lmc("run", *stories, "-p", "once " * 40, "-c", "16", "-n", "1"), "longer than the context")
     _bad(lmc("run", *stories, "-p", "x", "-n", "-5"), "-n")
     _bad(lmc("run", *stories, "-p", "x", "-n", "99999999999"), "-n")
+    _bad(lmc("run", *stories, "-p", "x", "--stop", ""), "stop")
     _bad(lmc("run", *stories, "-p", "x", "--temp", "-1"), "--temp")
     _bad(lmc("run", *stories, "-p", "x", "--top-p", "1.5"), "--top-p")
     _bad(lmc("run", "--no-such-flag"), "--no-such-flag")
     _bad(lmc("tokenize", DEFAULT_MODEL, "-z", str(tmp_path / "none.bin"), "x"), "none.bin")
+
+
+def test_run_to_the_end_of_the_context_and_stop_strings():
+    """-n past the context runs until the context is full (stop_reason
+    length), as run.c clips its steps; --stop ends at a stop string that is
+    not printed."""
+    from runtime.cli import DEFAULT_MODEL, DEFAULT_TOKENIZER
+
+    stories = (DEFAULT_MODEL, "-z", DEFAULT_TOKENIZER)
+    r = lmc("run", *stories, "-p", "Once upon a time", "-c", "64", "-n", "600", "--temp", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["stop_reason"] == "length"
+    assert len(out["prompt_ids"]) + len(out["generated_ids"]) - 1 == 64
+    stop = out["text"][40:45]
+    r = lmc("run", *stories, "-p", "Once upon a time", "-n", "60", "--temp", "0", "--stop", stop, "--json")
+    cut = json.loads(r.stdout)
+    assert cut["stop_reason"] == "stop" and cut["text"] == out["text"][: out["text"].index(stop)]
+    r = lmc("run", *stories, "-p", "Once upon a time", "-n", "60", "--temp", "0", "--stop", stop)
+    assert r.returncode == 0 and r.stdout == cut["text"] + "\n"

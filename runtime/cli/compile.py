@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from compiler.driver import load_model
-    from compiler.native import NativeOptions, compile_native
+    from compiler.native import compile_native
 
     dump_dir = _dump_dir(args)
     m = load_model(args.model, args.tokenizer)

@@ -26,6 +26,10 @@ def add_parser(sub) -> None:
     kv_type_arg(r)
     memory_args(r)
     _exec_args(r)
+    r.add_argument("--stop", action="append", default=None, metavar="STR",
+                   help="stop when the text contains STR (not printed); repeatable")
+    r.add_argument("--special", action="store_true",
+                   help="recognise control tokens written in the prompt (<|im_start|> becomes one token)")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
 
@@ -34,40 +38,35 @@ def run(args: argparse.Namespace) -> int:
     model = load(model_path, tok_path, backend=args.backend, ctx=args.ctx, threads=args.threads,
                  use_cache=not args.no_cache, kv_type=args.kv_type, mem_budget=args.mem_budget,
                  stream=args.stream, stream_io=args.stream_io)
-    prompt_ids = model.encode(args.prompt, bos=True)
-    gen = model.generate(prompt_ids, args.max_new_tokens, temperature=args.temp, top_p=args.top_p,
-                         top_k=args.top_k, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                         seed=args.seed)
+    prompt_ids = model.encode(args.prompt, bos=True, special=args.special)
+    text = model.complete(prompt_ids, args.max_new_tokens, stream=True, stop=args.stop, reuse_cache=False,
+                          temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repeat_penalty=args.repeat_penalty, seed=args.seed)
+    comp = text.completion
     tok = model.tokenizer
-    out_ids: list[int] = []
     if args.json:
-        out_ids = list(gen)
-        text_ids = prompt_ids + [t for t in out_ids if t not in model.config.stop_ids]
+        generated = "".join(text)
         print(json.dumps({
             "model": os.path.basename(model_path),
             "prompt": args.prompt,
             "prompt_ids": prompt_ids,
-            "generated_ids": out_ids,
-            "text": tok.decode(text_ids),
+            "generated_ids": comp.generated_ids,
+            "text": tok.decode(prompt_ids) + generated,
+            "stop_reason": comp.stop_reason,
             "stats": {**model.last_stats.as_dict(), **model.compile_info, "backend": model.backend,
                       "threads": getattr(model.executor, "threads", 1), "kv_type": model.kv_type,
                       "kv_bytes": model.kv_bytes},
         }))
         return 0
-    dec = tok.stream_decoder()
     write = sys.stdout.write
     write(args.prompt)  # the prompt as typed (not every vocabulary starts with BOS)
     sys.stdout.flush()
-    prev = prompt_ids[-1] if prompt_ids else None
-    for t in gen:
-        if t in model.config.stop_ids:
-            break
-        write(dec.feed(prev, t))
+    for piece in text:
+        write(piece)
         sys.stdout.flush()
-        prev = t
-    write(dec.flush() + "\n")
+    write("\n")
     st = model.last_stats.as_dict()
     if sys.stderr.isatty():
         sys.stderr.write(f"[{st['prompt_tokens']} prompt tokens, {st['generated_tokens']} generated, "
-                         f"{st['decode_tok_s']} tok/s decode]\n")
+                         f"{st['decode_tok_s']} tok/s decode, stopped: {comp.stop_reason}]\n")
     return 0
