@@ -11,7 +11,7 @@ import functools
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import llvmlite   # the package only: llvmlite.binding (LLVM itself) loads when code is generated
 
@@ -53,6 +53,8 @@ class NativeOptions:
     auto_ctx: bool = False          # with a budget: the planner may shorten the context
     auto_kv: bool = False           # with a budget: the planner picks the KV cache dtype
     threads: int | None = None      # for the budget's scratch estimate (default: the cores)
+    #: told what is happening on a cache miss (a terminal's status line); not part of the cache key
+    progress: Callable[[str], None] | None = None
 
 
 @dataclass
@@ -124,6 +126,11 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
             return CompileResult(hit, True, time.perf_counter() - t0, cache.cache_path(key), graphs)
     if o.lookup_only:
         return None
+    if o.progress is not None:
+        from .codegen.kernels import KernelSig
+
+        n = len({KernelSig.of(node) for g in graphs.values() for node in g.nodes})
+        o.progress(f"compiling for this CPU, once: {n} kernels")
     module, entries, state_offsets, state_bytes = lower_graphs(graphs, plans, target, o.vector_width,
                                                                profile=o.profile, stream=sched)
     obj = emit_object(module, target, o.opt_level)

@@ -90,6 +90,13 @@ def meta_from_file(f: Any) -> dict[str, Any]:
         raise ValueError(f"not a metadata blob ({type(e).__name__})") from None
 
 
+def is_cached(path: str) -> bool:
+    """Whether this file version's metadata was read before (a load will be fast)."""
+    try:
+        return os.path.exists(_entry(path))
+    except OSError:
+        return False
+
 
 def load(path: str) -> tuple[dict[str, Any], list] | None:
     try:

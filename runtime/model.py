@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -71,12 +71,13 @@ class Model:
                  threads: int | None = None, artifact: Artifact | None = None,
                  use_cache: bool = True, passes: tuple[str, ...] | None = None,
                  mem_budget: int | None = None, stream: str | None = None, kv_type: str | None = None,
-                 stream_io: str = "pread") -> None:
+                 stream_io: str = "pread", status: Callable[[str], None] | None = None) -> None:
         """``passes``: the compiler's pass list; None for the backend's default
         (``compiler.pipeline.default_pipeline``). ``mem_budget``: bytes of
         peak resident memory for the whole process (llvm backend): weights
         may stream from disk and the KV cache shrink to fit. ``kv_type``: KV
-        cache storage, f32 (the default), f16 or q8; None lets a budget choose."""
+        cache storage, f32 (the default), f16 or q8; None lets a budget choose.
+        ``status(text)`` is told of slow steps (a terminal's status line)."""
         cfg = loaded.config
         if ctx is not None and not 0 < ctx <= cfg.seq_len:
             raise RunError(f"--ctx {ctx}: must be between 1 and the model's context {cfg.seq_len}")
@@ -100,7 +101,8 @@ class Model:
             from .native import NativeExecutor
 
             if artifact is None:
-                opts = NativeOptions(ctx=self.ctx, use_cache=use_cache, passes=passes, kv_type=kv_type or "f32")
+                opts = NativeOptions(ctx=self.ctx, use_cache=use_cache, passes=passes, kv_type=kv_type or "f32",
+                                     progress=status)
                 if mem_budget is not None or stream:
                     opts.mem_budget, opts.auto_ctx, opts.threads = mem_budget, ctx is None, threads
                     opts.auto_kv, opts.stream, opts.stream_io = True, stream, stream_io
@@ -110,6 +112,8 @@ class Model:
                     else compile_native(loaded, opts)
                 artifact = res.artifact
                 self.compile_info = {"compile_s": round(res.seconds, 4), "cache_hit": res.cached}
+                if status is not None and not res.cached:
+                    status(f"compiled for this CPU in {res.seconds:.1f} s (cached for next time)")
             self.ctx = int(artifact.manifest["ctx"])
             self.kv_type = artifact.manifest.get("kv_type", "f32")
             self.kv_bytes = int(artifact.manifest["state_bytes"])
@@ -370,9 +374,12 @@ def _compile_within_budget(loaded: LoadedModel, opts):
     res = compile_native(loaded, dataclasses.replace(opts, lookup_only=True))  # plans; BudgetError here
     if res is not None:
         return res
+    if opts.progress is not None:
+        opts.progress("compiling for this CPU, once (in a child process, to stay within the budget)")
     child = multiprocessing.get_context("spawn").Process(
         target=_compile_child, args=(loaded.path, _separate_tokenizer(loaded.path, getattr(loaded.tokenizer, "path",
-                                                                                           None)), opts),
+                                                                                           None)),
+                                     dataclasses.replace(opts, progress=None)),   # a callback does not pickle
         name="lmc-compile")
     child.start()
     child.join()
@@ -387,10 +394,14 @@ def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, ba
          ctx: int | None = None, threads: int | None = None, use_cache: bool = True,
          passes: tuple[str, ...] | None = None, mem_budget: int | None = None,
          stream: str | None = None,
-         kv_type: str | None = None, stream_io: str = "pread") -> Model:
-    """Load a model file (llama2.c .bin) or a compiled artifact (``lmc
-    compile``) and make it ready to run; native code comes from the compile
-    cache when it can."""
+         kv_type: str | None = None, stream_io: str = "pread",
+         status: Callable[[str], None] | None = None) -> Model:
+    """Load a model file (llama2.c .bin, GGUF, QSF) or a compiled artifact
+    (``lmc compile``) and make it ready to run; native code comes from the
+    compile cache when it can. ``status(text)`` hears about the slow steps
+    of a cold start (``runtime.status.StatusLine`` draws them on a terminal)."""
+    if status is not None:
+        status(_loading_text(os.fspath(path)))
     if is_artifact(path):
         from compiler.native import check_artifact
 
@@ -406,7 +417,24 @@ def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, ba
                            f"(recompile it with --kv-type {kv_type})")
         return Model(loaded, "llvm", ctx=man["ctx"], threads=threads, artifact=art)
     return Model(load_model(path, tokenizer), backend=backend, ctx=ctx, threads=threads, use_cache=use_cache,
-                 passes=passes, mem_budget=mem_budget, stream=stream, kv_type=kv_type, stream_io=stream_io)
+                 passes=passes, mem_budget=mem_budget, stream=stream, kv_type=kv_type, stream_io=stream_io,
+                 status=status)
+
+
+def _loading_text(path: str) -> str:
+    """What a cold load is about to do: a GGUF whose metadata was never read
+    takes seconds (a large vocabulary), every later load milliseconds."""
+    from frontends import gguf_cache
+
+    name = os.path.basename(path)
+    try:
+        with open(path, "rb") as f:
+            first = f.read(4) == b"GGUF"
+    except OSError:
+        return f"loading {name}"
+    if first and not gguf_cache.is_cached(path):
+        return f"loading {name}: reading its metadata and vocabulary, once"
+    return f"loading {name}"
 
 
 def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None):

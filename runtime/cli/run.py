@@ -7,6 +7,7 @@ import os
 import sys
 
 from ..model import load
+from ..status import StatusLine
 from .common import _exec_args, _model_args, _positive_or_zero, kv_type_arg, memory_args, _resolve_model
 
 
@@ -34,10 +35,18 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    status = StatusLine()
+    try:
+        return _run(args, status)
+    finally:
+        status.clear()
+
+
+def _run(args: argparse.Namespace, status: StatusLine) -> int:
     model_path, tok_path = _resolve_model(args)
     model = load(model_path, tok_path, backend=args.backend, ctx=args.ctx, threads=args.threads,
                  use_cache=not args.no_cache, kv_type=args.kv_type, mem_budget=args.mem_budget,
-                 stream=args.stream, stream_io=args.stream_io)
+                 stream=args.stream, stream_io=args.stream_io, status=status)
     prompt_ids = model.encode(args.prompt, bos=True, special=args.special)
     text = model.complete(prompt_ids, args.max_new_tokens, stream=True, stop=args.stop, reuse_cache=False,
                           temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -59,11 +68,17 @@ def run(args: argparse.Namespace) -> int:
         }))
         return 0
     write = sys.stdout.write
-    write(args.prompt)  # the prompt as typed (not every vocabulary starts with BOS)
-    sys.stdout.flush()
+    first = True
     for piece in text:
+        if first:   # the status line goes when the first token is there
+            status.clear()
+            write(args.prompt)  # the prompt as typed (not every vocabulary starts with BOS)
+            first = False
         write(piece)
         sys.stdout.flush()
+    status.clear()
+    if first:
+        write(args.prompt)
     write("\n")
     st = model.last_stats.as_dict()
     if sys.stderr.isatty():
