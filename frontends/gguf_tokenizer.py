@@ -714,6 +714,27 @@ class GGUFTokenizer:
         the text (llama.cpp's ``parse_special``); user-defined tokens are
         always matched.
         """
+        text = self._text(text)
+        return self._encode_frags(self._partition(text, special) if text else [], bos, eos)
+
+    def encode_segments(self, segments: Sequence[tuple[str, bool]], bos: bool = True) -> list[int]:
+        """Ids of one text given in pieces, each with control tokens recognised
+        (``True``: text a chat template wrote) or not (``False``: a message's
+        content, where ``<|im_end|>`` is plain text). Plain text is tokenized
+        across piece boundaries as if whole, so the ids equal
+        ``encode(whole, special=True)`` unless a ``False`` piece holds the text
+        of a control token."""
+        frags: list[str | int] = []
+        for text, special in segments:
+            text = self._text(text)
+            for f in self._partition(text, special) if text else []:
+                if isinstance(f, str) and frags and isinstance(frags[-1], str):
+                    frags[-1] += f
+                else:
+                    frags.append(f)
+        return self._encode_frags(frags, bos, None)
+
+    def _text(self, text: str | bytes) -> str:
         if isinstance(text, (bytes, bytearray)):
             text = bytes(text).decode("utf-8", errors="replace")
         try:
@@ -721,10 +742,13 @@ class GGUFTokenizer:
         except UnicodeEncodeError as e:
             raise TokenizerError(f"{self.name}: text is not encodable as UTF-8 at index {e.start} "
                                  f"({text[e.start]!r})") from None
+        return text
+
+    def _encode_frags(self, frags: list[str | int], bos: bool, eos: bool | None) -> list[int]:
+        """BOS, the fragments (special ids as they are, text tokenized), EOS."""
         out: list[int] = []
         if bos and self.add_bos:
             out.append(self.bos_id)
-        frags = self._partition(text, special) if text else []
         if self.kind == "spm":
             prev_special = True
             for f in frags:

@@ -27,6 +27,7 @@ import os
 import re
 import struct
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -342,8 +343,14 @@ class Llama2cTokenizer:
             i = nxt[i]
         return out
 
-    def encode(self, text: str | bytes, bos: bool = True, eos: bool = False) -> list[int]:
+    def encode_segments(self, segments: Sequence[tuple[str, bool]], bos: bool = True) -> list[int]:
+        """The pieces' text as one (a llama2.c vocabulary has no control tokens to tell apart)."""
+        return self.encode("".join(t for t, _ in segments), bos=bos)
+
+    def encode(self, text: str | bytes, bos: bool = True, eos: bool = False, special: bool = False) -> list[int]:
         """Token ids for text, exactly as run.c's ``encode(t, text, bos, eos)``.
+        ``special`` is accepted for the common interface and changes nothing:
+        run.c never reads control tokens (``<s>``) out of text.
 
         A str is encoded to UTF-8 with 'surrogateescape', so a command-line
         argument that Python decoded with os.fsdecode gets back the very bytes

@@ -131,9 +131,7 @@ class Model:
     def encode(self, text: str, bos: bool = True, special: bool = False) -> list[int]:
         """Token ids of ``text``; ``special=True`` also recognises control
         tokens written in it (``<|im_start|>``), as llama.cpp's parse_special."""
-        if special:
-            return self.tokenizer.encode(text, bos=bos, special=True)
-        return self.tokenizer.encode(text, bos=bos)
+        return self.tokenizer.encode(text, bos=bos, special=special)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
