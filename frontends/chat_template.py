@@ -91,7 +91,6 @@ from jinja2.utils import generate_lorem_ipsum
 __all__ = [
     "ChatTemplate",
     "ChatTemplateError",
-    "ChatTemplateMixin",
     "NAMED_TEMPLATES",
     "MAX_TEMPLATE_BYTES",
     "resolve_chat_template",
@@ -518,13 +517,15 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
         return _account("".join(parts), "a captured block or macro")
 
 
-_ENVIRONMENT = _ChatSandbox()
+@functools.lru_cache(maxsize=None)
+def _environment() -> _ChatSandbox:
+    return _ChatSandbox()
 
 
 @functools.lru_cache(maxsize=64)
 def _compile(source: str) -> jinja2.Template:
     """Compiled once per source: a chat renders its template every turn."""
-    return _ENVIRONMENT.from_string(source)
+    return _environment().from_string(source)
 
 
 def _template_line(tb: Any) -> int | None:
@@ -819,51 +820,3 @@ def resolve_chat_template(spec: str | None, model_template: str | None, model_na
     if model_template:
         return ChatTemplate(model_template, "model", label=f"of {model_name}")
     return ChatTemplate(NAMED_TEMPLATES["plain"], "plain")
-
-
-# --------------------------------------------------------------------------
-# tokenizers
-
-
-class ChatTemplateMixin:
-    """``apply_chat_template`` and ``chat_template`` for a tokenizer class.
-
-    The class sets ``model_chat_template`` (the template its file carries, or
-    None) and gives ``chat_special_text(id)``, the text of a special token,
-    which is what HF and llama.cpp pass as ``bos_token``/``eos_token``. The
-    template is resolved on first use, so a model whose own template is
-    broken still loads and generates; assigning ``chat_template`` (as
-    ``--chat-template`` does) replaces it.
-    """
-
-    model_chat_template: str | None = None
-    _chat_template: ChatTemplate | None = None
-
-    def chat_special_text(self, token_id: int) -> str:
-        raise NotImplementedError
-
-    @property
-    def chat_template(self) -> ChatTemplate:
-        if self._chat_template is None:
-            self._chat_template = resolve_chat_template(None, self.model_chat_template,
-                                                        getattr(self, "name", "the model"))
-        return self._chat_template
-
-    @chat_template.setter
-    def chat_template(self, template: ChatTemplate | None) -> None:
-        if template is not None and not isinstance(template, ChatTemplate):
-            raise TypeError(f"chat_template must be a ChatTemplate (see resolve_chat_template), "
-                            f"not {type(template).__name__}")
-        self._chat_template = template
-
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
-        """The rendered prompt text (HF's name and meaning, returning the string, not ids).
-
-        Encode it with special tokens recognised (``encode(text,
-        special=True)``) so that the template's markers become their ids;
-        HF's string is returned even where llama.cpp would drop a leading
-        BOS text because the vocabulary adds BOS itself."""
-        kwargs.setdefault("bos_token", self.chat_special_text(getattr(self, "bos_id", -1)))
-        kwargs.setdefault("eos_token", self.chat_special_text(getattr(self, "eos_id", -1)))
-        return self.chat_template.render(messages, add_generation_prompt, **kwargs)

@@ -89,7 +89,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from .chat_template import ChatTemplateMixin
+from .chat_mixin import ChatTemplateMixin
 from .llama2c_tokenizer import TokenizerError
 from .string_table import StringArray
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .chat_template import ChatTemplateMixin
+from .chat_mixin import ChatTemplateMixin
 
 __all__ = [
     "BOS_ID",
