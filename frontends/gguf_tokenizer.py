@@ -89,6 +89,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from .chat_mixin import ChatTemplateMixin
 from .llama2c_tokenizer import TokenizerError
 from .string_table import StringArray
 
@@ -401,7 +402,7 @@ def _regex_split(text: str, regexes: list[tuple[re.Pattern, bool]]) -> list[str]
 # the tokenizer
 
 
-class GGUFTokenizer:
+class GGUFTokenizer(ChatTemplateMixin):
     """A GGUF vocabulary (SPM or byte-level BPE) with llama.cpp's tokenizer."""
 
     def __init__(self, meta: dict[str, Any], path: str | None = None, name: str | None = None) -> None:
@@ -430,6 +431,7 @@ class GGUFTokenizer:
         n = len(tokens_raw)
         self.model = model
         self.pre = s("tokenizer.ggml.pre", "") or ""
+        self.model_chat_template = s("tokenizer.chat_template")
 
         # defaults per model type (llama_vocab::impl::load)
         add_space_prefix = False
@@ -652,6 +654,11 @@ class GGUFTokenizer:
             return self._tid.get(piece.encode("utf-8", "surrogateescape"))
         except UnicodeEncodeError:
             return None
+
+    def chat_special_text(self, token_id: int) -> str:
+        """A special token's text as chat templates get it (llama.cpp's
+        token_to_piece with special=true); "" when the vocabulary has none."""
+        return self.tokens[token_id] if 0 <= token_id < self.vocab_size else ""
 
     def is_special(self, token: int) -> bool:
         """Control, user-defined or unknown-type token (split out before tokenizing)."""

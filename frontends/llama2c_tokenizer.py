@@ -31,6 +31,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .chat_mixin import ChatTemplateMixin
+
 __all__ = [
     "BOS_ID",
     "EOS_ID",
@@ -88,8 +90,11 @@ def safe_piece(piece: bytes) -> bytes:
     return piece
 
 
-class Llama2cTokenizer:
-    """A llama2.c BPE vocabulary with run.c's exact encode/decode."""
+class Llama2cTokenizer(ChatTemplateMixin):
+    """A llama2.c BPE vocabulary with run.c's exact encode/decode.
+
+    A tokenizer.bin carries no chat template: chats use ``plain`` unless
+    one is chosen (``chat_template``)."""
 
     bos_id: int = BOS_ID
     eos_id: int = EOS_ID
@@ -242,6 +247,14 @@ class Llama2cTokenizer:
     def piece_to_id(self, piece: bytes) -> int | None:
         """The id run.c's lookup finds for a piece, or None."""
         return self._lookup.get(_cstr(piece))
+
+    def chat_special_text(self, token_id: int) -> str:
+        """A special token's text for chat templates: llama2.c's export
+        stores BOS/EOS as "\\n<s>\\n" and "\\n</s>\\n" for display; templates
+        want "<s>" and "</s>"."""
+        if not 0 <= token_id < self.vocab_size:
+            return ""
+        return self.vocab[token_id].decode("utf-8", "replace").strip()
 
     # ------------------------------------------------------------ encode
 
