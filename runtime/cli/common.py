@@ -106,3 +106,19 @@ def _native_options(args: argparse.Namespace, m, default_ctx: int):
     o.auto_ctx = args.ctx is None and args.mem_budget is not None
     o.auto_kv = args.kv_type is None and args.mem_budget is not None
     return o
+
+
+def sampling_args(p: argparse.ArgumentParser, temp: float, top_p: float, top_k: int, min_p: float) -> None:
+    """The sampler's flags, with the command's defaults."""
+    p.add_argument("--temp", type=float, default=temp, help=f"temperature; 0 = greedy (default {temp:g})")
+    p.add_argument("--top-p", type=float, default=top_p, help=f"nucleus sampling threshold (default {top_p:g})")
+    p.add_argument("--top-k", type=int, default=top_k, help=f"keep the k most likely tokens (0 = off; default {top_k})")
+    p.add_argument("--min-p", type=float, default=min_p,
+                   help=f"drop tokens below min-p x the top probability (default {min_p:g})")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock)")
+
+
+def sampling_of(args: argparse.Namespace) -> dict:
+    return dict(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                repeat_penalty=args.repeat_penalty, seed=args.seed)

@@ -8,7 +8,8 @@ import sys
 
 from ..model import load
 from ..status import StatusLine
-from .common import _exec_args, _model_args, _positive_or_zero, kv_type_arg, memory_args, _resolve_model
+from .common import (_exec_args, _model_args, _positive_or_zero, _resolve_model, kv_type_arg, memory_args,
+                     sampling_args, sampling_of)
 
 
 def add_parser(sub) -> None:
@@ -17,12 +18,7 @@ def add_parser(sub) -> None:
     r.add_argument("-p", "--prompt", default="", help="prompt text")
     r.add_argument("-n", "--max-new-tokens", type=_positive_or_zero("-n"), default=256,
                    help="new tokens to generate at most (default 256)")
-    r.add_argument("--temp", type=float, default=1.0, help="temperature; 0 = greedy (default 1.0, as run.c)")
-    r.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling threshold (default 0.9)")
-    r.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    r.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
-    r.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (1 = off)")
-    r.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock)")
+    sampling_args(r, temp=1.0, top_p=0.9, top_k=0, min_p=0.0)   # run.c's defaults
     r.add_argument("-c", "--ctx", type=int, default=None, help="context length (default: the model's, at most 4096)")
     kv_type_arg(r)
     memory_args(r)
@@ -49,8 +45,7 @@ def _run(args: argparse.Namespace, status: StatusLine) -> int:
                  stream=args.stream, stream_io=args.stream_io, status=status)
     prompt_ids = model.encode(args.prompt, bos=True, special=args.special)
     text = model.complete(prompt_ids, args.max_new_tokens, stream=True, stop=args.stop, reuse_cache=False,
-                          temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          repeat_penalty=args.repeat_penalty, seed=args.seed)
+                          **sampling_of(args))
     comp = text.completion
     tok = model.tokenizer
     if args.json:

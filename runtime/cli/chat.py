@@ -1,0 +1,234 @@
+"""``lmc chat``: talk with an instruct model on a terminal, or answer one conversation.
+
+On a terminal: line editing and history (prompt_toolkit, as the field's
+interactive clients use), Alt+Enter or a line of three quotes for multi-line
+input, replies streamed token by token, Ctrl-C stops a reply and keeps the
+conversation, Ctrl-D or /exit leaves. With ``--messages FILE.json`` it renders
+that conversation, generates one reply and prints it (``--json``: ids, text,
+stop reason and stats). With input piped in, each line is a user turn.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ..chat import ChatSession, ChatSettings, read_messages
+from ..model import RunError, load
+from ..sampling import SamplerConfig
+from ..status import StatusLine
+from .common import (CliError, _exec_args, _model_args, _positive_or_zero, _resolve_model, kv_type_arg, sampling_args,
+                     sampling_of)
+
+HELP = """commands:
+  /system TEXT   set the system message (an empty TEXT removes it)
+  /reset         forget the conversation (the system message stays)
+  /save FILE     write the conversation as JSON messages
+  /load FILE     read a conversation written by /save (or any JSON message list)
+  /stats         tokens and timings of each turn (prefilled = run this turn, cached = kept from the last)
+  /exit          leave (Ctrl-D does too)
+Alt+Enter starts a new line; or type \"\"\" alone on a line, then lines, then \"\"\" again.
+Ctrl-C stops the reply being written and keeps what was said."""
+
+
+def add_parser(sub) -> None:
+    c = sub.add_parser("chat", help="chat with an instruct model (its own chat template)")
+    _model_args(c, optional=True)
+    c.add_argument("--system", default=None, metavar="TEXT", help="system message")
+    c.add_argument("--chat-template", default=None, metavar="FILE|NAME",
+                   help="a jinja template file, or chatml, llama2, llama3, gemma, phi3, plain (default: the "
+                        "model's own template, else plain)")
+    c.add_argument("--messages", default=None, metavar="FILE.json",
+                   help="answer this conversation (a JSON list of {role, content}) once and exit")
+    c.add_argument("-n", "--max-new-tokens", type=_positive_or_zero("-n"), default=1024,
+                   help="longest reply in tokens (default 1024; a reply also ends at the end of the context)")
+    sampling_args(c, temp=0.8, top_p=0.95, top_k=40, min_p=0.05)   # llama.cpp's defaults
+    c.add_argument("--stop", action="append", default=None, metavar="STR",
+                   help="end a reply at STR (not shown); repeatable")
+    c.add_argument("-c", "--ctx", type=int, default=None, help="context length (default: the model's, at most 4096)")
+    kv_type_arg(c)
+    _exec_args(c)
+    c.add_argument("--json", action="store_true", help="with --messages: print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    status = StatusLine()
+    try:
+        session = _session(args, status)
+    finally:
+        status.clear()
+    if args.messages is not None:
+        return _answer_once(session, args)
+    if args.json:
+        raise CliError("--json goes with --messages (one answer as one object)")
+    if sys.stdin.isatty() and sys.stdout.isatty():
+        return _interactive(session, args)
+    return _piped(session)
+
+
+def _session(args: argparse.Namespace, status: StatusLine) -> ChatSession:
+    from frontends.chat_template import resolve_chat_template
+
+    model_path, tok_path = _resolve_model(args)
+    messages = read_messages(args.messages) if args.messages is not None else None
+    model = load(model_path, tok_path, backend=args.backend, ctx=args.ctx, threads=args.threads,
+                 use_cache=not args.no_cache, kv_type=args.kv_type, status=status)
+    tok = model.tokenizer
+    if args.chat_template is not None:
+        tok.chat_template = resolve_chat_template(args.chat_template, tok.model_chat_template,
+                                                  os.path.basename(model_path))
+    else:
+        tok.chat_template  # resolve now: a broken template is an error before the first turn
+    settings = ChatSettings(max_new_tokens=args.max_new_tokens, stop=args.stop or [], sampling=sampling_of(args))
+    SamplerConfig(**settings.sampling).validate()   # a bad flag is an error now, not at the first turn
+    session = ChatSession(model, args.system, settings)
+    if messages is not None:
+        session.set_messages(messages)
+        if args.system is not None:
+            session.system = args.system
+    return session
+
+
+def _answer_once(session: ChatSession, args: argparse.Namespace) -> int:
+    stream = session.reply()
+    if args.json:
+        text = "".join(stream)
+        comp = stream.completion
+        turn = session.turns[-1]
+        print(json.dumps({"prompt_ids": comp.prompt_ids, "generated_ids": comp.generated_ids, "text": text,
+                          "stop_reason": comp.stop_reason,
+                          "stats": {**comp.stats.as_dict(), "first_token_s": round(turn.first_token_s, 6),
+                                    "dropped_messages": turn.dropped_messages,
+                                    "chat_template": session.model.tokenizer.chat_template.name}},
+                         ensure_ascii=False))
+        return 0
+    for piece in stream:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _piped(session: ChatSession) -> int:
+    """Each input line is a user turn; each reply is printed, then a blank line."""
+    for line in sys.stdin:
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        for piece in session.send(line):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n\n")
+        sys.stdout.flush()
+    return 0
+
+
+def _interactive(session: ChatSession, args: argparse.Namespace) -> int:
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.history import FileHistory
+    from prompt_toolkit.key_binding import KeyBindings
+
+    from frontends.cache_dir import cache_root
+
+    keys = KeyBindings()
+
+    @keys.add("escape", "enter")   # Alt+Enter (Esc, Enter): a new line in the message
+    def _(event) -> None:
+        event.current_buffer.insert_text("\n")
+
+    os.makedirs(cache_root(), exist_ok=True)
+    prompt = PromptSession(history=FileHistory(os.path.join(cache_root(), "chat_history")), key_bindings=keys)
+    m = session.model
+    print(f"{os.path.basename(m.loaded.path)}: chat template {m.tokenizer.chat_template.name}, context {m.ctx} "
+          f"tokens. /help for commands, Ctrl-D to leave.")
+    while True:
+        try:
+            line = prompt.prompt(">>> ", multiline=False)
+        except KeyboardInterrupt:
+            continue        # Ctrl-C at the prompt clears the line
+        except EOFError:
+            return 0
+        if line.strip() == '"""':
+            line = _multiline(prompt)
+            if line is None:
+                continue
+        if line.startswith("/"):
+            if _command(session, line) == "exit":
+                return 0
+            continue
+        if not line.strip():
+            continue
+        try:
+            stream = session.send(line)
+        except (RunError, ValueError) as e:
+            print(f"[{e}]")
+            continue
+        turn = session.turns[-1]
+        if turn.dropped_messages:
+            print(f"[the conversation outgrew the context of {m.ctx} tokens: the oldest {turn.dropped_messages} "
+                  f"messages were dropped]")
+        try:
+            for piece in stream:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            stream.close()
+            sys.stdout.write(" [stopped]")
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+def _multiline(prompt) -> str | None:
+    lines = []
+    while True:
+        try:
+            line = prompt.prompt("... ", multiline=False)
+        except (KeyboardInterrupt, EOFError):
+            return None
+        if line.strip() == '"""':
+            return "\n".join(lines)
+        lines.append(line)
+
+
+def _command(session: ChatSession, line: str) -> str | None:
+    name, _, rest = line.partition(" ")
+    rest = rest.strip()
+    try:
+        if name in ("/exit", "/quit", "/bye"):
+            return "exit"
+        if name == "/help":
+            print(HELP)
+        elif name == "/reset":
+            session.reset()
+            print("[conversation cleared]")
+        elif name == "/system":
+            session.system = rest
+            print(f"[system message {'set' if rest else 'removed'}]")
+        elif name == "/save":
+            if not rest:
+                raise RunError("/save FILE")
+            session.save(rest)
+            print(f"[{len(session.messages)} messages written to {rest}]")
+        elif name == "/load":
+            if not rest:
+                raise RunError("/load FILE")
+            session.load(rest)
+            print(f"[{len(session.messages)} messages read from {rest}]")
+        elif name == "/stats":
+            _print_stats(session)
+        else:
+            print(f"[unknown command {name}; /help lists them]")
+    except (RunError, OSError, ValueError) as e:
+        print(f"[{e}]")
+    return None
+
+
+def _print_stats(session: ChatSession) -> None:
+    if not session.turns:
+        print("[no turns yet]")
+    for i, t in enumerate(session.turns, 1):
+        tok_s = f"{t.decode_tok_s} tok/s" if t.decode_tok_s else "-"
+        print(f"turn {i}: prompt {t.prompt_tokens} tokens ({t.cached_tokens} cached, {t.prefilled_tokens} "
+              f"prefilled), {t.generated_tokens} generated, first token {t.first_token_s:.3f} s, {tok_s}, "
+              f"stop: {t.stop_reason}")
