@@ -31,7 +31,7 @@ import pytest
 _CHILD = r"""
 import json, os, sys, urllib.request
 import xllamacpp as x
-endpoint, reqs = json.loads(sys.stdin.read())
+endpoint, reqs, params = json.loads(sys.stdin.read())
 p = x.CommonParams()
 p.model.path = sys.argv[1]
 p.n_ctx = int(sys.argv[2])
@@ -43,6 +43,8 @@ p.cache_type_v = x.ggml_type.GGML_TYPE_F32
 p.flash_attn_type = 0
 p.cpuparams.n_threads = 2
 p.cpuparams_batch.n_threads = 2
+for k, v in params.items():
+    setattr(p, k, v)
 s = x.Server(p)
 addr = s.listening_address.rstrip("/")
 out = []
@@ -56,13 +58,16 @@ os._exit(0)
 """
 
 
-def llamacpp_requests(model: Path | str, endpoint: str, requests: list[dict], n_ctx: int = 256) -> list[dict]:
+def llamacpp_requests(model: Path | str, endpoint: str, requests: list[dict], n_ctx: int = 256,
+                      params: dict[str, Any] | None = None) -> list[dict]:
     """POST each request body to llama.cpp's server (one child process, one
-    server) and return the decoded JSON answers."""
+    server) and return the decoded JSON answers. ``params`` sets fields of
+    the server's ``CommonParams`` (``prefill_assistant`` ...)."""
     have_llamacpp()
     try:
         r = subprocess.run([sys.executable, "-c", _CHILD, str(model), str(n_ctx)],
-                           input=json.dumps([endpoint, requests]), capture_output=True, text=True, timeout=900)
+                           input=json.dumps([endpoint, requests, params or {}]), capture_output=True, text=True,
+                           timeout=900)
     except subprocess.TimeoutExpired:
         pytest.fail("llama.cpp's server did not answer within 900 s")
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("@@")]
@@ -173,3 +178,54 @@ def random_tensor(shapes: dict[str, tuple[int, ...]], seed: int, factors: dict[s
         return (a * scale / np.sqrt(shape[-1])).astype(np.float32)
 
     return tensor
+
+
+def model_with_vocab(vocab_path: Path, dst: Path, chat_template: str | None = None) -> Path:
+    """A one-layer llama GGUF with random weights carrying the vocabulary (and
+    chat template) of ``vocab_path``: llama.cpp loads no vocabulary-only
+    file as a model, and a template test needs one to hold."""
+    import gguf
+
+    from frontends.gguf import read_gguf
+    from frontends.string_table import StringArray
+
+    meta = {k: v for k, v in read_gguf(vocab_path).meta.items() if k.startswith("tokenizer.")}
+    n = len(meta["tokenizer.ggml.tokens"])
+    w = gguf.GGUFWriter(str(dst), "llama")
+    e, f = 64, 128
+    w.add_context_length(64)
+    w.add_embedding_length(e)
+    w.add_block_count(1)
+    w.add_feed_forward_length(f)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(e // 2)
+    T = gguf.GGUFValueType
+    for k, v in meta.items():
+        if k == "tokenizer.chat_template":
+            continue
+        if isinstance(v, (list, StringArray)):
+            w.add_key_value(k, [bytes(x) for x in v], T.ARRAY, sub_type=T.STRING)
+        elif isinstance(v, (bytes, bytearray, memoryview)):
+            w.add_key_value(k, bytes(v).decode("utf-8"), T.STRING)
+        elif isinstance(v, np.ndarray):
+            w.add_key_value(k, v.tolist(), T.ARRAY, sub_type=T.FLOAT32 if v.dtype == np.float32 else T.INT32)
+        elif isinstance(v, bool):
+            w.add_key_value(k, v, T.BOOL)
+        else:
+            w.add_key_value(k, int(v), T.UINT32)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (n, e), "output_norm.weight": (e,), "blk.0.attn_norm.weight": (e,),
+              "blk.0.ffn_norm.weight": (e,), "blk.0.attn_q.weight": (e, e), "blk.0.attn_k.weight": (e, e),
+              "blk.0.attn_v.weight": (e, e), "blk.0.attn_output.weight": (e, e),
+              "blk.0.ffn_gate.weight": (f, e), "blk.0.ffn_up.weight": (f, e), "blk.0.ffn_down.weight": (e, f)}
+    for name, shape in shapes.items():
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

@@ -18,6 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from frontends.chat_template import (MAX_TEMPLATE_BYTES, NAMED_TEMPLATES, ChatTemplate, ChatTemplateError,
                                      resolve_chat_template)
 import shared_data
+from llamacpp_oracle import llamacpp_requests, model_with_vocab
 from shared_data import MODELS, SHARED
 
 SYS = {"role": "system", "content": "You are terse."}
@@ -376,52 +377,10 @@ def test_resolve_refuses_bad_files(tmp_path):
 
 def _gguf_with_template(dst: Path, template: str | None) -> Path:
     """A one-layer GGUF with TinyStories-656K's vocabulary and the given chat template."""
-    import numpy as np
-    gguf = pytest.importorskip("gguf")
-    from frontends.gguf import read_gguf
-    from frontends.string_table import StringArray
-
     src = MODELS / "TinyStories-656K-Q8_0.gguf"
     if not src.exists():
         pytest.skip("../shared (models and references) is absent")
-    meta = {k: v for k, v in read_gguf(src).meta.items() if k.startswith("tokenizer.")}
-    n = len(meta["tokenizer.ggml.tokens"])
-    w = gguf.GGUFWriter(str(dst), "llama")
-    e, f = 64, 128
-    w.add_context_length(64)
-    w.add_embedding_length(e)
-    w.add_block_count(1)
-    w.add_feed_forward_length(f)
-    w.add_head_count(2)
-    w.add_head_count_kv(2)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(e // 2)
-    T = gguf.GGUFValueType
-    for k, v in meta.items():
-        if isinstance(v, StringArray):
-            w.add_key_value(k, [bytes(x) for x in v], T.ARRAY, sub_type=T.STRING)
-        elif isinstance(v, bytes):
-            w.add_key_value(k, v.decode("utf-8"), T.STRING)
-        elif isinstance(v, np.ndarray):
-            w.add_key_value(k, v.tolist(), T.ARRAY, sub_type=T.FLOAT32 if v.dtype == np.float32 else T.INT32)
-        elif isinstance(v, bool):
-            w.add_key_value(k, v, T.BOOL)
-        else:
-            w.add_key_value(k, int(v), T.UINT32)
-    if template is not None:
-        w.add_chat_template(template)
-    rng = np.random.default_rng(0)
-    shapes = {"token_embd.weight": (n, e), "output_norm.weight": (e,), "blk.0.attn_norm.weight": (e,),
-              "blk.0.ffn_norm.weight": (e,), "blk.0.attn_q.weight": (e, e), "blk.0.attn_k.weight": (e, e),
-              "blk.0.attn_v.weight": (e, e), "blk.0.attn_output.weight": (e, e),
-              "blk.0.ffn_gate.weight": (f, e), "blk.0.ffn_up.weight": (f, e), "blk.0.ffn_down.weight": (e, f)}
-    for name, shape in shapes.items():
-        w.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+    return model_with_vocab(src, dst, template)
 
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}"
@@ -478,42 +437,11 @@ def test_llama2c_tokenizer_chats_plain():
 
 # --- the real models' templates against llama.cpp ---------------------------------------------
 
-# One llama.cpp server per process (a second one hangs), so each model gets a
-# subprocess that answers a whole batch of /apply-template requests.
-_ORACLE = r"""
-import json, os, sys, urllib.request
-import xllamacpp as x
-cases = json.load(sys.stdin)
-p = x.CommonParams()
-p.model.path = sys.argv[1]
-p.n_ctx = 256
-p.port = 0
-p.warmup = False
-p.use_jinja = True
-p.prefill_assistant = sys.argv[2] == "prefill"
-s = x.Server(p)
-addr = s.listening_address.rstrip("/")
-out = []
-for case in cases:
-    req = urllib.request.Request(addr + "/apply-template", data=json.dumps(case).encode(),
-                                 headers={"Content-Type": "application/json"})
-    out.append(json.loads(urllib.request.urlopen(req, timeout=60).read())["prompt"])
-sys.stdout.write("\n@@" + json.dumps(out) + "\n")
-sys.stdout.flush()
-os._exit(0)
-"""
-
-
 def _llama_cpp_prompts(model: str, cases: list[dict], prefill: bool) -> list[str]:
-    try:
-        r = subprocess.run([sys.executable, "-c", _ORACLE, model, "prefill" if prefill else "no-prefill"],
-                           input=json.dumps(cases), capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        pytest.skip("the llama.cpp server did not answer in time")
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("@@")]
-    if r.returncode != 0 or not lines:
-        pytest.skip(f"the llama.cpp server could not run: {r.stderr.strip().splitlines()[-1:]}")
-    return json.loads(lines[-1][2:])
+    """llama.cpp's /apply-template for each case (jinja on; ``prefill``: its
+    prefill_assistant setting)."""
+    return [r["prompt"] for r in llamacpp_requests(model, "/apply-template", cases,
+                                                    params={"prefill_assistant": prefill})]
 
 
 @pytest.fixture(scope="module")

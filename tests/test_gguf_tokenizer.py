@@ -28,7 +28,9 @@ from frontends.gguf_tokenizer import (
     bpe_pre_split,
 )
 
+from llamacpp_oracle import llamacpp_requests, model_with_vocab
 from shared_data import SHARED
+
 VOCAB = SHARED / "vocab"
 REFERENCE = SHARED / "reference"
 needs_vocab = pytest.mark.skipif(not VOCAB.is_dir(), reason="../shared/vocab is absent")
@@ -444,76 +446,7 @@ def test_synthetic_metadata():
 # When the xllamacpp package (Python bindings of a recent llama.cpp, with its
 # HTTP server) is installed, random strings are tokenized by llama.cpp itself
 # and by us. llama.cpp can't load a vocabulary-only GGUF as a model, so a tiny
-# llama model carrying the vocabulary is written first. One server per
-# process (a second one hangs), so each vocabulary runs in a subprocess.
-
-_ORACLE = r"""
-import json, os, sys, urllib.request
-import xllamacpp as x
-cases = json.load(sys.stdin)
-p = x.CommonParams()
-p.model.path = sys.argv[1]
-p.n_ctx = 64
-p.port = 0
-p.warmup = False
-s = x.Server(p)
-addr = s.listening_address.rstrip("/")
-out = []
-for text, add_special, parse_special in cases:
-    body = json.dumps({"content": text, "add_special": add_special, "parse_special": parse_special})
-    req = urllib.request.Request(addr + "/tokenize", data=body.encode(),
-                                 headers={"Content-Type": "application/json"})
-    out.append(json.loads(urllib.request.urlopen(req, timeout=60).read())["tokens"])
-sys.stdout.write("\n@@" + json.dumps(out) + "\n")
-sys.stdout.flush()
-os._exit(0)
-"""
-
-
-def _tiny_model_with_vocab(vocab_path: Path, dst: Path) -> Path:
-    import numpy as np
-    gguf = pytest.importorskip("gguf")
-    from frontends.gguf import read_gguf
-    from frontends.string_table import StringArray
-
-    meta = {k: v for k, v in read_gguf(vocab_path).meta.items() if k.startswith("tokenizer.")}
-    n = len(meta["tokenizer.ggml.tokens"])
-    w = gguf.GGUFWriter(str(dst), "llama")
-    e, f = 16, 32
-    w.add_context_length(64)
-    w.add_embedding_length(e)
-    w.add_block_count(1)
-    w.add_feed_forward_length(f)
-    w.add_head_count(2)
-    w.add_head_count_kv(2)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(e // 2)
-    T = gguf.GGUFValueType
-    for k, v in meta.items():
-        if isinstance(v, (list, StringArray)):
-            w.add_key_value(k, [bytes(x) for x in v], T.ARRAY, sub_type=T.STRING)
-        elif isinstance(v, (bytes, bytearray, memoryview)):
-            w.add_key_value(k, bytes(v).decode("utf-8"), T.STRING)
-        elif isinstance(v, np.ndarray):
-            sub = T.FLOAT32 if v.dtype == np.float32 else T.INT32
-            w.add_key_value(k, v.tolist(), T.ARRAY, sub_type=sub)
-        elif isinstance(v, bool):
-            w.add_key_value(k, v, T.BOOL)
-        else:
-            w.add_key_value(k, int(v), T.UINT32)
-    rng = np.random.default_rng(0)
-    shapes = {"token_embd.weight": (n, e), "output_norm.weight": (e,), "blk.0.attn_norm.weight": (e,),
-              "blk.0.ffn_norm.weight": (e,), "blk.0.attn_q.weight": (e, e), "blk.0.attn_k.weight": (e, e),
-              "blk.0.attn_v.weight": (e, e), "blk.0.attn_output.weight": (e, e),
-              "blk.0.ffn_gate.weight": (f, e), "blk.0.ffn_up.weight": (f, e), "blk.0.ffn_down.weight": (e, f)}
-    for name, shape in shapes.items():
-        w.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
-
+# llama model carrying the vocabulary is written first (tests/llamacpp_oracle.py).
 
 def _oracle_cases(seed: int, n: int) -> list[tuple[str, bool, bool]]:
     import random
@@ -547,18 +480,9 @@ def _oracle_cases(seed: int, n: int) -> list[tuple[str, bool, bool]]:
 
 
 def _run_oracle(model: Path, cases: list[tuple[str, bool, bool]]) -> list[list[int]]:
-    import subprocess
-    import sys
-
-    try:
-        r = subprocess.run([sys.executable, "-c", _ORACLE, str(model)], input=json.dumps(cases),
-                           capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        pytest.skip("the llama.cpp server did not answer in time")
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("@@")]
-    if r.returncode != 0 or not lines:
-        pytest.skip(f"the llama.cpp server could not run: {r.stderr.strip().splitlines()[-1:]} ")
-    return json.loads(lines[-1][2:])
+    reqs = [{"content": text, "add_special": add_special, "parse_special": parse_special}
+            for text, add_special, parse_special in cases]
+    return [r["tokens"] for r in llamacpp_requests(model, "/tokenize", reqs, n_ctx=64)]
 
 
 @pytest.mark.parametrize("name", VOCABS + ["gemma"])
@@ -571,7 +495,7 @@ def test_against_llama_cpp(name, tmp_path):
         if not VOCAB.is_dir():
             pytest.skip("../shared/vocab is absent")
         tok = vocab_tokenizer(name)
-        model = _tiny_model_with_vocab(VOCAB / f"ggml-vocab-{name}.gguf", tmp_path / f"{name}.gguf")
+        model = model_with_vocab(VOCAB / f"ggml-vocab-{name}.gguf", tmp_path / f"{name}.gguf")
     cases = _oracle_cases(zlib.crc32(name.encode()), 300)
     expected = _run_oracle(model, cases)
     bad = [(c, e, tok.encode(c[0], bos=c[1], special=c[2])) for c, e in zip(cases, expected)

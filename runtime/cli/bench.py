@@ -26,6 +26,7 @@ from compiler.driver import LoadedModel, load_model, model_graph
 from ir.types import KV_TYPES
 
 from ..model import Model, RunError
+from .common import _threads, memory_args, whole_number
 
 #: fields in the order the table prints them, with their labels and formats
 _TABLE = [
@@ -192,40 +193,27 @@ def format_table(r: dict[str, Any]) -> str:
     return "\n".join(f"{label:<{w}}  {val}" for label, val in rows)
 
 
-def _count(flag: str, low: int = 1):
-    def conv(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes a whole number, not {s!r}") from None
-        if not low <= v <= 1_000_000:
-            raise argparse.ArgumentTypeError(f"{flag} must be between {low} and 1000000, got {v}")
-        return v
-
-    return conv
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``bench`` to the ``lmc`` sub-commands."""
     b = subparsers.add_parser("bench", help="measure compile time, prefill/decode speed and the roofline")
     b.add_argument("model", help="model file (.bin)")
     b.add_argument("-z", "--tokenizer", default=None, help="tokenizer file (llama2.c tokenizer.bin)")
-    b.add_argument("-t", "--threads", type=_count("--threads"), default=os.cpu_count() or 1,
+    b.add_argument("-t", "--threads", type=_threads, default=os.cpu_count() or 1,
                    help="threads (default: all cores)")
-    b.add_argument("--prompt-tokens", type=_count("--prompt-tokens"), default=128,
+    b.add_argument("--prompt-tokens", type=whole_number("--prompt-tokens", 1), default=128,
                    help="random prompt length for prefill (default 128; clipped to the context)")
-    b.add_argument("--gen-tokens", type=_count("--gen-tokens"), default=128,
+    b.add_argument("--gen-tokens", type=whole_number("--gen-tokens", 1), default=128,
                    help="greedy decode steps timed (default 128)")
-    b.add_argument("--runs", type=_count("--runs"), default=5, help="repetitions; medians are reported (default 5)")
+    b.add_argument("--runs", type=whole_number("--runs", 1), default=5,
+                   help="repetitions; medians are reported (default 5)")
     b.add_argument("--backend", choices=["llvm", "interp"], default="llvm")
     b.add_argument("--kv-type", choices=list(KV_TYPES), default=None,
                    help="KV cache storage: f32 (default), f16 or q8")
-    b.add_argument("--probe-mb", type=_count("--probe-mb", 16), default=1024,
+    b.add_argument("--probe-mb", type=whole_number("--probe-mb", 16), default=1024,
                    help="buffer of the bandwidth probe in MiB (default 1024; keep it >> the L3 cache)")
     b.add_argument("--compare-llamacpp", action="store_true",
                    help="also measure llama.cpp (the xllamacpp package) on the same file, same threads")
     b.add_argument("--json", action="store_true", help="print one JSON object")
-    from .common import memory_args
 
     memory_args(b)
     return b

@@ -19,19 +19,24 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(message)
 
 
-def _positive_or_zero(flag: str):
+def whole_number(flag: str, minimum: int = 0):
+    """An argparse type: a whole number >= ``minimum`` and not absurdly large."""
     def conv(s: str) -> int:
         try:
             v = int(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{flag} takes a whole number, not {s!r}") from None
-        if v < 0:
-            raise argparse.ArgumentTypeError(f"{flag} must be >= 0, got {v}")
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= {minimum}, got {v}")
         if v > 10_000_000:
             raise argparse.ArgumentTypeError(f"{flag} {v} is absurdly large")
         return v
 
     return conv
+
+
+def _positive_or_zero(flag: str):
+    return whole_number(flag, 0)
 
 
 def _model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:

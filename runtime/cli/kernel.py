@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from .common import _threads
+from .common import _threads, whole_number
 from .kernel_lab import (DEFAULT_REPEATS, KINDS, SWEEP_REPEATS, KernelLabError, Params, Problem, format_sweep,
                          format_text, lab, parse_tile, show, sweep)
 
@@ -57,18 +57,7 @@ def add_arguments(k: argparse.ArgumentParser) -> None:
 
 
 def _positive(flag: str):
-    def conv(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes a whole number, not {s!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{flag} must be >= 1, got {v}")
-        if v > 10_000_000:
-            raise argparse.ArgumentTypeError(f"{flag} {v} is absurdly large")
-        return v
-
-    return conv
+    return whole_number(flag, 1)
 
 
 def run(args: argparse.Namespace) -> int:
