@@ -15,7 +15,7 @@ from ir.types import KV_TYPES
 
 from .executor import InterpExecutor
 from .sampling import Sampler, SamplerConfig
-from .stop_strings import StopMatcher
+from .stop_strings import TextAssembler
 
 
 #: KV cache length when the user gives none: a model's own context can be
@@ -265,32 +265,28 @@ class Model:
 
     def _text(self, ids: list[int], n: int, stops, stream: bool, reuse: bool, sampling: dict
               ) -> "str | TextStream":
-        matcher = StopMatcher(stops)
+        text = TextAssembler(self.tokenizer, ids[-1], stops)   # checks the stop strings first
         tokens = self.generate(ids, n, reuse_cache=reuse, **sampling)
         comp = self.last_completion
-        text = TextStream(self._pieces(tokens, matcher, comp), comp)
-        return text if stream else "".join(text)
+        out = TextStream(self._pieces(tokens, text, comp), comp)
+        return out if stream else "".join(out)
 
-    def _pieces(self, tokens: Iterator[int], matcher: StopMatcher, comp: "Completion") -> Iterator[str]:
-        dec = self.tokenizer.stream_decoder()
-        prev = comp.prompt_ids[-1]
+    def _pieces(self, tokens: Iterator[int], text: TextAssembler, comp: "Completion") -> Iterator[str]:
         stops = set(self.config.stop_ids)
         try:
             for t in tokens:
                 if t in stops:
                     break
-                out, stopped = matcher.feed(dec.feed(prev, t))
-                prev = t
+                out, stopped = text.feed(t)
                 if out:
                     comp.text += out
                     yield out
                 if stopped:
-                    comp.stop_reason, comp.stop_string = "stop", matcher.stopped
+                    comp.stop_reason, comp.stop_string = "stop", text.stopped
                     return
-            out, stopped = matcher.feed(dec.flush())
-            out += matcher.flush()
+            out, stopped = text.finish()
             if stopped:
-                comp.stop_reason, comp.stop_string = "stop", matcher.stopped
+                comp.stop_reason, comp.stop_string = "stop", text.stopped
             if out:
                 comp.text += out
                 yield out

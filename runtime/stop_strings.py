@@ -82,3 +82,28 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return "" if self.stopped is not None else out
+
+
+class TextAssembler:
+    """Token ids in, text that may be shown out: incremental detokenization
+    (a character split over tokens waits for its last byte) followed by stop
+    strings. One per generation: ``feed`` each new token, ``finish`` at the
+    end; ``stopped`` names the stop string that ended the text."""
+
+    def __init__(self, tokenizer, prev_token: int | None, stops: Sequence[str] | str | None) -> None:
+        self._dec = tokenizer.stream_decoder()
+        self._prev = prev_token
+        self._matcher = StopMatcher(stops)
+
+    @property
+    def stopped(self) -> str | None:
+        return self._matcher.stopped
+
+    def feed(self, token: int) -> tuple[str, bool]:
+        text = self._dec.feed(self._prev, token)
+        self._prev = token
+        return self._matcher.feed(text)
+
+    def finish(self) -> tuple[str, bool]:
+        out, stopped = self._matcher.feed(self._dec.flush())
+        return out + self._matcher.flush(), stopped

@@ -1,0 +1,176 @@
+"""The paged KV cache's bookkeeping: which pool blocks each sequence owns.
+
+The pool is the executor's (one block of ``block_size`` positions = that
+many rows in every layer's K and V caches); this module only hands out block
+numbers. As in vLLM's block manager:
+
+* a sequence owns a block table: its positions 0, 1, ... live in table[0],
+  table[1], ... (``block_size`` positions each), so one request may use the
+  whole pool while many short ones share it;
+* a full block is content-addressed by the hash of every token up to its
+  end, so sequences whose prompts share a prefix (the same system prompt)
+  share those blocks (reference counts), and the prefix is prefilled once;
+* a finished sequence's full blocks stay cached (evictable, least recently
+  used first) until their room is needed;
+* a shared block is never written: a sequence about to write into one gets
+  a private copy first (copy on write; the caller copies the rows).
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+class OutOfBlocks(Exception):
+    """No free or evictable block: the caller waits or preempts."""
+
+
+@dataclass
+class SeqBlocks:
+    """One sequence's blocks: its table and the hashes of its full blocks."""
+
+    table: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)   # of table[i] for each full block i, in order
+
+
+def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """A full block's identity: its tokens and everything before them."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in tokens))
+    return h.digest()
+
+
+class BlockManager:
+    def __init__(self, n_blocks: int, block_size: int) -> None:
+        if n_blocks < 1 or block_size < 1:
+            raise ValueError("a pool needs at least one block of at least one position")
+        self.n_blocks, self.block_size = n_blocks, block_size
+        self.refs = [0] * n_blocks
+        self.free: list[int] = list(range(n_blocks - 1, -1, -1))   # pop() gives 0, 1, ...
+        self.cached: dict[bytes, int] = {}                          # full-block hash -> block
+        self.hash_of: dict[int, bytes] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()       # cached blocks no sequence uses, LRU first
+        self.seqs: dict[int, SeqBlocks] = {}
+
+    # --- counts ----------------------------------------------------------------------------
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    @property
+    def available(self) -> int:
+        """Blocks a new allocation can take (free, or cached but unused)."""
+        return len(self.free) + len(self.evictable)
+
+    @property
+    def used(self) -> int:
+        return self.n_blocks - self.available
+
+    # --- a sequence's life -----------------------------------------------------------------
+    def allocate(self, seq: int, tokens: Sequence[int]) -> tuple[list[int], int]:
+        """Blocks for a new sequence whose prompt is ``tokens``: the longest
+        run of full blocks already cached is shared, the rest is new.
+        Returns (table, tokens already in the pool). Raises OutOfBlocks
+        (taking nothing) when the rest does not fit."""
+        if seq in self.seqs:
+            raise ValueError(f"sequence {seq} already has blocks")
+        bs = self.block_size
+        shared: list[int] = []
+        hashes: list[bytes] = []
+        parent = b""
+        for i in range(len(tokens) // bs):
+            h = block_hash(parent, tokens[i * bs: (i + 1) * bs])
+            b = self.cached.get(h)
+            if b is None:
+                break
+            shared.append(b)
+            hashes.append(h)
+            parent = h
+        need = self.blocks_for(len(tokens)) - len(shared)
+        # a shared block that is evictable now is taken by this allocation, not available for the rest
+        spare = self.available - sum(1 for b in shared if b in self.evictable)
+        if need > spare:
+            raise OutOfBlocks(f"{need} blocks needed, {spare} available")
+        for b in shared:
+            self._ref(b)
+        table = shared + [self._take() for _ in range(need)]
+        self.seqs[seq] = SeqBlocks(table, hashes)
+        return list(table), len(shared) * bs
+
+    def ensure(self, seq: int, pos: int) -> list[tuple[int, int]]:
+        """Make position ``pos`` of ``seq`` writable: a new block when it
+        starts one, a private copy of a shared block it falls in. Returns
+        the (src, dst) block copies the caller must make before writing.
+        Raises OutOfBlocks (changing nothing) when no block is left."""
+        s = self.seqs[seq]
+        i = pos // self.block_size
+        if i > len(s.table):
+            raise ValueError(f"sequence {seq}: position {pos} skips a block")
+        if i == len(s.table):
+            s.table.append(self._take())
+            return []
+        b = s.table[i]
+        if self.refs[b] > 1:   # shared: copy on write
+            nb = self._take()
+            self._unref(b)
+            s.table[i] = nb
+            del s.hashes[i:]
+            return [(b, nb)]
+        if b in self.hash_of:   # cached for others, and about to change: it no longer holds that content
+            self._uncache(b)
+            del s.hashes[i:]
+        return []
+
+    def commit(self, seq: int, tokens: Sequence[int]) -> None:
+        """``tokens`` (the sequence from position 0) are now in the pool:
+        cache each full block not cached yet, so later prompts can share it."""
+        s = self.seqs[seq]
+        bs = self.block_size
+        for i in range(len(s.hashes), min(len(tokens) // bs, len(s.table))):
+            parent = s.hashes[-1] if s.hashes else b""
+            h = block_hash(parent, tokens[i * bs: (i + 1) * bs])
+            s.hashes.append(h)
+            b = s.table[i]
+            if h not in self.cached and b not in self.hash_of:
+                self.cached[h] = b
+                self.hash_of[b] = h
+
+    def release(self, seq: int) -> None:
+        """The sequence is done: its blocks go back (cached ones stay cached)."""
+        s = self.seqs.pop(seq)
+        for b in s.table:
+            self._unref(b)
+
+    def table(self, seq: int) -> list[int]:
+        return self.seqs[seq].table
+
+    # --- blocks ----------------------------------------------------------------------------
+    def _take(self) -> int:
+        if self.free:
+            b = self.free.pop()
+        elif self.evictable:
+            b, _ = self.evictable.popitem(last=False)
+            self._uncache(b)
+        else:
+            raise OutOfBlocks("no block is free")
+        self.refs[b] = 1
+        return b
+
+    def _ref(self, b: int) -> None:
+        if self.refs[b] == 0:
+            self.evictable.pop(b, None)
+        self.refs[b] += 1
+
+    def _unref(self, b: int) -> None:
+        self.refs[b] -= 1
+        if self.refs[b] == 0:
+            if b in self.hash_of:
+                self.evictable[b] = None
+            else:
+                self.free.append(b)
+
+    def _uncache(self, b: int) -> None:
+        h = self.hash_of.pop(b)
+        if self.cached.get(h) == b:
+            del self.cached[h]

@@ -1,0 +1,124 @@
+"""The paged KV cache's block bookkeeping: tables, shared prefixes, copy on
+write, eviction, and its invariants under any sequence of operations."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from runtime.block_manager import BlockManager, OutOfBlocks
+
+
+def check_invariants(bm: BlockManager) -> None:
+    counts = [0] * bm.n_blocks
+    for s in bm.seqs.values():
+        for b in s.table:
+            counts[b] += 1
+        assert len(s.hashes) <= len(s.table)
+    assert counts == bm.refs, "a block's reference count is the number of tables holding it"
+    free, ev = set(bm.free), set(bm.evictable)
+    assert len(free) == len(bm.free) and not free & ev
+    for b in range(bm.n_blocks):
+        in_use = bm.refs[b] > 0
+        assert in_use + (b in free) + (b in ev) == 1, f"block {b} is in exactly one state"
+    for b in ev:
+        assert b in bm.hash_of, "an evictable block is a cached one"
+    assert {bm.cached[h] for h in bm.cached} <= set(bm.hash_of)
+    assert bm.available + sum(1 for r in bm.refs if r) == bm.n_blocks
+
+
+def test_prompts_sharing_a_prefix_share_its_full_blocks():
+    bm = BlockManager(16, 4)
+    system = list(range(100, 110))                      # 2 full blocks + 2 tokens
+    a_tokens = system + [1, 2, 3]
+    a, cached = bm.allocate(1, a_tokens)
+    assert cached == 0 and len(a) == 4
+    bm.commit(1, a_tokens)                              # its prefill is done: full blocks are cached
+    b, cached = bm.allocate(2, system + [7, 8])
+    assert cached == 8 and b[:2] == a[:2] and b[2] != a[2]
+    assert bm.refs[a[0]] == bm.refs[a[1]] == 2
+    check_invariants(bm)
+    # the other sequence's tokens differ inside the second block: only the first is shared
+    c, cached = bm.allocate(3, system[:5] + [0] * 5)
+    assert cached == 4 and c[0] == a[0] and c[1] != a[1]
+    check_invariants(bm)
+
+
+def test_writing_into_a_shared_block_copies_it_first():
+    bm = BlockManager(8, 4)
+    toks = [5, 6, 7, 8]
+    t1, _ = bm.allocate(1, toks)
+    bm.commit(1, toks)
+    t2, cached = bm.allocate(2, toks)                   # the whole prompt is cached
+    assert cached == 4 and t2 == t1
+    # sequence 2 must recompute its last token (for logits): position 3 is in the shared block
+    copies = bm.ensure(2, 3)
+    assert copies == [(t1[0], bm.table(2)[0])] and bm.table(2)[0] != t1[0]
+    assert bm.refs[t1[0]] == 1
+    assert bm.ensure(2, 4) == [] and len(bm.table(2)) == 2   # a new block for the next position
+    check_invariants(bm)
+
+
+def test_finished_sequences_leave_their_prefix_cached_until_room_is_needed():
+    bm = BlockManager(4, 2)
+    toks = [1, 2, 3, 4, 5]
+    t, _ = bm.allocate(1, toks)
+    bm.commit(1, toks)
+    bm.release(1)
+    assert bm.available == 4 and len(bm.evictable) == 2     # two full blocks stay cached
+    t2, cached = bm.allocate(2, [1, 2, 3, 4, 9])
+    assert cached == 4 and t2[:2] == t[:2]
+    bm.release(2)
+    big, cached = bm.allocate(3, list(range(50, 58)))        # needs all 4 blocks: the cached ones are evicted
+    assert cached == 0 and sorted(big) == [0, 1, 2, 3] and not bm.cached
+    with pytest.raises(OutOfBlocks):
+        bm.allocate(4, [1])
+    assert 4 not in bm.seqs
+    check_invariants(bm)
+
+
+def test_running_out_of_blocks_changes_nothing():
+    bm = BlockManager(3, 2)
+    bm.allocate(1, [1, 2, 3, 4])
+
+    def state():
+        return list(bm.refs), list(bm.free), {k: list(v.table) for k, v in bm.seqs.items()}
+
+    before = state()
+    with pytest.raises(OutOfBlocks):
+        bm.allocate(2, [1, 2, 3, 4, 5, 6])
+    assert state() == before
+    bm.ensure(1, 4)
+    before = state()
+    with pytest.raises(OutOfBlocks):
+        bm.ensure(1, 6)
+    assert state() == before and len(bm.table(1)) == 3
+    check_invariants(bm)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "grow", "commit", "release"]), st.integers(0, 5),
+                          st.integers(0, 3), st.integers(1, 9)), max_size=60))
+@settings(max_examples=200, deadline=None)
+def test_invariants_hold_under_any_operations(ops):
+    bm = BlockManager(12, 3)
+    tokens: dict[int, list[int]] = {}
+    for op, seq, family, n in ops:
+        try:
+            if op == "alloc" and seq not in tokens:
+                toks = [family * 1000 + i for i in range(n)]       # sequences of a family share prefixes
+                bm.allocate(seq, toks)
+                tokens[seq] = toks
+            elif op == "grow" and seq in tokens:
+                toks = tokens[seq]
+                for src, dst in bm.ensure(seq, len(toks)):
+                    assert bm.refs[dst] == 1 and src != dst
+                toks.append(family * 1000 + len(toks))
+            elif op == "commit" and seq in tokens:
+                bm.commit(seq, tokens[seq])
+            elif op == "release" and seq in tokens:
+                bm.release(seq)
+                del tokens[seq]
+        except OutOfBlocks:
+            pass
+        check_invariants(bm)
+        for s, toks in tokens.items():
+            assert len(bm.table(s)) >= bm.blocks_for(len(toks))
