@@ -47,7 +47,9 @@ class SamplerConfig:
     top_k: int = 0  # 0 = off
     min_p: float = 0.0  # 0 = off
     repeat_penalty: float = 1.0  # 1 = off
-    repeat_last_n: int = 64  # window of the penalty; 0 = off, -1 = whole history
+    repeat_last_n: int = 64  # window of the penalties; 0 = off, -1 = whole history
+    presence_penalty: float = 0.0  # OpenAI's: minus this for every id in the window
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times each id's count in the window
     seed: int | None = None  # None (or 0, as in run.c) = from the clock
 
     def validate(self) -> None:
@@ -67,6 +69,10 @@ class SamplerConfig:
             raise ValueError("--repeat-penalty must be > 0")
         if not (self.repeat_last_n >= -1):
             raise ValueError("--repeat-last-n must be >= -1")
+        if not (-2.0 <= self.presence_penalty <= 2.0):
+            raise ValueError("presence_penalty must be in [-2, 2]")
+        if not (-2.0 <= self.frequency_penalty <= 2.0):
+            raise ValueError("frequency_penalty must be in [-2, 2]")
 
 
 # ----------------------------------------------------------------------------
@@ -211,9 +217,10 @@ class Sampler:
     """Pick the next token id from logits, llama2.c-exact by default.
 
     Order of the steps:
-      1. repetition penalty over the last ``repeat_last_n`` ids of ``history``
-         (llama.cpp/CTRL: positive logits divided by the penalty, others
-         multiplied; each distinct id once);
+      1. penalties over the last ``repeat_last_n`` ids of ``history``, as
+         llama.cpp's penalties sampler: repetition (CTRL: positive logits
+         divided by the penalty, others multiplied; each distinct id once),
+         then minus ``count * frequency_penalty + presence_penalty``;
       2. greedy (temperature 0): argmax, first index on ties, no coin drawn;
       3. top-k: keep the k largest logits (ties at the boundary: lower ids);
       4. temperature, then softmax;
@@ -241,6 +248,8 @@ class Sampler:
         self._top_p = np.float32(config.top_p)
         self._min_p = np.float32(config.min_p)
         self._penalty = np.float32(config.repeat_penalty)
+        self._penalised = (config.repeat_penalty != 1.0 or config.presence_penalty != 0.0
+                           or config.frequency_penalty != 0.0)
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """Return the next token id. ``logits`` is copied, never modified."""
@@ -249,7 +258,7 @@ class Sampler:
             raise ValueError(f"logits must have shape ({self.vocab_size},), got {x.shape}")
         if np.isnan(x).any() or np.isposinf(x).any():
             raise ValueError("logits contain NaN or +inf")
-        if self.config.repeat_penalty != 1.0 and len(history) > 0:
+        if self._penalised and len(history) > 0:
             self._penalise(x, history)
         if self._temperature == 0.0:
             return int(np.argmax(x))  # first index on ties, like run.c's `>`
@@ -270,13 +279,19 @@ class Sampler:
         hist = np.asarray(history, dtype=np.int64).reshape(-1)
         if n_last > 0:
             hist = hist[-n_last:]
-        ids = np.unique(hist)
+        ids, counts = np.unique(hist, return_counts=True)
         if ids.size == 0:
             return
         if ids[0] < 0 or ids[-1] >= self.vocab_size:
             raise ValueError(f"history holds a token id outside [0, {self.vocab_size})")
         v = x[ids]
-        x[ids] = np.where(v > 0, v / self._penalty, v * self._penalty)
+        if self.config.repeat_penalty != 1.0:
+            v = np.where(v > 0, v / self._penalty, v * self._penalty)
+        c = self.config
+        if c.frequency_penalty or c.presence_penalty:
+            v = (v - counts.astype(np.float32) * np.float32(c.frequency_penalty)
+                 - np.float32(c.presence_penalty)).astype(np.float32)
+        x[ids] = v
 
     def _pick(self, probs: np.ndarray, coin: np.float32) -> int:
         """Index into ``probs`` per steps 6-8 of the class docstring."""

@@ -359,6 +359,28 @@ def test_min_p_with_top_p():
     assert seen == {0, 1}  # top-p keeps 0, 1, 2; min-p (0.24) then drops 2
 
 
+def test_presence_and_frequency_penalties_as_openai_defines_them():
+    """logit - count * frequency_penalty - (count > 0) * presence_penalty over
+    the window, after the repetition penalty (llama.cpp's order)."""
+    x = np.array([3.0, 2.5, 2.0, -1.0], np.float32)
+    hist = [0, 0, 0, 1]          # id 0 three times, id 1 once
+    # frequency 0.2: id 0 at 3 - 3*0.2 = 2.4 beats id 1 at 2.5 - 0.2 = 2.3; at 0.3 it is 2.1 against 2.2
+    assert Sampler(SamplerConfig(frequency_penalty=0.2), 4).sample(x, hist) == 0
+    assert Sampler(SamplerConfig(frequency_penalty=0.3), 4).sample(x, hist) == 1
+    # presence: once per seen id; 0.6 leaves id 0 on top (2.4), 1.1 puts the unseen id 2 (2.0) above 1.9
+    assert Sampler(SamplerConfig(presence_penalty=0.6), 4).sample(x, hist) == 0
+    assert Sampler(SamplerConfig(presence_penalty=1.1), 4).sample(x, hist) == 2
+    # negative values encourage repeats
+    assert Sampler(SamplerConfig(presence_penalty=-2.0), 4).sample(np.array([0.0, 1.0, 0.0, 0.0], np.float32),
+                                                                    [0]) == 0
+    # both with the repetition penalty: (3 / 1.5) - 3*0.1 - 0.1 = 1.6 < 2.0 (unseen id 2)
+    assert Sampler(SamplerConfig(repeat_penalty=1.5, frequency_penalty=0.1, presence_penalty=0.1), 4).sample(
+        x, hist) == 2
+    for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -3.0}, {"presence_penalty": float("nan")}):
+        with pytest.raises(ValueError):
+            SamplerConfig(**bad).validate()
+
+
 def test_repeat_penalty_changes_greedy_choice():
     x = np.float32([2.0, 1.9, -1.0, 0.5])
     assert Sampler(SamplerConfig(), 4).sample(x, [0]) == 0
