@@ -14,7 +14,35 @@ from ir.graph import Graph
 
 from .pipeline import default_pipeline, run_pipeline
 
-__all__ = ["CompileOptions", "LoadedModel", "ModelError", "build_graphs", "load_model", "model_graph"]
+__all__ = ["BatchOptions", "CompileOptions", "LoadedModel", "ModelError", "build_graphs", "load_model",
+           "model_graph"]
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """Continuous batching: the KV cache becomes a pool of ``n_blocks``
+    blocks of ``block_size`` positions, each sequence addressing its own
+    through a block table, and one step advances up to ``max_batch``
+    sequences (or a prompt chunk of one). ``n_blocks`` None: enough for
+    ``max_batch`` sequences of the whole context."""
+
+    block_size: int = 16
+    n_blocks: int | None = None
+    max_batch: int = 8
+
+    def resolved(self, ctx: int) -> "BatchOptions":
+        """With ``n_blocks`` filled in for a context of ``ctx``; checks the values."""
+        for what, v in (("block_size", self.block_size), ("max_batch", self.max_batch),
+                        ("n_blocks", 1 if self.n_blocks is None else self.n_blocks)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"batch {what} must be a positive integer, got {v!r}")
+        nb = self.n_blocks if self.n_blocks is not None else self.max_batch * max_blocks_per_seq(ctx, self.block_size)
+        return BatchOptions(self.block_size, nb, self.max_batch)
+
+
+def max_blocks_per_seq(ctx: int, block_size: int) -> int:
+    """Block table length: blocks a sequence of the whole context needs."""
+    return -(-ctx // block_size)
 
 
 @dataclass
@@ -26,18 +54,26 @@ class CompileOptions:
     dump_after: str | None = None     # with dump_dir: one pass's input and output only, or "all"
     kv_type: str = "f32"              # KV cache storage: f32, f16 or q8 (ir.types.KV_TYPES)
     split_rows: dict[str, int] | None = None  # weights streamed in row blocks (memory plan)
+    batch: BatchOptions | None = None  # build the paged batch graphs instead of decode/prefill
 
 
 def model_graph(model: LoadedModel, mode: str, options: CompileOptions | None = None,
                 all_logits: bool = False, stop_after: str | None = None, run_passes: bool = True) -> Graph:
-    """One graph of ``model`` (decode or prefill), after the pass pipeline."""
+    """One graph of ``model`` (decode, prefill or batch), after the pass pipeline."""
     options = options or CompileOptions()
+    paged = {}
+    if mode == "batch":
+        if options.batch is None:
+            raise ValueError("a batch graph needs CompileOptions.batch")
+        bo = options.batch.resolved(options.ctx or model.config.seq_len)
+        paged = dict(block_size=bo.block_size, n_blocks=bo.n_blocks)
     g = build_graph(model.config, model.weights, mode, ctx=options.ctx, all_logits=all_logits, name=model.name,
-                    kv_type=options.kv_type)
+                    kv_type=options.kv_type, **paged)
     if not run_passes:
         return g
-    # prefill and prefill_all share a graph name; their dumps must not
-    dump = os.path.join(options.dump_dir, g.name + ("_all" if all_logits else "")) if options.dump_dir else None
+    # prefill and prefill_all (batch and batch_last) share a graph name; their dumps must not
+    suffix = ("" if all_logits else "_last") if mode == "batch" else ("_all" if all_logits else "")
+    dump = os.path.join(options.dump_dir, g.name + suffix) if options.dump_dir else None
     names = options.passes if options.passes is not None else default_pipeline(options.backend)
     if options.split_rows:
         g.meta["split_rows"] = dict(options.split_rows)
@@ -47,7 +83,15 @@ def model_graph(model: LoadedModel, mode: str, options: CompileOptions | None = 
 
 def build_graphs(model: LoadedModel, options: CompileOptions | None = None) -> dict[str, Graph]:
     """The graphs a runtime needs: a decode step, a prefill chunk (last-row
-    logits) and a prefill that returns every row (for ``logits``/perplexity)."""
+    logits) and a prefill that returns every row (for ``logits``/perplexity).
+    With ``options.batch``, the two paged batch graphs instead: ``batch``
+    (a row of logits per row) and ``batch_last`` (the last row's); their KV
+    pool cannot be shared with a single stream's cache."""
+    if options is not None and options.batch is not None:
+        return {
+            "batch": model_graph(model, "batch", options, all_logits=True),
+            "batch_last": model_graph(model, "batch", options),
+        }
     return {
         "decode": model_graph(model, "decode", options),
         "prefill": model_graph(model, "prefill", options),

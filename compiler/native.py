@@ -2,7 +2,11 @@
 
 The artifact holds object code for a decode step, a prefill chunk and a
 prefill that keeps every row's logits, and the manifest that says where
-everything lives (arena offsets, state layout, outputs).
+everything lives (arena offsets, state layout, IO area, outputs). Built for
+batched serving (``NativeOptions.batch``) it holds the two paged batch
+steps instead, ``batch`` and ``batch_last``, over a KV pool of blocks: a
+single stream's contiguous cache cannot share the pool's state layout, and
+a server needs only the batch steps (one sequence is a batch of one).
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from .codegen.jit import emit_object
 from .codegen.lower import PROFILE_HEADER, lower_graphs
 from .codegen.target import Target, host_target
 from .memory import plan_manifest
-from .driver import CompileOptions, build_graphs
+from .driver import BatchOptions, CompileOptions, build_graphs, max_blocks_per_seq
 
 LMC_VERSION = "0.1.0"
 DEFAULT_PREFILL_CHUNK = 128
@@ -55,6 +59,7 @@ class NativeOptions:
     threads: int | None = None      # for the budget's scratch estimate (default: the cores)
     #: told what is happening on a cache miss (a terminal's status line); not part of the cache key
     progress: Callable[[str], None] | None = None
+    batch: BatchOptions | None = None   # paged batch entries (batch, batch_last) instead of decode/prefill
 
 
 @dataclass
@@ -76,7 +81,7 @@ def _scratch_floats(graphs: dict, ctx: int) -> int:
     need = ctx + 64
     for g in graphs.values():
         for n in g.nodes:
-            if n.op == "attention":
+            if n.op in ("attention", "attention_paged"):
                 need = max(need, int(k_attention.scratch_floats(KernelSig.of(n))))
             elif n.attrs.get("act"):
                 need = max(need, int(k_matmul_int.scratch_floats(KernelSig.of(n))))
@@ -110,14 +115,17 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
     planned = plan_native(model, o)
     graphs, plans, memory, sched = planned.graphs, planned.plans, planned.memory, planned.schedule
     ctx, chunk = planned.ctx, planned.chunk
-    key = cache.cache_key({
+    what = {
         "graphs": {n: print_graph(g) for n, g in graphs.items()},
         "chunk": chunk, "vw": o.vector_width, "opt": o.opt_level, "profile": o.profile,
         "memory": plan_manifest(memory, sched) if memory else None,
         "target": _target_info(target), "lmc": LMC_VERSION, "format": FORMAT_VERSION,
         "codegen": codegen_fingerprint(),
         "llvmlite": llvmlite.__version__,   # pins the LLVM version; asking LLVM would load it
-    })
+    }
+    if planned.batch is not None:   # only then: other artifacts keep their keys
+        what["batch"] = dataclasses.asdict(planned.batch)
+    key = cache.cache_key(what)
     if o.use_cache:
         hit = cache.lookup(key)
         if hit is not None and hit.manifest.get("model", {}).get("size") == os.path.getsize(model.path):
@@ -132,7 +140,8 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
         n = len({KernelSig.of(node) for g in graphs.values() for node in g.nodes})
         o.progress(f"compiling for this CPU, once: {n} kernels")
     module, entries, state_offsets, state_bytes = lower_graphs(graphs, plans, target, o.vector_width,
-                                                               profile=o.profile, stream=sched)
+                                                               profile=o.profile, stream=sched,
+                                                               symbols=planned.symbols)
     obj = emit_object(module, target, o.opt_level)
     import llvmlite.binding as llvm
 
@@ -150,7 +159,8 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
         "kv_type": next(iter(graphs.values())).meta.get("kv_type", "f32"),
         "prefill_chunk": chunk,
         "entries": {n: {"index": e.index, "output_offset": e.output_offset,
-                        "output_shape": list(e.output_shape)} for n, e in entries.items()},
+                        "output_shape": list(e.output_shape), "inputs": e.inputs} for n, e in entries.items()},
+        "io_bytes": max(e.io_bytes for e in entries.values()),
         "arena_bytes": max(p.size for p in plans.values()),
         "plans": {n: {"size": p.size, "lower_bound": p.lower_bound, "no_sharing": p.no_sharing,
                       "strategy": p.strategy} for n, p in plans.items()},
@@ -166,6 +176,8 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
                                            for n, e in entries.items()}}
     if memory is not None:
         manifest["memory"] = plan_manifest(memory, sched)
+    if planned.batch is not None:
+        manifest["batch"] = batch_manifest(planned.batch, ctx, planned.symbols["T"], next(iter(graphs.values())))
     regions = packed_regions(w.ref for w in model.weights.values())
     if regions:  # compressed layers: the runtime builds the weight image (runtime/weight_image.py)
         manifest["image"] = {"size": max(r.image_offset + r.size for r in regions),
@@ -178,7 +190,8 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
 @dataclass
 class NativePlan:
     """Everything decided before code generation: graphs, arena plans, the
-    memory plan and stream schedule (with a budget), the KV length."""
+    memory plan and stream schedule (with a budget), the KV length, the
+    rows a step is planned for and the batch options (filled in)."""
 
     graphs: dict
     plans: dict
@@ -186,20 +199,35 @@ class NativePlan:
     schedule: Any
     ctx: int
     chunk: int
+    symbols: dict | None = None
+    batch: BatchOptions | None = None
 
 
 def plan_native(model: LoadedModel, o: NativeOptions) -> NativePlan:
     """The planning half of ``compile_native`` (``lmc plan`` stops here)."""
     ctx = o.ctx or model.config.seq_len
     chunk = max(1, min(o.prefill_chunk, ctx))
+    batch = o.batch.resolved(ctx) if o.batch is not None else None
+    if batch is not None and (o.mem_budget is not None or o.stream):
+        raise ValueError("batched serving (a paged KV pool) does not take a memory budget or streamed weights yet")
     graphs = build_graphs(model, CompileOptions(backend="llvm", ctx=ctx, dump_dir=o.dump_dir, passes=o.passes,
-                                                kv_type=o.kv_type, dump_after=o.dump_after))
-    symbols = {"T": chunk}
+                                                kv_type=o.kv_type, dump_after=o.dump_after, batch=batch))
+    # a batch step takes a decode row per sequence or one sequence's prompt chunk
+    symbols = {"T": max(chunk, batch.max_batch) if batch is not None else chunk}
     plans = {name: plan_arena(g, symbols) for name, g in graphs.items()}
     memory, sched = None, None
     if o.mem_budget is not None or o.stream:
         memory, sched, graphs, plans, ctx = _fit_budget(model, o, graphs, plans, ctx, symbols)
-    return NativePlan(graphs, plans, memory, sched, ctx, chunk)
+    return NativePlan(graphs, plans, memory, sched, ctx, chunk, symbols, batch)
+
+
+def batch_manifest(batch: BatchOptions, ctx: int, rows: int, graph) -> dict[str, Any]:
+    """The pool as the runtime needs it: blocks, rows per step, and the
+    bytes of one block of each state (for ``copy_block``)."""
+    return {"block_size": batch.block_size, "n_blocks": batch.n_blocks, "max_batch": batch.max_batch,
+            "max_blocks_per_seq": max_blocks_per_seq(ctx, batch.block_size), "max_rows": rows,
+            "block_bytes": {name: v.type.nbytes() // int(v.type.shape[0]) * batch.block_size
+                            for name, v in graph.states.items()}}
 
 
 def _fit_budget(model: LoadedModel, o: NativeOptions, graphs: dict, plans: dict, ctx: int,

@@ -216,12 +216,21 @@ class _Builder:
 
 def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "decode",
                 ctx: int | None = None, all_logits: bool = False, name: str = "model",
-                kv_type: str = "f32") -> Graph:
+                kv_type: str = "f32", block_size: int | None = None, n_blocks: int | None = None) -> Graph:
     """The token-step graph. ``decode`` takes one ``token``; ``prefill`` takes
     ``tokens[T]`` (matrix-matrix products), returning the last row's logits or,
     with ``all_logits``, one row per token. The KV cache holds ``ctx`` positions
-    stored as ``kv_type`` (``ir.types.KV_TYPES``)."""
-    if mode not in ("decode", "prefill"):
+    stored as ``kv_type`` (``ir.types.KV_TYPES``).
+
+    ``batch`` runs T rows of any number of sequences at once (continuous
+    batching): ``tokens[T]``, each row's own ``positions[T]`` and its
+    sequence's ``block_tables[T, ceil(ctx / block_size)]`` into a KV pool of
+    ``n_blocks`` blocks of ``block_size`` positions (vLLM's paged attention).
+    Every row's K/V is written before any row attends, so rows of one
+    sequence in one batch see each other causally. ``all_logits`` gives a
+    row per row (a decode batch); without it the last row's (a prompt chunk
+    of one sequence)."""
+    if mode not in ("decode", "prefill", "batch"):
         raise ValueError(f"unknown graph mode {mode!r}")
     check_kv_type(cfg, kv_type, name)
     s = cfg.spec
@@ -229,11 +238,24 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
     g = Graph(f"{name}.{mode}")
     g.meta.update(arch=cfg.arch, mode=mode, ctx=ctx, kv_type=kv_type)
     b = _Builder(g, cfg, weights)
-    if mode == "decode":
-        tok = g.add_input("token", TensorType((), "i32"))
-    else:
+    paged: dict = {}
+    pool = ctx
+    if mode == "batch":
+        if not (isinstance(block_size, int) and block_size > 0 and isinstance(n_blocks, int) and n_blocks > 0):
+            raise ValueError(f"a batch graph needs a positive block_size and n_blocks, got {block_size}, {n_blocks}")
+        max_blocks = -(-ctx // block_size)
+        g.meta.update(block_size=block_size, n_blocks=n_blocks, max_blocks=max_blocks)
         tok = g.add_input("tokens", TensorType(("T",), "i32"))
-    pos = g.add_input("pos", TensorType((), "i32"))
+        pos = g.add_input("positions", TensorType(("T",), "i32"))
+        tables = g.add_input("block_tables", TensorType(("T", max_blocks), "i32"))
+        paged = dict(block_size=block_size)
+        pool = n_blocks * block_size
+    else:
+        if mode == "decode":
+            tok = g.add_input("token", TensorType((), "i32"))
+        else:
+            tok = g.add_input("tokens", TensorType(("T",), "i32"))
+        pos = g.add_input("pos", TensorType((), "i32"))
 
     x = b.op("embedding", b.w("token_embd"), tok)
     if s.embed_scale:
@@ -241,8 +263,8 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
     eps = float(cfg.norm_eps)
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        kc = g.add_state(f"k_cache.{i}", kv_cache_type(kv_type, ctx, cfg.kv_dim))
-        vc = g.add_state(f"v_cache.{i}", kv_cache_type(kv_type, ctx, cfg.kv_dim))
+        kc = g.add_state(f"k_cache.{i}", kv_cache_type(kv_type, pool, cfg.kv_dim))
+        vc = g.add_state(f"v_cache.{i}", kv_cache_type(kv_type, pool, cfg.kv_dim))
         glob = not s.swa_every or (i + 1) % s.swa_every == 0
         theta = cfg.rope_theta if glob else float(cfg.extra.get("rope_local_theta", cfg.rope_theta))
         window = 0 if glob else int(cfg.extra.get("sliding_window", 0))
@@ -261,10 +283,16 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
         factors = [b.w("rope_freqs", p + "rope_freqs")] if "rope_freqs" in weights else []
         q = b.op("rope", q, pos, *factors, **rope)
         k = b.op("rope", k, pos, *factors, **rope)
-        kc = b.op("kv_write", kc, k, pos)
-        vc = b.op("kv_write", vc, v, pos)
-        a = b.op("attention", q, kc, vc, pos, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-                 head_dim=cfg.head_dim, scale=1.0 / math.sqrt(cfg.head_dim), window=window)
+        att = dict(n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                   scale=1.0 / math.sqrt(cfg.head_dim), window=window)
+        if paged:
+            kc = b.op("kv_write_paged", kc, k, pos, tables, **paged)
+            vc = b.op("kv_write_paged", vc, v, pos, tables, **paged)
+            a = b.op("attention_paged", q, kc, vc, pos, tables, **att, **paged)
+        else:
+            kc = b.op("kv_write", kc, k, pos)
+            vc = b.op("kv_write", vc, v, pos)
+            a = b.op("attention", q, kc, vc, pos, **att)
         o = b.linear(a, p + "attn_output")
         if s.post_norms:
             o = b.op("rmsnorm", o, b.w(p + "post_attention_norm"), eps=eps)
@@ -278,7 +306,7 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
             f = b.op("rmsnorm", f, b.w(p + "post_ffw_norm"), eps=eps)
         x = b.op("add", x, f)
 
-    if mode == "prefill" and not all_logits:
+    if mode != "decode" and not all_logits:
         x = b.op("take_last", x)
     x = b.op("rmsnorm", x, b.w("output_norm"), eps=eps)
     logits = b.linear(x, "token_embd" if cfg.tied_output else "output")

@@ -63,8 +63,9 @@ OP_KINDS: dict[str, tuple[str, str]] = {
     "other": ("other op", "#d9d9d9"),
 }
 _OP_KIND = {"matmul": "matmul", "qmatmul": "matmul", "qmatmul_rows": "matmul", "attention": "attention",
-            "softmax": "attention", "rmsnorm": "norm", "rope": "norm", "embedding": "memory",
-            "kv_write": "memory", "take_last": "memory", "dequant": "dequant", "bias_add": "elementwise"}
+            "attention_paged": "attention", "softmax": "attention", "rmsnorm": "norm", "rope": "norm",
+            "embedding": "memory", "kv_write": "memory", "kv_write_paged": "memory", "take_last": "memory",
+            "dequant": "dequant", "bias_add": "elementwise"}
 
 #: weight storage family -> (legend text, fill colour): darker = fewer bits a weight
 WEIGHT_FAMILIES: dict[str, tuple[str, str]] = {
@@ -120,7 +121,7 @@ def op_label(node: Node) -> str:
     if node.attrs.get("act"):
         head += f" act={node.attrs['act']}"
     lines = [head, str(node.output.type)]
-    if node.op == "attention" and node.attrs.get("window"):
+    if node.op in ("attention", "attention_paged") and node.attrs.get("window"):
         lines.append(f"sliding window {node.attrs['window']}")
     elif node.op == "rope" and "theta" in node.attrs:
         a = node.attrs

@@ -152,7 +152,8 @@ def _rope(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     hd = attrs["head_dim"]
     _need(int(x.shape[-1]) % hd == 0 and hd % 2 == 0, f"rope: head_dim {hd} does not fit {x}")
     _need(attrs.get("style") in ("interleaved", "neox"), f"rope: unknown style {attrs.get('style')!r}")
-    _need(pos.dtype == "i32" and pos.rank == 0, "rope: pos must be an i32 scalar")
+    _need(pos.dtype == "i32" and (pos.rank == 0 or (pos.rank == 1 and x.rank == 2 and pos.shape[0] == x.shape[0])),
+          f"rope: pos must be an i32 scalar or one i32 position per row of {x}, got {pos}")
     if len(ts) == 3:
         ff = ts[2]
         _need(ff.rank == 1 and ff.shape[0] == hd // 2 and (ff.layout or "F32") == "F32",
@@ -177,6 +178,37 @@ def _attention(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     _need(kc.layout is None or hd % QK8 == 0, f"attention: a {kc.layout} cache needs head_dim a multiple of {QK8}")
     _need(h % kvh == 0, f"attention: {h} query heads not a multiple of {kvh} kv heads")
     return TensorType(q.shape, "f32")
+
+
+def _paged_operands(ts: list[TensorType], rows: Dim, attrs: dict[str, Any], what: str) -> None:
+    """``positions[T]`` and ``block_tables[T, MAXB]`` (i32) for ``rows`` rows,
+    and a pool (the cache, first of ``ts``) of whole blocks."""
+    pool, positions, tables = ts
+    bs = attrs.get("block_size")
+    _need(isinstance(bs, int) and bs > 0, f"{what}: block_size must be a positive int, got {bs!r}")
+    _need(isinstance(pool.shape[0], int) and pool.shape[0] % bs == 0,
+          f"{what}: a pool of {pool.shape[0]} rows is not whole blocks of {bs}")
+    _need(positions.dtype == "i32" and positions.rank == 1 and positions.shape[0] == rows,
+          f"{what}: positions must be i32[{rows}], got {positions}")
+    _need(tables.dtype == "i32" and tables.rank == 2 and tables.shape[0] == rows and isinstance(tables.shape[1], int),
+          f"{what}: block tables must be i32[{rows}, blocks], got {tables}")
+
+
+def _kv_write_paged(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    cache, x, positions, tables = ts
+    _need(cache.rank == 2 and x.rank == 2 and x.shape[-1] == cache.shape[1],
+          f"kv_write_paged: {x} does not fit pool {cache}")
+    _kv_cache_ok(cache, "kv_write_paged")
+    _paged_operands([cache, positions, tables], x.shape[0], attrs, "kv_write_paged")
+    return cache
+
+
+def _attention_paged(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    q, kc, vc, positions, tables = ts
+    _need(q.rank == 2, f"attention_paged: queries must be [T, heads x head_dim], got {q}")
+    out = _attention([q, kc, vc, TensorType((), "i32")], attrs)
+    _paged_operands([kc, positions, tables], q.shape[0], attrs, "attention_paged")
+    return out
 
 
 def _kv_cache_ok(t: TensorType, what: str) -> None:
@@ -373,7 +405,14 @@ def rope_mix(head_dim: int, theta: float, attrs: dict[str, Any]) -> tuple[np.nda
 def rope_tables(n_pos: int, pos: int, head_dim: int, theta: float, dims: int | None = None,
                 freq_factors: np.ndarray | None = None, attrs: dict[str, Any] | None = None
                 ) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [n_pos, rot/2] for positions pos..pos+n_pos-1, in float32 as run.c:
+    """cos/sin [n_pos, rot/2] for positions pos..pos+n_pos-1 (``rope_tables_at``)."""
+    return rope_tables_at(np.arange(pos, pos + n_pos), head_dim, theta, dims, freq_factors, attrs)
+
+
+def rope_tables_at(positions: np.ndarray, head_dim: int, theta: float, dims: int | None = None,
+                   freq_factors: np.ndarray | None = None, attrs: dict[str, Any] | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [len(positions), rot/2] in float32 as run.c:
     freq_i = 1 / theta^(2i/head_dim), angle = position * freq_i.
 
     Scaling as llama.cpp applies it: the angle divided by the pair's
@@ -383,7 +422,7 @@ def rope_tables(n_pos: int, pos: int, head_dim: int, theta: float, dims: int | N
     in this order, so the native kernel can round exactly alike."""
     rot = dims or head_dim
     freq = rope_base_freqs(head_dim, theta)[: rot // 2]
-    p = np.arange(pos, pos + n_pos, dtype=np.float32)
+    p = np.asarray(positions).astype(np.float32)
     ang = (p[:, None] * freq[None, :]).astype(np.float32)
     attrs = attrs or {}
     if freq_factors is not None:
@@ -408,14 +447,17 @@ def rope_ref(x: np.ndarray, pos: Any, freq_factors: Any = None, *, head_dim: int
              **scaling: Any) -> np.ndarray:
     """Rotary position embedding. ``interleaved`` rotates (x[2i], x[2i+1]) as
     llama2.c and GGUF llama; ``neox`` rotates (x[i], x[i + head_dim/2]).
-    ``freq_factors`` (a weight, Llama 3's ``rope_freqs``) and the scaling
-    attributes (``ROPE_SCALING_DEFAULTS``) are described in ``rope_tables``."""
+    Row t sits at position pos + t, or with ``pos`` a vector (a batch of
+    sequences) at pos[t]. ``freq_factors`` (a weight, Llama 3's
+    ``rope_freqs``) and the scaling attributes (``ROPE_SCALING_DEFAULTS``)
+    are described in ``rope_tables_at``."""
     x = np.asarray(x, np.float32)
     lead = x.shape[:-1]
     t = x.reshape(-1, x.shape[-1])
     n_rows = t.shape[0]
     ff = None if freq_factors is None else f32_of(freq_factors)
-    cos, sin = rope_tables(n_rows, int(pos), head_dim, theta, freq_factors=ff, attrs=scaling)
+    at = np.asarray(pos, np.int64).reshape(n_rows) if np.ndim(pos) == 1 else np.arange(int(pos), int(pos) + n_rows)
+    cos, sin = rope_tables_at(at, head_dim, theta, freq_factors=ff, attrs=scaling)
     heads = t.reshape(n_rows, -1, head_dim)
     if style == "interleaved":
         a, b = heads[..., 0::2], heads[..., 1::2]
@@ -456,27 +498,55 @@ def kv_encode_q8(rows: np.ndarray) -> np.ndarray:
 
 def kv_read(cache: np.ndarray, start: int, end: int) -> np.ndarray:
     """Rows start..end of a cache as float32 (f16 widened, q8 dequantized: d * q)."""
-    part = cache[start:end]
-    if cache.dtype == np.uint8:
+    return kv_decode(cache[start:end])
+
+
+def kv_decode(part: np.ndarray) -> np.ndarray:
+    """Stored cache rows (any selection of them) as float32."""
+    if part.dtype == np.uint8:
         blk = part.reshape(-1, KV_Q8_BLOCK)
         d = np.ascontiguousarray(blk[:, :2]).view("<f2").astype(np.float32)
         q = np.ascontiguousarray(blk[:, 2:]).view(np.int8).astype(np.float32)
-        return (q * d).reshape(end - start, -1)
+        return (q * d).reshape(part.shape[0], -1)
     return part if part.dtype == np.float32 else part.astype(np.float32)
+
+
+def _kv_store(cache: np.ndarray, where: Any, x: np.ndarray) -> np.ndarray:
+    """cache[where] = x's rows, rounded to the cache's storage: f16
+    round-to-nearest-even (overflow to inf), q8 per block of 32
+    (``kv_encode_q8``)."""
+    rows = np.asarray(x, np.float32).reshape(-1, kv_row_width(cache))
+    with np.errstate(over="ignore"):  # f16 (or a q8 block's f16 scale) overflows to inf, as stored natively
+        cache[where] = kv_encode_q8(rows) if cache.dtype == np.uint8 else rows
+    return cache
 
 
 @register("kv_write", 3, _kv_write, updates_state=True)
 def kv_write_ref(cache: np.ndarray, x: np.ndarray, pos: Any) -> np.ndarray:
     """Store the new rows at positions pos.. (in place: the cache is state),
-    rounded to the cache's storage: f16 round-to-nearest-even (overflow to
-    inf), q8 per block of 32 (``kv_encode_q8``)."""
-    rows = np.asarray(x, np.float32).reshape(-1, kv_row_width(cache))
+    rounded to the cache's storage (``_kv_store``)."""
+    n = int(np.size(x)) // kv_row_width(cache)
     p = int(pos)
-    if p < 0 or p + rows.shape[0] > cache.shape[0]:
-        raise IndexError(f"kv_write at {p}..{p + rows.shape[0]} outside a cache of {cache.shape[0]}")
-    with np.errstate(over="ignore"):  # f16 (or a q8 block's f16 scale) overflows to inf, as stored natively
-        cache[p: p + rows.shape[0]] = kv_encode_q8(rows) if cache.dtype == np.uint8 else rows
-    return cache
+    if p < 0 or p + n > cache.shape[0]:
+        raise IndexError(f"kv_write at {p}..{p + n} outside a cache of {cache.shape[0]}")
+    return _kv_store(cache, slice(p, p + n), x)
+
+
+def _attend(qrow: np.ndarray, k: np.ndarray, v: np.ndarray, group: int, scale: float) -> np.ndarray:
+    """One query row's heads [H, hd] against its visible K/V rows [n, KVH, hd]."""
+    out = np.empty_like(qrow)
+    for h in range(qrow.shape[0]):
+        kv = h // group
+        sc = (k[:, kv, :] @ qrow[h]) * np.float32(scale)
+        sc = np.exp(sc - sc.max())
+        sc /= sc.sum(dtype=np.float32)
+        out[h] = sc @ v[:, kv, :]
+    return out
+
+
+def _visible(end: int, window: int) -> int:
+    """First position a query at position end-1 sees."""
+    return max(0, end - window) if window else 0
 
 
 @register("attention", 4, _attention)
@@ -488,20 +558,64 @@ def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: Any, *, n_
     lead = q.shape[:-1]
     qs = q.reshape(-1, n_heads, head_dim)
     p0 = int(pos)
-    group = n_heads // n_kv_heads
     out = np.empty_like(qs)
     for t in range(qs.shape[0]):
         end = p0 + t + 1
-        start = max(0, end - window) if window else 0
+        start = _visible(end, window)
         k = kv_read(kc, start, end).reshape(end - start, n_kv_heads, head_dim)
         v = kv_read(vc, start, end).reshape(end - start, n_kv_heads, head_dim)
-        for h in range(n_heads):
-            kv = h // group
-            sc = (k[:, kv, :] @ qs[t, h]) * np.float32(scale)
-            sc = np.exp(sc - sc.max())
-            sc /= sc.sum(dtype=np.float32)
-            out[t, h] = sc @ v[:, kv, :]
+        out[t] = _attend(qs[t], k, v, n_heads // n_kv_heads, scale)
     return out.reshape(lead + (n_heads * head_dim,))
+
+
+# --- the paged KV cache (a pool of blocks shared by a batch of sequences) ---------------
+def paged_rows(positions: Any, tables: Any, block_size: int, pool_rows: int) -> list[np.ndarray]:
+    """Per batch row r: the pool rows of its sequence's positions 0..positions[r]
+    (pool row of position p = tables[r, p // block_size] * block_size +
+    p % block_size). Raises IndexError for a negative position, a position
+    past the table, or a table entry it uses outside the pool."""
+    pos = np.asarray(positions, np.int64).reshape(-1)
+    tab = np.asarray(tables, np.int64)
+    n_blocks = pool_rows // block_size
+    out = []
+    for r, p in enumerate(pos):
+        if p < 0 or p // block_size >= tab.shape[1]:
+            raise IndexError(f"row {r}: position {p} outside the block table ({tab.shape[1]} blocks of "
+                             f"{block_size})")
+        used = tab[r, : p // block_size + 1]
+        if used.min() < 0 or used.max() >= n_blocks:
+            raise IndexError(f"row {r}: block table entry outside the pool of {n_blocks} blocks")
+        ps = np.arange(p + 1)
+        out.append(used[ps // block_size] * block_size + ps % block_size)
+    return out
+
+
+@register("kv_write_paged", 4, _kv_write_paged, updates_state=True)
+def kv_write_paged_ref(cache: np.ndarray, x: np.ndarray, positions: Any, tables: Any, *,
+                       block_size: int) -> np.ndarray:
+    """Row r of x goes to its sequence's position positions[r], at the pool
+    row its block table gives (in place), rounded as ``kv_write``."""
+    rows = [r[-1] for r in paged_rows(positions, tables, block_size, cache.shape[0])]
+    return _kv_store(cache, np.asarray(rows, np.int64), x)
+
+
+@register("attention_paged", 5, _attention_paged)
+def attention_paged_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, positions: Any, tables: Any, *,
+                        n_heads: int, n_kv_heads: int, head_dim: int, scale: float, window: int = 0,
+                        block_size: int) -> np.ndarray:
+    """``attention`` for a batch of sequences in a pool: row t sits at its
+    own sequence's position positions[t] and sees that sequence's positions
+    max(0, positions[t] - window + 1)..positions[t] (from 0 without a
+    window), read through its block table."""
+    q = np.asarray(q, np.float32)
+    qs = q.reshape(-1, n_heads, head_dim)
+    out = np.empty_like(qs)
+    for t, rows in enumerate(paged_rows(positions, tables, block_size, kc.shape[0])):
+        rows = rows[_visible(len(rows), window):]
+        k = kv_decode(kc[rows]).reshape(len(rows), n_kv_heads, head_dim)
+        v = kv_decode(vc[rows]).reshape(len(rows), n_kv_heads, head_dim)
+        out[t] = _attend(qs[t], k, v, n_heads // n_kv_heads, scale)
+    return out.reshape(q.shape)
 
 
 @register("add", 2, _binary, elementwise=True)

@@ -1,4 +1,6 @@
 """The runtime: load a model, run its compiled steps, sample, stream text."""
+from compiler.driver import BatchOptions
+
 from .model import Model, RunError, load, load_tokenizer
 
-__all__ = ["Model", "RunError", "load", "load_tokenizer"]
+__all__ = ["BatchOptions", "Model", "RunError", "load", "load_tokenizer"]

@@ -1,7 +1,9 @@
 """Executors run a model's token-step graphs against one KV cache.
 
 The interpreter executor is the reference; native executors share this
-interface so the generation loop does not care which one runs.
+interface so the generation loop does not care which one runs. Graphs
+built for batched serving (``batch``/``batch_last``, a paged KV pool) run
+through ``batch`` instead of ``decode``/``prefill`` (``runtime.paged``).
 """
 from __future__ import annotations
 
@@ -11,27 +13,53 @@ from frontends.qsf_codecs import read_region
 from ir.graph import Graph
 from ir.interp import WeightStore, new_state, run
 
+from .paged import PagedBatch, PoolShape, single_stream_only
 
-class InterpExecutor:
-    """Runs graphs with ``ir.interp`` (numpy references, one op at a time)."""
+
+class InterpExecutor(PagedBatch):
+    """Runs graphs with ``ir.interp`` (numpy references, one op at a time).
+    ``max_rows``: rows a batch step may take (as a native plan's T), None
+    for any number."""
 
     name = "interp"
 
-    def __init__(self, graphs: dict[str, Graph]) -> None:
+    def __init__(self, graphs: dict[str, Graph], max_rows: int | None = None) -> None:
         self.graphs = graphs
         self.weights = WeightStore(unpack=read_region)
-        self.state = new_state(graphs["decode"])
+        first = next(iter(graphs.values()))
+        self.state = new_state(first)
+        self.ctx = int(first.meta.get("ctx", 0))
+        if "batch" in graphs:
+            m = first.meta
+            vocab = int(graphs["batch"].outputs[0].type.shape[-1])
+            self.pool = PoolShape(int(m["block_size"]), int(m["n_blocks"]), int(m["max_blocks"]), self.ctx, vocab,
+                                  max_rows)
 
     def reset(self) -> None:
         for buf in self.state.values():
             buf.fill(0)
 
     def prefill(self, ids: list[int], pos: int, all_logits: bool = False) -> np.ndarray:
+        if "prefill" not in self.graphs:
+            raise single_stream_only("prefill")
         g = self.graphs["prefill_all" if all_logits else "prefill"]
         out = run(g, {"tokens": np.asarray(ids, np.int32), "pos": np.int32(pos)}, self.state, self.weights)
         return out["logits"]
 
     def decode(self, token: int, pos: int) -> np.ndarray:
+        if "decode" not in self.graphs:
+            raise single_stream_only("decode")
         out = run(self.graphs["decode"], {"token": np.int32(token), "pos": np.int32(pos)}, self.state,
                   self.weights)
         return out["logits"]
+
+    def _batch_step(self, tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray,
+                    last_only: bool) -> np.ndarray:
+        g = self.graphs["batch_last" if last_only else "batch"]
+        out = run(g, {"tokens": tokens, "positions": positions, "block_tables": tables}, self.state, self.weights)
+        return out["logits"]
+
+    def _copy_block_rows(self, src: int, dst: int) -> None:
+        bs = self.pool.block_size
+        for buf in self.state.values():
+            buf[dst * bs: (dst + 1) * bs] = buf[src * bs: (src + 1) * bs]

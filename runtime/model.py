@@ -10,7 +10,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from compiler.artifact import Artifact, is_artifact
-from compiler.driver import CompileOptions, LoadedModel, build_graphs, load_model
+from compiler.driver import BatchOptions, CompileOptions, LoadedModel, build_graphs, load_model
 from ir.types import KV_TYPES
 
 from .executor import InterpExecutor
@@ -71,13 +71,17 @@ class Model:
                  threads: int | None = None, artifact: Artifact | None = None,
                  use_cache: bool = True, passes: tuple[str, ...] | None = None,
                  mem_budget: int | None = None, stream: str | None = None, kv_type: str | None = None,
-                 stream_io: str = "pread", status: Callable[[str], None] | None = None) -> None:
+                 stream_io: str = "pread", status: Callable[[str], None] | None = None,
+                 batch: BatchOptions | None = None) -> None:
         """``passes``: the compiler's pass list; None for the backend's default
         (``compiler.pipeline.default_pipeline``). ``mem_budget``: bytes of
         peak resident memory for the whole process (llvm backend): weights
         may stream from disk and the KV cache shrink to fit. ``kv_type``: KV
         cache storage, f32 (the default), f16 or q8; None lets a budget choose.
-        ``status(text)`` is told of slow steps (a terminal's status line)."""
+        ``status(text)`` is told of slow steps (a terminal's status line).
+        ``batch``: build for batched serving instead (a paged KV pool,
+        ``executor.batch``/``copy_block``; see ``runtime.paged``): the
+        single-stream methods (generate, logits ...) are then unavailable."""
         cfg = loaded.config
         if ctx is not None and not 0 < ctx <= cfg.seq_len:
             raise RunError(f"--ctx {ctx}: must be between 1 and the model's context {cfg.seq_len}")
@@ -85,15 +89,26 @@ class Model:
             raise RunError(f"--threads {threads}: must be between 1 and 256")
         if kv_type is not None and kv_type not in KV_TYPES:
             raise RunError(f"--kv-type {kv_type}: unknown KV cache type (one of {', '.join(KV_TYPES)})")
+        if batch is not None and (mem_budget is not None or stream):
+            raise RunError("batched serving does not take a memory budget or streamed weights yet")
         self.loaded = loaded
         self.config = cfg
         self.tokenizer = loaded.tokenizer
         self.ctx = ctx or min(cfg.seq_len, DEFAULT_CTX)
         self.compile_info: dict = {}
+        if batch is not None:
+            try:
+                batch = batch.resolved(self.ctx)
+            except ValueError as e:
+                raise RunError(str(e)) from None
         if backend == "interp":
+            from compiler.native import DEFAULT_PREFILL_CHUNK
+
             self.executor = InterpExecutor(build_graphs(loaded, CompileOptions(backend=backend, ctx=self.ctx,
                                                                                 passes=passes,
-                                                                                kv_type=kv_type or "f32")))
+                                                                                kv_type=kv_type or "f32",
+                                                                                batch=batch)),
+                                           max_rows=max(DEFAULT_PREFILL_CHUNK, batch.max_batch) if batch else None)
             self.kv_type = kv_type or "f32"
             self.kv_bytes = sum(int(a.nbytes) for a in self.executor.state.values())
         elif backend == "llvm":
@@ -102,7 +117,7 @@ class Model:
 
             if artifact is None:
                 opts = NativeOptions(ctx=self.ctx, use_cache=use_cache, passes=passes, kv_type=kv_type or "f32",
-                                     progress=status)
+                                     progress=status, batch=batch)
                 if mem_budget is not None or stream:
                     opts.mem_budget, opts.auto_ctx, opts.threads = mem_budget, ctx is None, threads
                     opts.auto_kv, opts.stream, opts.stream_io = True, stream, stream_io
@@ -115,12 +130,17 @@ class Model:
                 if status is not None and not res.cached:
                     status(f"compiled for this CPU in {res.seconds:.1f} s (cached for next time)")
             self.ctx = int(artifact.manifest["ctx"])
+            if artifact.manifest.get("batch"):
+                b = artifact.manifest["batch"]
+                batch = BatchOptions(int(b["block_size"]), int(b["n_blocks"]), int(b["max_batch"]))
             self.kv_type = artifact.manifest.get("kv_type", "f32")
             self.kv_bytes = int(artifact.manifest["state_bytes"])
             self.executor = NativeExecutor(artifact, loaded.path, threads)
         else:
             raise RunError(f"--backend {backend}: unknown backend (available: llvm, interp)")
         self.backend = backend
+        #: the KV pool's options when built for batched serving, else None
+        self.batch = batch
         self.last_stats = GenerationStats()
         self.last_completion: Completion | None = None
         self._kv: list[int] = []   # the ids whose K/V rows the cache holds, from position 0
@@ -138,6 +158,9 @@ class Model:
 
     # --- numbers -------------------------------------------------------------
     def _check_ids(self, ids: Sequence[int]) -> list[int]:
+        if self.batch is not None:
+            raise RunError("this model was built for batched serving (batch=...): run it through "
+                           "model.executor.batch(), not generate/logits/complete/chat")
         ids = [int(i) for i in ids]
         bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
         if bad:
@@ -389,11 +412,14 @@ def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, ba
          passes: tuple[str, ...] | None = None, mem_budget: int | None = None,
          stream: str | None = None,
          kv_type: str | None = None, stream_io: str = "pread",
-         status: Callable[[str], None] | None = None) -> Model:
+         status: Callable[[str], None] | None = None, batch: BatchOptions | None = None) -> Model:
     """Load a model file (llama2.c .bin, GGUF, QSF) or a compiled artifact
     (``lmc compile``) and make it ready to run; native code comes from the
     compile cache when it can. ``status(text)`` hears about the slow steps
-    of a cold start (``runtime.status.StatusLine`` draws them on a terminal)."""
+    of a cold start (``runtime.status.StatusLine`` draws them on a terminal).
+    ``batch`` (``BatchOptions(block_size, n_blocks, max_batch)``) builds it
+    for batched serving: a paged KV pool driven through
+    ``model.executor.batch(tokens, positions, tables)``."""
     if status is not None:
         status(_loading_text(os.fspath(path)))
     if is_artifact(path):
@@ -409,10 +435,12 @@ def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, ba
         if kv_type is not None and kv_type != man.get("kv_type", "f32"):
             raise RunError(f"{path}: compiled with --kv-type {man.get('kv_type', 'f32')}, not {kv_type} "
                            f"(recompile it with --kv-type {kv_type})")
+        if batch is not None and not man.get("batch"):
+            raise RunError(f"{path}: not compiled for batched serving")
         return Model(loaded, "llvm", ctx=man["ctx"], threads=threads, artifact=art)
     return Model(load_model(path, tokenizer), backend=backend, ctx=ctx, threads=threads, use_cache=use_cache,
                  passes=passes, mem_budget=mem_budget, stream=stream, kv_type=kv_type, stream_io=stream_io,
-                 status=status)
+                 status=status, batch=batch)
 
 
 def _loading_text(path: str) -> str:

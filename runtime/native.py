@@ -21,6 +21,8 @@ from compiler.codegen.jit import LoadedCode
 from compiler.codegen.lower import PROFILE_HEADER, Ctl
 from compiler.codegen.lower_stream import IO_ERR_DECOMPRESS, StreamSlots as S
 
+from .paged import PagedBatch, PoolShape, single_stream_only
+
 _RUN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _WORKER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
 _STOP = _RUN
@@ -62,8 +64,9 @@ def _shutdown(stop, ctl: np.ndarray, threads: list[threading.Thread], keep: tupl
         os.close(fd)
 
 
-class NativeExecutor:
-    """Same interface as ``InterpExecutor``: prefill, decode, reset."""
+class NativeExecutor(PagedBatch):
+    """Same interface as ``InterpExecutor``: prefill, decode, reset; or, for
+    an artifact built for batched serving, batch and copy_block."""
 
     name = "llvm"
 
@@ -93,7 +96,9 @@ class NativeExecutor:
         self.state = _aligned(max(64, int(m["state_bytes"])))
         stride = int(m["scratch_floats"]) * 4
         self.scratch = _aligned(stride * self.threads)
-        self.io = np.zeros(self.chunk, np.int32)
+        # graph inputs at the offsets the manifest gives (the token ids at 0)
+        self.io = _aligned(max(64, int(m.get("io_bytes", 0)), 4 * self.chunk))
+        self._tokens = self.io[: 4 * self.chunk].view(np.int32)
         self.ctl = _aligned(Ctl.SLOTS * 8).view(np.int64)
         c = self.ctl
         c[Ctl.NTHREADS] = self.threads
@@ -111,6 +116,10 @@ class NativeExecutor:
         self.entries = m["entries"]
         self.vocab = int(m["config"]["vocab_size"])
         self.ctx = int(m["ctx"])
+        if m.get("batch"):
+            bm = m["batch"]
+            self.pool = PoolShape(int(bm["block_size"]), int(bm["n_blocks"]), int(bm["max_blocks_per_seq"]),
+                                  self.ctx, self.vocab, int(bm["max_rows"]))
         self._threads: list[threading.Thread] = []
         for tid in range(1, self.threads):
             t = threading.Thread(target=self._worker, args=(self._ctl_ptr, tid), daemon=True,
@@ -223,19 +232,39 @@ class NativeExecutor:
             raise IndexError(f"token id outside the vocabulary (0..{self.vocab - 1})")
 
     def decode(self, token: int, pos: int) -> np.ndarray:
+        if "decode" not in self.entries:
+            raise single_stream_only("decode")
         if not (0 <= token < self.vocab and 0 <= pos < self.ctx):
             self._check([token], pos)
-        self.io[0] = token
+        self._tokens[0] = token
         return self._step("decode", pos, 1)
 
     def prefill(self, ids: list[int], pos: int, all_logits: bool = False) -> np.ndarray:
+        if "prefill" not in self.entries:
+            raise single_stream_only("prefill")
         self._check(ids, pos)
         rows = []
         out = None
         for start in range(0, len(ids), self.chunk):
             part = ids[start: start + self.chunk]
-            self.io[: len(part)] = part
+            self._tokens[: len(part)] = part
             out = self._step("prefill_all" if all_logits else "prefill", pos + start, len(part))
             if all_logits:
                 rows.append(out.copy())
         return np.concatenate(rows) if all_logits else out
+
+    # --- batched serving (runtime.paged checked the inputs) ---------------------------
+    def _batch_step(self, tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray,
+                    last_only: bool) -> np.ndarray:
+        name = "batch_last" if last_only else "batch"
+        at = self.entries[name]["inputs"]
+        for key, a in (("tokens", tokens), ("positions", positions), ("block_tables", tables)):
+            raw = np.ascontiguousarray(a, np.int32).view(np.uint8).reshape(-1)
+            self.io[at[key]: at[key] + raw.size] = raw
+        return self._step(name, 0, len(tokens))
+
+    def _copy_block_rows(self, src: int, dst: int) -> None:
+        offsets = self.manifest["state_offsets"]
+        for name, n in self.manifest["batch"]["block_bytes"].items():
+            base = int(offsets[name])
+            self.state[base + dst * n: base + (dst + 1) * n] = self.state[base + src * n: base + (src + 1) * n]

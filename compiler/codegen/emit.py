@@ -27,7 +27,7 @@ I64 = ir.IntType(64)
 I8P = ir.PointerType(I8)
 F32P = ir.PointerType(F32)
 VOID = ir.VoidType()
-N_INPUTS = 4
+N_INPUTS = 5  # attention_paged: q, K pool, V pool, positions, block tables
 KERNEL_TYPE = ir.FunctionType(VOID, [I8P] * (1 + N_INPUTS) + [I64] * 4 + [I8P])
 FAST = ("reassoc", "nsz", "arcp", "contract", "afn")  # not nnan/ninf: -inf masks and overflow to inf must work
 
@@ -194,7 +194,7 @@ class KernelBuilder:
         return lo, hi
 
     @contextlib.contextmanager
-    def loop(self, start: ir.Value | int, stop: ir.Value | int, step: int = 1,
+    def loop(self, start: ir.Value | int, stop: ir.Value | int, step: int | ir.Value = 1,
              name: str = "i") -> Iterator[ir.Value]:
         """``for (i = start; i < stop; i += step)``; the body is what the
         with-block emits."""
@@ -202,9 +202,10 @@ class KernelBuilder:
             yield i
 
     @contextlib.contextmanager
-    def loop_carry(self, start, stop, inits: list[ir.Value], step: int = 1, name: str = "i"):
+    def loop_carry(self, start, stop, inits: list[ir.Value], step: int | ir.Value = 1, name: str = "i"):
         """A loop with values carried between iterations (accumulators). The
-        body receives (i, carried) and must call ``set(new_values)``."""
+        body receives (i, carried) and must call ``set(new_values)``. A
+        positive ``step`` may be a run-time value (a strided thread share)."""
         b = self.b
         start = i64(start) if isinstance(start, int) else start
         stop = i64(stop) if isinstance(stop, int) else stop
@@ -225,7 +226,7 @@ class KernelBuilder:
         b.position_at_end(body)
         box: dict[str, list[ir.Value]] = {}
         yield i, phis, (lambda vals: box.__setitem__("v", list(vals)))
-        nxt = b.add(i, i64(step))
+        nxt = b.add(i, step if isinstance(step, ir.Value) else i64(step))
         end = b.block
         i.add_incoming(nxt, end)
         for p, v in zip(phis, box.get("v", phis)):

@@ -97,7 +97,8 @@ def scratch_floats_for(sig: KernelSig) -> int:
 
 
 #: control-block slots of the lab step, after the runtime's own (``Ctl``)
-_LAB_OUT, _LAB_IN, _LAB_REPS, _LAB_ROT_STRIDE, _LAB_ROT_COPIES, _LAB_ROT_START = 32, 33, 37, 38, 39, 40
+_LAB_OUT, _LAB_IN = 32, 33
+_LAB_REPS, _LAB_ROT_STRIDE, _LAB_ROT_COPIES, _LAB_ROT_START = (_LAB_IN + N_INPUTS + i for i in range(4))
 _LAB_SLOTS = 48
 #: runners whose workers did not stop in time: kept alive for the process
 _LEAKED: list = []

@@ -1,9 +1,17 @@
-"""Causal grouped-query attention against the KV cache (``attention_ref``).
+"""Causal grouped-query attention against the KV cache (``attention_ref``,
+``attention_paged_ref``).
 
 Work units are (row t, query head h) pairs, t-major, split between threads.
 Row t sits at position pos+t and sees cache positions [start, pos+t] with
 start = max(0, pos+t+1-window) when a window is set, else 0; query head h
 reads kv head h // (n_heads / n_kv_heads).
+
+``attention_paged`` is the same kernel with two things swapped (``_Rows``):
+row t's position is positions[t], and position p of its sequence is read
+from the pool row its block table gives (``paging.PagedRows``) instead of
+cache row p. Its rows may be of different sequences and lengths, so threads
+take units strided (tid, tid + nthreads, ...) rather than one contiguous
+share: long and short rows spread over all threads.
 
 Per unit, two passes over the visible positions:
 
@@ -30,8 +38,11 @@ from __future__ import annotations
 
 import llvmlite.ir as ir
 
+from typing import Callable
+
 from .emit import F32, KernelBuilder, exp_poly, fconst, fmuladd, hsum_many, i64, pow2_divisor
 from .kernels import KernelSig, kernel
+from .paging import PagedRows
 
 #: positions per block in the score / weighted-sum passes (the kernel
 #: attribute ``unroll`` replaces it: ``lmc kernel`` tries other blocks)
@@ -54,14 +65,69 @@ def cache_kind(t) -> str:
 
 def scratch_floats(sig: KernelSig) -> int:
     """Per-thread scratch (float32 elements): attention keeps one score per
-    visible position, at most the cache length; the other ops here need none."""
+    visible position, at most the cache length (paged: a block table's
+    worth of positions); the other ops here need none."""
     if sig.op == "attention":
         return int(sig.in_types[1].shape[0])
+    if sig.op == "attention_paged":
+        return int(sig.in_types[4].shape[1]) * int(sig.attr["block_size"])
     return 0
+
+
+class _Rows:
+    """Where query row t sits and where its visible cache rows are: row t at
+    position pos + t, cache position p at cache row p."""
+
+    strided = False   # threads take one contiguous share of the units
+
+    def __init__(self, kb: KernelBuilder) -> None:
+        self.kb = kb
+
+    def end(self, t: ir.Value) -> ir.Value:
+        """One past row t's position."""
+        return self.kb.b.add(self.kb.b.add(self.kb.pos, t), i64(1))
+
+    def rows(self, cache: ir.Value, t: ir.Value, start: ir.Value, head: ir.Value,
+             row_step: int) -> Callable[[ir.Value], ir.Value]:
+        """j -> pointer to row t's visible position start + j in ``cache``,
+        at element (or byte) offset ``head`` within the row."""
+        b = self.kb.b
+        base = self.kb.gep(cache, b.add(b.mul(start, i64(row_step)), head))
+        return lambda j: self.kb.gep(base, b.mul(j, i64(row_step)))
+
+
+class _PagedRows(_Rows):
+    """Row t at positions[t]; its sequence's positions in a block pool."""
+
+    strided = True
+
+    def __init__(self, kb: KernelBuilder, sig: KernelSig) -> None:
+        super().__init__(kb)
+        self.paged = PagedRows(kb, kb.in_raw[3], kb.in_raw[4], int(sig.attr["block_size"]),
+                               int(sig.in_types[4].shape[1]))
+
+    def end(self, t: ir.Value) -> ir.Value:
+        return self.kb.b.add(self.paged.position(t), i64(1))
+
+    def rows(self, cache: ir.Value, t: ir.Value, start: ir.Value, head: ir.Value,
+             row_step: int) -> Callable[[ir.Value], ir.Value]:
+        b = self.kb.b
+        base = self.kb.gep(cache, head)
+        table = self.paged.table(t)
+        return lambda j: self.kb.gep(base, b.mul(self.paged.pool_row(table, b.add(start, j)), i64(row_step)))
 
 
 @kernel("attention")
 def emit_attention(kb: KernelBuilder, sig: KernelSig) -> None:
+    _emit_attention(kb, sig, _Rows(kb))
+
+
+@kernel("attention_paged")
+def emit_attention_paged(kb: KernelBuilder, sig: KernelSig) -> None:
+    _emit_attention(kb, sig, _PagedRows(kb, sig))
+
+
+def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
     b = kb.b
     a = sig.attr
     H, KVH, hd = int(a["n_heads"]), int(a["n_kv_heads"]), int(a["head_dim"])
@@ -90,7 +156,10 @@ def emit_attention(kb: KernelBuilder, sig: KernelSig) -> None:
     kb.tuning["unroll"] = B
 
     units = b.mul(kb.rows_of(qt.shape), i64(H))
-    lo, hi = kb.thread_share(units)
+    if addr.strided:
+        lo, hi, step = kb.tid, units, kb.nthreads
+    else:
+        (lo, hi), step = kb.thread_share(units), 1
     q = kb.in_f32(0)
     if kind == "f32":
         kc = kb.in_f32(1)
@@ -105,17 +174,17 @@ def emit_attention(kb: KernelBuilder, sig: KernelSig) -> None:
     scale_s = fconst(scale)
     scale_v = fconst(scale, B)
 
-    with kb.loop(lo, hi, name="unit") as u:
+    with kb.loop(lo, hi, step=step, name="unit") as u:
         t = b.udiv(u, i64(H))
         h = b.urem(u, i64(H))
         kvh = b.udiv(h, i64(group))
-        end = b.add(b.add(kb.pos, t), i64(1))
+        end = addr.end(t)
         start = kb.imax(b.sub(end, i64(window)), i64(0)) if window else i64(0)
         n = b.sub(end, start)
         nb = b.and_(n, i64(-B))  # positions covered by whole blocks
-        first = b.add(b.mul(start, i64(row_step)), b.mul(kvh, i64(head_step)))
-        kbase = kb.gep(kc, first)  # position start+j at kbase + j*row_step
-        vbase = kb.gep(vc, first)
+        head = b.mul(kvh, i64(head_step))
+        krow = addr.rows(kc, t, start, head, row_step)  # position start+j at krow(j)
+        vrow = addr.rows(vc, t, start, head, row_step)
         qp = kb.gep(q, b.mul(u, i64(hd)))
         op = kb.gep(out, b.mul(u, i64(hd)))
         qv = [kb.vload(qp, c * wd, wd) for c in range(nvec)]
@@ -136,7 +205,7 @@ def emit_attention(kb: KernelBuilder, sig: KernelSig) -> None:
 
         def dot(j: ir.Value) -> ir.Value:
             """<wd x float> partial products of k_j . q (lanes still to sum)."""
-            kp = kb.gep(kbase, b.mul(j, i64(row_step)))
+            kp = krow(j)
             if kind == "q8":
                 acc = None
                 for blk, d, qs in q8_blocks(kp):
@@ -170,7 +239,7 @@ def emit_attention(kb: KernelBuilder, sig: KernelSig) -> None:
         zero_acc = [fconst(0.0, wd)] * nvec
 
         def accumulate(accs: list[ir.Value], pj: ir.Value, j: ir.Value) -> list[ir.Value]:
-            vp = kb.gep(vbase, b.mul(j, i64(row_step)))
+            vp = vrow(j)
             if kind == "q8":
                 accs = list(accs)
                 for blk, d, qs in q8_blocks(vp):

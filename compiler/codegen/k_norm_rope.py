@@ -1,7 +1,9 @@
-"""Row-wise kernels: rmsnorm, rope, take_last, kv_write.
+"""Row-wise kernels: rmsnorm, rope, take_last, kv_write, kv_write_paged.
 
 rmsnorm and rope split "units" (rows, or rows x chunks/heads) between threads;
-take_last and kv_write are copies split by elements. Constant lengths are
+take_last and kv_write are copies split by elements (kv_write_paged: by
+vectors or blocks, each row to its own pool row, ``paging.PagedRows``).
+rope takes a scalar position (row t at pos + t) or one per row (a batch). Constant lengths are
 covered with explicit vectors whose width divides the length (see
 ``pow2_divisor``), so there is no scalar tail to get wrong. rmsnorm's number
 of sum-of-squares accumulators comes from the row length unless the kernel
@@ -19,6 +21,7 @@ from ir.ops import rope_base_freqs, rope_mix
 
 from .emit import F32, KernelBuilder, const_f32_array, f32c, fconst, hsum_many, i64, memcpy, pow2_divisor
 from .kernels import KernelSig, kernel
+from .paging import PagedRows, RowPositions
 
 
 def scratch_floats(sig: KernelSig) -> int:
@@ -141,6 +144,8 @@ def emit_rope(kb: KernelBuilder, sig: KernelSig) -> None:
     lo, hi = kb.thread_share(units)
     x = kb.in_f32(0)
     out = kb.out_f32()
+    # row r's position: pos + r, or positions[r] for a batch of sequences
+    row_pos = RowPositions(kb, kb.in_raw[1]) if sig.in_types[1].rank == 1 else (lambda r: b.add(kb.pos, r))
     tab = kb.fptr(kb.scratch)  # cos at [0, half), sin at [half, hd)
     cos_f = kb.module.declare_intrinsic("llvm.cos", [F32])
     sin_f = kb.module.declare_intrinsic("llvm.sin", [F32])
@@ -152,7 +157,7 @@ def emit_rope(kb: KernelBuilder, sig: KernelSig) -> None:
         r1 = b.sdiv(b.add(hi, i64(nh - 1)), i64(nh))
         with kb.loop(r0, r1, name="row") as r:
             # this row's position and its cos/sin table (once per row, not per head)
-            p = b.sitofp(b.add(kb.pos, r), F32)
+            p = b.sitofp(row_pos(r), F32)
             with kb.loop(0, half, name="f") as i:
                 ang = b.fmul(p, kb.load(ftab, i))  # float32 product, as the reference
                 if ffp is not None:
@@ -218,23 +223,54 @@ def emit_take_last(kb: KernelBuilder, sig: KernelSig) -> None:
 
 
 # --- kv_write -------------------------------------------------------------------------
-@kernel("kv_write")
-def emit_kv_write(kb: KernelBuilder, sig: KernelSig) -> None:
-    """cache[pos + r] = x[r]. ``out`` and ``in0`` are both the cache; x is in1,
-    pos comes in the kernel's pos argument. NO bounds check: the runtime
-    guarantees 0 <= pos and pos + rows <= cache length (as kv_write_ref
-    would raise). f16 and q8 caches convert on store (``_kv_write_f16``,
-    ``_kv_write_q8``); an f32 cache is a copy."""
+#: where x's unit u (of ``per`` units to a row) goes, in the same units of the cache
+UnitIndex = Callable[[ir.Value], ir.Value]
+
+
+def _contiguous(kb: KernelBuilder, per: int) -> UnitIndex:
+    """kv_write: x's rows go to cache rows pos, pos + 1, ..."""
+    return lambda u: kb.b.add(kb.b.mul(kb.pos, i64(per)), u)
+
+
+def _paged(kb: KernelBuilder, sig: KernelSig, per: int) -> UnitIndex:
+    """kv_write_paged: x's row r goes to the pool row of positions[r]."""
+    rows = PagedRows(kb, kb.in_raw[2], kb.in_raw[3], int(sig.attr["block_size"]), int(sig.in_types[3].shape[1]))
     b = kb.b
+    return lambda u: b.add(b.mul(rows.own_row(b.udiv(u, i64(per))), i64(per)), b.urem(u, i64(per)))
+
+
+@kernel("kv_write", "kv_write_paged")
+def emit_kv_write(kb: KernelBuilder, sig: KernelSig) -> None:
+    """cache[pos + r] = x[r] (kv_write_paged: pool row of (r, positions[r])).
+    ``out`` and ``in0`` are both the cache; x is in1, pos comes in the
+    kernel's pos argument (paged: positions and block tables in in2, in3).
+    NO bounds check: the runtime guarantees 0 <= pos and pos + rows <=
+    cache length (paged: ``runtime.paged.check_batch``), as the references
+    would raise. f16 and q8 caches convert on store (``_kv_write_vectors``,
+    ``_kv_write_q8``); an f32 cache is a copy (one memcpy per thread when
+    the rows are contiguous)."""
     ct, xt = sig.in_types[0], sig.in_types[1]
-    if ct.layout == "Q8_0" or (ct.layout is None and ct.dtype == "f16"):
-        _check_f32(xt, "kv_write x")
-        (_kv_write_q8 if ct.layout else _kv_write_f16)(kb, int(ct.shape[1]), xt)
-        return
-    _check_f32(ct, "kv_write cache")
     _check_f32(xt, "kv_write x")
     d = int(ct.shape[1])
-    # x's elements as a flat run of whole rows (x[..., D] with D == cache row)
+
+    def index(per: int) -> UnitIndex:
+        return _paged(kb, sig, per) if sig.op == "kv_write_paged" else _contiguous(kb, per)
+
+    if ct.layout == "Q8_0":
+        _check_q8_row(d)
+        _kv_write_q8(kb, d, xt, index(d // QK))
+        return
+    if ct.dtype != "f16":
+        _check_f32(ct, "kv_write cache")
+        if sig.op == "kv_write":
+            _kv_copy(kb, d, xt)
+            return
+    _kv_write_vectors(kb, d, xt, index(d // pow2_divisor(d, kb.vw)), HALF if ct.dtype == "f16" else F32)
+
+
+def _kv_copy(kb: KernelBuilder, d: int, xt) -> None:
+    """An f32 cache, rows from pos on: x's elements as one flat run."""
+    b = kb.b
     numel = b.mul(kb.rows_of(xt.shape), i64(int(xt.shape[-1])))
     lo, hi = kb.thread_share(numel)
     dst = kb.gep(kb.out_f32(), b.add(b.mul(kb.pos, i64(d)), lo))
@@ -244,35 +280,38 @@ def emit_kv_write(kb: KernelBuilder, sig: KernelSig) -> None:
                b.mul(b.sub(hi, lo), i64(4)))
 
 
-
 HALF = ir.HalfType()
 QK, Q8_BYTES = 32, 34
 
 
-def _kv_write_f16(kb: KernelBuilder, d: int, xt) -> None:
-    """f32 -> f16 (fptrunc: round to nearest even, overflow to inf), split
-    between threads in vectors of the widest power of two dividing a row."""
+def _check_q8_row(d: int) -> None:
+    if d % QK:
+        raise NotImplementedError(f"kv_write: a q8 cache row of {d} values is not whole blocks of {QK}")
+
+
+def _kv_write_vectors(kb: KernelBuilder, d: int, xt, at: UnitIndex, elem: ir.Type) -> None:
+    """An f16 cache: f32 -> f16 (fptrunc: round to nearest even, overflow to
+    inf); an f32 pool: a copy. Split between threads in vectors of the
+    widest power of two dividing a row; vector u goes to vector ``at(u)``."""
     b = kb.b
     w = pow2_divisor(d, kb.vw)
     lo, hi = kb.thread_share(b.mul(kb.rows_of(xt.shape), i64(d // w)))
     src = kb.fptr(kb.in_raw[1])
-    dst = kb.gep(b.bitcast(kb.out_raw, ir.PointerType(HALF)), b.mul(kb.pos, i64(d)))
+    dst = b.bitcast(kb.out_raw, ir.PointerType(elem))
     with kb.loop(lo, hi, name="cv") as u:
-        off = b.mul(u, i64(w))
-        kb.vstore(b.fptrunc(kb.vload(src, off, w), ir.VectorType(HALF, w)), dst, off)
+        v = kb.vload(src, b.mul(u, i64(w)), w)
+        kb.vstore(v if elem is F32 else b.fptrunc(v, ir.VectorType(HALF, w)), dst, b.mul(at(u), i64(w)))
 
 
-def _kv_write_q8(kb: KernelBuilder, d: int, xt) -> None:
+def _kv_write_q8(kb: KernelBuilder, d: int, xt, at: UnitIndex) -> None:
     """Q8_0 blocks, split between threads by block, quantized exactly as
     ``ir.ops.quantize_q8_rows``: d = f16(amax / 127), q = rint(x * (127 / amax))
-    (no fast-math: the divisions and products round as numpy's)."""
+    (no fast-math: the divisions and products round as numpy's); block j
+    goes to cache block ``at(j)``."""
     b = kb.b
-    if d % QK:
-        raise NotImplementedError(f"kv_write: a q8 cache row of {d} values is not whole blocks of {QK}")
     nbr = d // QK
     lo, hi = kb.thread_share(b.mul(kb.rows_of(xt.shape), i64(nbr)))
     src = kb.fptr(kb.in_raw[1])
-    first = b.mul(kb.pos, i64(nbr))  # block index of cache row pos
     c127 = ir.Constant(F32, 127.0)
     with kb.loop(lo, hi, name="qb") as j:
         xv = kb.vload(src, b.mul(j, i64(QK)), QK)
@@ -282,6 +321,6 @@ def _kv_write_q8(kb: KernelBuilder, d: int, xt) -> None:
                        ir.Constant(F32, 0.0))
         q = b.fptosi(kb.intrinsic("llvm.roundeven", [b.fmul(xv, kb.splat(inv, QK))]),
                      ir.VectorType(ir.IntType(8), QK))
-        bp = kb.gep(kb.out_raw, b.mul(b.add(first, j), i64(Q8_BYTES)))
+        bp = kb.gep(kb.out_raw, b.mul(at(j), i64(Q8_BYTES)))
         b.store(scale, b.bitcast(bp, ir.PointerType(HALF)), align=2)
         kb.vstore(q, bp, 2)

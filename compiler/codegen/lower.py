@@ -65,6 +65,8 @@ class EntryInfo:
     output_offset: int
     output_shape: tuple
     profile: tuple[int, int] | None = None   # profiling builds: (first slot, nodes)
+    inputs: dict[str, int] | None = None     # graph input -> byte offset in the IO area
+    io_bytes: int = 0                        # the IO area this entry needs
 
 
 def state_layout(graph: Graph) -> tuple[dict[str, int], int]:
@@ -73,6 +75,25 @@ def state_layout(graph: Graph) -> tuple[dict[str, int], int]:
     for name, v in graph.states.items():
         offsets[name] = top
         top += (v.type.nbytes() + 63) // 64 * 64
+    return offsets, top
+
+
+#: the graph input that travels in the control block (the kernels' ``pos``
+#: argument) rather than the IO area
+SCALAR_POS = "pos"
+
+
+def io_layout(graph: Graph, symbols: dict[str, int]) -> tuple[dict[str, int], int]:
+    """Byte offsets of the graph's inputs in the IO area (``Ctl.IO``), in
+    input order, each on a cache line, with symbolic dims (``T``) at their
+    planned size; and the area's size. The first input (the token ids) is
+    at 0; a scalar ``pos`` is not there (``Ctl.POS``)."""
+    offsets, top = {}, 0
+    for v in graph.inputs:
+        if v.name == SCALAR_POS and v.type.rank == 0:
+            continue
+        offsets[v.name] = top
+        top += (v.type.nbytes(symbols) + 63) // 64 * 64
     return offsets, top
 
 
@@ -166,7 +187,8 @@ class _Lowering:
         return f
 
     # --- steps -----------------------------------------------------------------------
-    def step(self, graph: Graph, name: str, plan: ArenaPlan, state_offsets: dict[str, int]) -> ir.Function:
+    def step(self, graph: Graph, name: str, plan: ArenaPlan, state_offsets: dict[str, int],
+             io_offsets: dict[str, int]) -> ir.Function:
         fn = ir.Function(self.module, STEP_TYPE, f"step_{name}")
         fn.linkage = "internal"
         ctl, tid = fn.args
@@ -187,7 +209,8 @@ class _Lowering:
         if len(paths) > 1:
             raise NotImplementedError("weights from more than one file")
         for v in graph.inputs:
-            ptr[id(v)] = io if v.name in ("token", "tokens") else null
+            off = io_offsets.get(v.name)
+            ptr[id(v)] = null if off is None else io if off == 0 else b.gep(io, [i64(off)], inbounds=True)
         for v in graph.weights.values():
             sp = self.stream.weight_ptr(b, ctl, v.name) if self.stream else None
             ptr[id(v)] = sp if sp is not None else b.gep(weights, [i64(v.ref.offset)], inbounds=True)
@@ -408,11 +431,12 @@ PROFILE_HEADER = 4   # a step's profile region: last mark, steps, dispatch, exit
 
 def lower_graphs(graphs: dict[str, Graph], plans: dict[str, ArenaPlan], target: Target,
                  vector_width: int | None = None, profile: bool = False,
-                 stream: StreamSchedule | None = None,
+                 stream: StreamSchedule | None = None, symbols: dict[str, int] | None = None,
                  ) -> tuple[ir.Module, dict[str, EntryInfo], dict[str, int], int]:
     """One module with a step per graph. Returns the module, entry infos,
     state offsets and the state's total size in bytes. ``profile`` builds
-    time every op (see ``_Lowering._profile_mark``)."""
+    time every op (see ``_Lowering._profile_mark``). ``symbols``: the
+    planned size of symbolic dims (``T``), for the IO area's layout."""
     if profile and "linux" not in target.triple:
         raise NotImplementedError(f"profiling builds need Linux (clock_gettime), not {target.triple}")
     low = _Lowering(target, vector_width or target.vector_width, profile)
@@ -426,9 +450,10 @@ def lower_graphs(graphs: dict[str, Graph], plans: dict[str, ArenaPlan], target: 
     for i, (name, g) in enumerate(graphs.items()):
         if state_layout(g)[0] != state_offsets:
             raise ValueError(f"graph {name} has a different state layout")
-        steps.append(low.step(g, name, plans[name], state_offsets))
+        io_offsets, io_bytes = io_layout(g, symbols or {"T": 1})
+        steps.append(low.step(g, name, plans[name], state_offsets, io_offsets))
         out = g.outputs[0]
         infos[name] = EntryInfo(name, i, dict(plans[name].offsets), plans[name].offsets[out.name],
-                                tuple(out.type.shape), low.profile_regions.get(name))
+                                tuple(out.type.shape), low.profile_regions.get(name), io_offsets, io_bytes)
     low.entry_points(steps)
     return low.module, infos, state_offsets, state_size
