@@ -31,8 +31,8 @@ USER_ERRORS = (ModelError, TokenizerError, RunError, VerifyError, ArtifactError,
 from ..models import BUNDLED_MODEL as DEFAULT_MODEL, BUNDLED_TOKENIZER as DEFAULT_TOKENIZER  # noqa: E402
 
 #: the sub-commands in the order ``lmc --help`` lists them; each is a module of this package
-COMMAND_NAMES = ("run", "chat", "compile", "synth", "bench", "perplexity", "inspect", "convert", "kernel", "tokenize",
-                 "ir", "plan", "profile")
+COMMAND_NAMES = ("run", "chat", "serve", "loadtest", "compile", "synth", "bench", "perplexity", "inspect",
+                 "convert", "kernel", "tokenize", "ir", "plan", "profile")
 
 
 def _command(name: str):

@@ -1,0 +1,170 @@
+"""``lmc serve``: an OpenAI-compatible server with continuous batching.
+
+One engine thread runs the model's paged batch steps (``runtime.scheduler``)
+for every request at once; FastAPI on uvicorn answers HTTP and streams
+tokens as they come. It binds to 127.0.0.1 unless ``--host`` says otherwise.
+Ctrl-C or SIGTERM drains: new requests get 503, running ones finish (or are
+cut after ``--drain-timeout`` seconds, with their finish reason set), then
+the process exits.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+
+from compiler.driver import BatchOptions
+
+from ..model import load
+from ..status import StatusLine
+from .common import CliError, _exec_args, _model_args, _resolve_model, _size, kv_type_arg, whole_number
+
+DEFAULT_CTX = 4096
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, paged KV cache)")
+    _model_args(s, optional=True)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=whole_number("--port", 0), default=8080,
+                   help="port (default 8080; 0 picks a free one and prints it)")
+    s.add_argument("-np", "--parallel", type=whole_number("--parallel", 1), default=4,
+                   help="sequences advanced together in one step (default 4)")
+    s.add_argument("-c", "--ctx", type=whole_number("-c", 1), default=None,
+                   help=f"the longest a single request may be, prompt and reply (default: the model's context, "
+                        f"at most {DEFAULT_CTX}); not split between requests")
+    s.add_argument("--kv-pool", type=whole_number("--kv-pool", 1), default=None, metavar="POSITIONS",
+                   help="KV cache positions shared by all requests (default: --parallel times the context; "
+                        "with --mem-budget: what fits)")
+    s.add_argument("--block-size", type=whole_number("--block-size", 1), default=16,
+                   help="positions per KV block (default 16)")
+    s.add_argument("--mem-budget", type=_size, default=None, metavar="SIZE",
+                   help="peak resident memory for the server (1G, 800M ...): the KV pool gets what is left")
+    s.add_argument("--queue", type=whole_number("--queue", 0), default=64,
+                   help="requests that may wait beyond --parallel (default 64); more get 503")
+    s.add_argument("--prefill-chunk", type=whole_number("--prefill-chunk", 1), default=64,
+                   help="prompt tokens run per step beside the others' tokens (default 64)")
+    s.add_argument("--api-key", default=os.environ.get("LMC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
+                        "$LMC_API_KEY, else none)")
+    s.add_argument("--alias", default=None, help="the model's id in the API (default: the file's name)")
+    s.add_argument("--chat-template", default=None, metavar="FILE|NAME",
+                   help="a jinja template file, or chatml, llama2, llama3, gemma, phi3, plain (default: the "
+                        "model's own, else plain)")
+    s.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on Ctrl-C/SIGTERM, seconds running requests may take to finish (default 30)")
+    s.add_argument("--log-requests", action="store_true", help="log every HTTP request to stderr")
+    kv_type_arg(s)
+    _exec_args(s)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from frontends.chat_template import resolve_chat_template
+
+    from ..scheduler import Engine
+    from ..serve.app import create_app
+    from ..serve.metrics import ServerMetrics
+    from ..serve.pool import PoolError, os_threads, pool_blocks
+
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"lmc serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    sock = _bind(args.host, args.port)   # before the slow part: a taken port fails at once
+    model_path, tok_path = _resolve_model(args)
+    status = StatusLine()
+    try:
+        from compiler.driver import load_model
+
+        loaded = load_model(model_path, tok_path)
+        ctx = args.ctx or min(loaded.config.seq_len, DEFAULT_CTX)
+        if ctx > loaded.config.seq_len:
+            raise CliError(f"-c {ctx}: more than the model's context {loaded.config.seq_len}")
+        kv = args.kv_type or "f32"
+        try:
+            n_blocks = pool_blocks(loaded, ctx, args.parallel, args.block_size, kv, args.mem_budget,
+                                   os_threads(args.threads))
+        except PoolError as e:
+            raise CliError(str(e)) from None
+        if args.kv_pool is not None:
+            n_blocks = -(-args.kv_pool // args.block_size)
+        if n_blocks * args.block_size < ctx:
+            raise CliError(f"--kv-pool {n_blocks * args.block_size}: smaller than one request of the context ({ctx})")
+        model = load(model_path, tok_path, backend=args.backend, ctx=ctx, threads=args.threads,
+                     use_cache=not args.no_cache, kv_type=kv, status=status,
+                     batch=BatchOptions(args.block_size, n_blocks, args.parallel))
+    finally:
+        status.clear()
+    tok = model.tokenizer
+    if args.chat_template is not None:
+        tok.chat_template = resolve_chat_template(args.chat_template, tok.model_chat_template,
+                                                  os.path.basename(model_path))
+    else:
+        tok.chat_template   # a broken template is an error now, not at the first request
+    metrics = ServerMetrics()
+    engine = Engine(model.executor, tok, model.config.stop_ids, model.config.vocab_size, args.parallel,
+                    prefill_chunk=args.prefill_chunk, metrics=metrics, max_queue=args.queue)
+    model_id = args.alias or os.path.splitext(os.path.basename(model_path))[0]
+    app = create_app(engine, tok, model_id, model.ctx, api_key=args.api_key, metrics=metrics,
+                     model_meta={"n_ctx": model.ctx, "n_parallel": args.parallel, "kv_blocks": n_blocks,
+                                 "block_size": args.block_size, "kv_type": kv, "backend": args.backend})
+    engine.start()
+    host, port = sock.getsockname()[:2]
+    print(f"lmc serve: {model_id} on http://{_url_host(host)}:{port} (parallel {args.parallel}, context "
+          f"{model.ctx}, KV pool {n_blocks} blocks x {args.block_size} = {n_blocks * args.block_size} positions "
+          f"{kv}, {model.executor.threads} threads)", flush=True)
+    server = _draining_server(uvicorn.Config(app, log_level="info" if args.log_requests else "warning",
+                                             access_log=args.log_requests), engine, args.drain_timeout)
+    # uvicorn handles SIGINT/SIGTERM while it serves, then re-raises the
+    # signal to the handler it found: make that one a no-op, so a drained
+    # server exits 0 rather than dying of the signal it already handled
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.stop()
+        sock.close()
+    print("lmc serve: stopped", flush=True)
+    return 0
+
+
+def _draining_server(config, engine, grace_s: float):
+    """uvicorn's server, told that a signal means drain first: the engine
+    refuses new work and cuts what is left after the grace period, so open
+    streams end and uvicorn's own graceful shutdown completes."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            engine.drain(grace_s)
+            super().handle_exit(sig, frame)
+
+    return Server(config)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now so that a taken port or a bad
+    address is one clear line before the model loads."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise CliError(f"--host {host}: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise CliError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+

@@ -1,0 +1,407 @@
+"""Continuous batching: one engine thread advances every active sequence.
+
+Requests come in from any thread (``submit``, ``cancel``); the engine
+thread owns everything else. Each step it
+
+1. admits waiting requests while their blocks fit the paged KV pool
+   (a prompt sharing full blocks with one seen before starts past them),
+2. runs one chunk of the oldest unfinished prompt (``prefill_chunk``
+   tokens), so a long prompt never stalls the others' tokens for long,
+3. runs one native step for every sequence that is generating: B rows,
+   one token each, every weight read once for all of them,
+4. samples each sequence's next token with its own sampler, turns tokens
+   into text (stop strings held back), and retires finished sequences.
+
+A sequence that needs a block when none is left preempts the youngest
+running one, which goes back to the front of the queue and is recomputed
+later (its prompt and what it has generated so far; cached blocks make that
+cheap). Events (text deltas, the finish, errors) go to each request's
+``emit`` callback, from the engine thread.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .block_manager import BlockManager, OutOfBlocks
+from .sampling import Sampler, SamplerConfig
+from .stop_strings import TextAssembler
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]     # the most likely ids and their log-probabilities
+
+
+@dataclass
+class Event:
+    """What a request hears: text (and the ids and log-probabilities behind
+    it) as it is generated, then once a finish reason and the usage."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None     # stop, length, or error
+    usage: dict[str, int] | None = None
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplerConfig
+    emit: Callable[[Event], None]
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None      # None: off; k: the chosen token's and the k most likely
+    id: str = ""
+
+
+class _Seq:
+    _ids = itertools.count()
+
+    def __init__(self, req: Request, stop_ids: set[int], tokenizer: Any, vocab: int) -> None:
+        self.key = next(self._ids)
+        self.req = req
+        self.tokens = list(req.prompt_ids)
+        self.n_prompt = len(req.prompt_ids)
+        self.computed = 0            # positions whose K/V rows are in the pool
+        self.generated = 0
+        self.cached_prompt = 0       # prompt tokens found in the pool on first admission
+        self.admitted_once = False
+        self.sampler = Sampler(req.sampling, vocab)
+        self.text = TextAssembler(tokenizer, self.tokens[-1], req.stop)
+        self.stop_ids = stop_ids
+        self.cancelled = False
+        self.t_arrival = time.perf_counter()
+
+
+class EngineError(ValueError):
+    """A request the engine cannot take (too long for the context ...)."""
+
+
+class EngineBusy(Exception):
+    """The queue is full, or the engine is draining: try again later."""
+
+
+class Engine:
+    def __init__(self, executor: Any, tokenizer: Any, stop_ids: Sequence[int], vocab: int, max_batch: int,
+                 prefill_chunk: int = 64, metrics: Any = None, max_queue: int = 64) -> None:
+        """``max_batch``: sequences advanced together; ``max_queue``: requests
+        that may wait beyond them (more are refused with EngineBusy)."""
+        self.ex = executor
+        self.tokenizer = tokenizer
+        self.stop_ids = set(stop_ids)
+        self.vocab = vocab
+        self.ctx = int(executor.pool.ctx)
+        self.max_batch = max(1, int(max_batch))
+        rows = executor.max_rows or prefill_chunk
+        self.prefill_chunk = max(1, min(prefill_chunk, rows))
+        self.max_batch = min(self.max_batch, rows)
+        self.blocks = BlockManager(executor.n_blocks, executor.block_size)
+        self.metrics = metrics
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+        self.steps = 0
+        self.max_queue = max(0, int(max_queue))
+        self._outstanding = 0            # submitted and not finished, counted under the lock
+        self._lock = threading.Lock()
+        self.draining = False
+        self.drain_deadline = float("inf")
+        import inspect
+        self._decode_kw = {"decode": True} if "decode" in inspect.signature(executor.batch).parameters else {}
+
+    # --- from any thread ---------------------------------------------------------------------
+    def check(self, prompt_ids: Sequence[int], max_tokens: int) -> None:
+        """Raise EngineError if a request can never run here."""
+        if not prompt_ids:
+            raise EngineError("the prompt is empty")
+        if len(prompt_ids) >= self.ctx:
+            raise EngineError(f"the prompt is {len(prompt_ids)} tokens; the context is {self.ctx} (one more "
+                              f"position is needed to generate)")
+        if self.blocks.blocks_for(len(prompt_ids) + 1) > self.blocks.n_blocks:
+            raise EngineError(f"the prompt needs more KV blocks than the pool has ({self.blocks.n_blocks})")
+        if max_tokens < 1:
+            raise EngineError("max_tokens must be at least 1")
+        if len(prompt_ids) + max_tokens > self.ctx:
+            raise EngineError(f"the context is {self.ctx} tokens; the request needs {len(prompt_ids) + max_tokens} "
+                              f"({len(prompt_ids)} in the prompt, max_tokens {max_tokens}): shorten the prompt or "
+                              f"lower max_tokens")
+        bad = [t for t in prompt_ids if not 0 <= int(t) < self.vocab]
+        if bad:
+            raise EngineError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab - 1})")
+
+    def submit(self, req: Request) -> None:
+        """Queue a request; raises EngineError (it can never run here) or
+        EngineBusy (not now)."""
+        self.check(req.prompt_ids, req.max_tokens)
+        req.sampling.validate()
+        with self._lock:
+            if self.draining:
+                raise EngineBusy("the server is shutting down")
+            if self._outstanding >= self.max_batch + self.max_queue:
+                raise EngineBusy(f"{self._outstanding} requests are running or queued, the most this server takes")
+            self._outstanding += 1
+        self._inbox.put(("add", req))
+        self._wake.set()
+
+    @property
+    def outstanding(self) -> int:
+        """Requests submitted and not yet finished."""
+        return self._outstanding
+
+    def drain(self, grace_s: float) -> None:
+        """Take no new requests; what runs or waits finishes, and whatever is
+        left after ``grace_s`` seconds is cut (finish reason ``length``)."""
+        with self._lock:
+            self.draining = True
+            self.drain_deadline = time.monotonic() + max(0.0, grace_s)
+        self._wake.set()
+
+    def cancel(self, req_id: str) -> None:
+        """Stop a request (its client went away); its blocks are freed."""
+        self._inbox.put(("cancel", req_id))
+        self._wake.set()
+
+    def start(self) -> "Engine":
+        self._thread = threading.Thread(target=self._loop, name="lmc-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # --- the engine thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._intake()
+            if not self.waiting and not self.running:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception as e:   # never leave clients hanging: fail what was running, keep serving
+                for s in list(self.running) + list(self.waiting):
+                    self._finish(s, "error", error=f"the engine failed: {type(e).__name__}: {e}")
+                self.running, self.waiting = [], deque()
+
+    def _intake(self) -> None:
+        while True:
+            try:
+                what, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if what == "add":
+                self.waiting.append(_Seq(arg, self.stop_ids, self.tokenizer, self.vocab))
+                if self.metrics:
+                    self.metrics.requests.inc()
+            else:
+                for s in list(self.running) + list(self.waiting):
+                    if s.req.id == arg:
+                        s.cancelled = True
+
+    def step(self) -> None:
+        """One scheduling step (public for tests that drive the engine by hand):
+        one native call runs a row for every generating sequence; when a
+        prompt is pending, a second runs the next chunk of the oldest one
+        (its own call, so each row keeps the arithmetic of a single stream's
+        decode or prefill step)."""
+        self._intake()
+        for s in [s for s in list(self.running) + list(self.waiting) if s.cancelled]:
+            self._finish(s, None)
+        if self.draining and time.monotonic() >= self.drain_deadline:
+            for s in list(self.running) + list(self.waiting):
+                self._finish(s, "length")
+            return
+        self._admit()
+        # oldest first: a sequence may only preempt younger ones, so each later
+        # one checks it is still running
+        decoding, prefilling = [], None
+        for s in sorted(self.running, key=lambda x: x.key):
+            if s not in self.running:
+                continue
+            if s.computed == len(s.tokens) - 1:
+                if self._writable(s, range(s.computed, s.computed + 1)):
+                    decoding.append(s)
+                else:
+                    self._preempt_self(s)
+            elif prefilling is None:
+                prefilling = s
+        decoding = [s for s in decoding if s in self.running]
+        chunk: range | None = None
+        if prefilling is not None and prefilling in self.running:
+            lo = prefilling.computed
+            hi = min(len(prefilling.tokens), lo + self.prefill_chunk)
+            if self._writable(prefilling, range(lo, hi)):
+                chunk = range(lo, hi)
+            else:
+                self._preempt_self(prefilling)
+            decoding = [s for s in decoding if s in self.running]
+        if decoding:
+            self._decode(decoding)
+        if chunk is not None:
+            self._prefill(prefilling, chunk)
+        self.steps += 1
+        if self.metrics:
+            self.metrics.observe(self)
+
+    def _decode(self, seqs: list["_Seq"]) -> None:
+        """One native call for every generating sequence: a row each, with
+        the arithmetic of the single-stream decode step (``decode=True``),
+        so a request's tokens do not depend on who else is being served."""
+        logits = self.ex.batch([s.tokens[-1] for s in seqs], [len(s.tokens) - 1 for s in seqs],
+                               _padded([self.blocks.table(s.key) for s in seqs]), **self._decode_kw)
+        if self.metrics:
+            self.metrics.batch_size.observe(len(seqs))
+        for s, row in zip(seqs, logits):
+            s.computed = len(s.tokens)
+            self.blocks.commit(s.key, s.tokens[: s.computed])
+            self._sampled(s, row)
+
+    def _prefill(self, s: "_Seq", chunk: range) -> None:
+        """The next chunk of one prompt, with the arithmetic of the
+        single-stream prefill; only its last row's logits come back."""
+        logits = self.ex.batch(s.tokens[chunk.start: chunk.stop], list(chunk),
+                               [self.blocks.table(s.key)] * len(chunk), last_only=True)
+        s.computed = chunk.stop
+        self.blocks.commit(s.key, s.tokens[: s.computed])
+        if self.metrics:
+            self.metrics.prompt_tokens.inc(len(chunk))
+        if chunk.stop == len(s.tokens):
+            self._sampled(s, logits)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            s = self.waiting[0]
+            try:
+                _, cached = self.blocks.allocate(s.key, s.tokens)
+            except OutOfBlocks:
+                return
+            self.waiting.popleft()
+            # at least the last token runs: its logits give the next one
+            s.computed = min(cached, len(s.tokens) - 1)
+            if not s.admitted_once:
+                s.cached_prompt, s.admitted_once = s.computed, True
+                if self.metrics:
+                    self.metrics.cached_prompt_tokens.inc(s.computed)
+            self.running.append(s)
+
+    def _writable(self, s: _Seq, positions: range) -> bool:
+        """Blocks for ``positions`` of ``s``, copying shared ones; False when
+        the pool is full even after preempting everything younger."""
+        for p in positions:
+            while True:
+                try:
+                    for src, dst in self.blocks.ensure(s.key, p):
+                        self.ex.copy_block(src, dst)
+                    break
+                except OutOfBlocks:
+                    if not self._preempt_younger_than(s):
+                        return False
+        return True
+
+    def _preempt_younger_than(self, s: _Seq) -> bool:
+        victims = [v for v in self.running if v is not s and v.key > s.key]
+        if not victims:
+            return False
+        v = max(victims, key=lambda x: x.key)
+        self.running.remove(v)
+        self.blocks.release(v.key)
+        v.computed = 0
+        self.waiting.appendleft(v)     # recomputed (prompt and generated so far) when there is room again
+        if self.metrics:
+            self.metrics.preemptions.inc()
+        return True
+
+    def _preempt_self(self, s: _Seq) -> None:
+        """No block for ``s`` even after preempting younger ones: it waits for
+        older ones to finish; alone, it has the whole pool and can only stop."""
+        if len(self.running) == 1:
+            self._finish(s, "length")
+            return
+        self.running.remove(s)
+        self.blocks.release(s.key)
+        s.computed = 0
+        self.waiting.appendleft(s)
+
+    def _sampled(self, s: _Seq, logits: np.ndarray) -> None:
+        """Sample ``s``'s next token from ``logits`` and tell its request."""
+        tok = s.sampler.sample(logits, s.tokens)
+        s.tokens.append(tok)
+        s.generated += 1
+        if self.metrics:
+            self.metrics.generated_tokens.inc()
+        ev = Event(token_ids=[tok])
+        if s.req.logprobs is not None:
+            ev.logprobs = [_logprob(logits, tok, s.req.logprobs)]
+        finish = None
+        if tok in s.stop_ids:
+            finish = "stop"
+        else:
+            ev.text, stopped = s.text.feed(tok)
+            if stopped:
+                finish = "stop"
+        if finish is None and (s.generated >= s.req.max_tokens or len(s.tokens) >= self.ctx):
+            finish = "length"
+        if finish is None:
+            s.req.emit(ev)
+            return
+        if not s.text.stopped:   # the end: what was held back (a partial character, a stop string's start) shows
+            ev.text += s.text.finish()[0]
+        self._finish(s, finish, ev)
+
+    def _finish(self, s: _Seq, reason: str | None, ev: Event | None = None, error: str | None = None) -> None:
+        if s in self.running:
+            self.running.remove(s)
+            self.blocks.release(s.key)
+        elif s in self.waiting:
+            self.waiting.remove(s)
+        else:
+            return   # finished already
+        with self._lock:
+            self._outstanding -= 1
+        if reason is None:      # cancelled: nobody listens any more
+            return
+        ev = ev or Event()
+        ev.finish_reason, ev.error = reason, error
+        ev.usage = {"prompt_tokens": s.n_prompt, "completion_tokens": s.generated,
+                    "total_tokens": s.n_prompt + s.generated, "cached_tokens": s.cached_prompt}
+        s.req.emit(ev)
+
+
+def _padded(tables: list[list[int]]) -> list[list[int]]:
+    """Block tables as one rectangle (entries past a row's blocks are never read)."""
+    width = max(len(t) for t in tables)
+    return [t + [0] * (width - len(t)) for t in tables]
+
+
+def _logprob(logits: np.ndarray, tok: int, k: int) -> TokenLogprob:
+    """The chosen token's log-probability and the k most likely, from the
+    model's raw distribution (before penalties and temperature, as llama.cpp
+    and OpenAI report them)."""
+    x = np.asarray(logits, np.float64)
+    m = x.max()
+    lse = m + np.log(np.exp(x - m).sum())
+    top: list[tuple[int, float]] = []
+    if k > 0:
+        ids = np.argpartition(-x, min(k, x.size - 1))[:k]
+        ids = ids[np.argsort(-x[ids], kind="stable")]
+        top = [(int(i), float(x[i] - lse)) for i in ids]
+    return TokenLogprob(int(tok), float(x[tok] - lse), top)

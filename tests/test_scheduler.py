@@ -1,0 +1,237 @@
+"""The continuous-batching engine (runtime.scheduler), driven directly.
+
+stories260K built for batched serving (f32 weights, so the single-stream
+reference takes the same arithmetic): requests batched together give the
+tokens each gives alone and the single-stream ``generate`` gives; a shared
+prefix is prefilled once; a pool too small for everyone preempts and still
+gives the same tokens; cancelling frees every block; one request may use
+the whole context while others run; the queue is bounded; a drain cuts what
+is left with a finish reason.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import runtime
+from runtime.cli import DEFAULT_MODEL, DEFAULT_TOKENIZER
+from runtime.sampling import SamplerConfig
+from runtime.scheduler import Engine, EngineBusy, EngineError, Event, Request
+from runtime.serve.metrics import ServerMetrics
+
+CTX = 256
+BS = 8
+
+
+def batch_model(n_blocks: int | None = None, max_batch: int = 8):
+    return runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, ctx=CTX, threads=2,
+                        batch=runtime.BatchOptions(block_size=BS, n_blocks=n_blocks, max_batch=max_batch))
+
+
+@pytest.fixture(scope="module")
+def single():
+    return runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, ctx=CTX, threads=2)
+
+
+@pytest.fixture(scope="module")
+def pooled():
+    return batch_model()
+
+
+def engine_for(model, max_batch: int = 8, chunk: int = 16, **kw) -> Engine:
+    return Engine(model.executor, model.tokenizer, model.config.stop_ids, model.config.vocab_size, max_batch,
+                  prefill_chunk=chunk, metrics=ServerMetrics(), **kw)
+
+
+class Collect:
+    """A request's events, as the HTTP side would hear them."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.done = threading.Event()
+
+    def __call__(self, ev: Event) -> None:
+        self.events.append(ev)
+        if ev.finish_reason is not None:
+            self.done.set()
+
+    @property
+    def ids(self) -> list[int]:
+        return [t for e in self.events for t in e.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events)
+
+    @property
+    def last(self) -> Event:
+        return self.events[-1]
+
+
+def request(ids: list[int], n: int, rid: str = "", **sampling) -> tuple[Request, Collect]:
+    c = Collect()
+    return Request(list(ids), n, SamplerConfig(**sampling), c, id=rid), c
+
+
+def run_all(engine: Engine, reqs: list[Request], limit: int = 5000) -> None:
+    """Drive the engine by hand until nothing is left."""
+    for r in reqs:
+        engine.submit(r)
+    for _ in range(limit):
+        engine.step()
+        if not engine.running and not engine.waiting and engine.outstanding == 0:
+            return
+    raise AssertionError("the engine did not finish")
+
+
+def prompts(model, n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    words = "Once upon a time there was a little girl named Lily who loved the big red ball".split()
+    out = []
+    for i in range(n):
+        k = int(rng.integers(1, 40))
+        out.append(model.tokenizer.encode(" ".join(rng.choice(words, k)), True))
+    return out
+
+
+def test_batched_equals_solo_and_single_stream(pooled, single):
+    ps = prompts(single, 8)
+    lengths = [40, 7, 23, 64, 1, 31, 50, 12]
+    alone = []
+    for p, n in zip(ps, lengths):
+        r, c = request(p, n)
+        run_all(engine_for(pooled), [r])
+        alone.append(c.ids)
+        assert c.ids == list(single.generate(p, n, temperature=0.0, stop=False))[: len(c.ids)]
+    eng = engine_for(pooled)
+    pairs = [request(p, n) for p, n in zip(ps, lengths)]
+    run_all(eng, [r for r, _ in pairs])
+    assert [c.ids for _, c in pairs] == alone
+    # the steps really were batched: some decode steps advanced five or more
+    # (the shortest requests are done before the last prompt is in)
+    buckets = {s.labels["le"]: s.value for s in eng.metrics.batch_size.collect()[0].samples
+               if s.name.endswith("_bucket")}
+    assert buckets["4.0"] < buckets["+Inf"]
+    for (_, c), n in zip(pairs, lengths):
+        assert c.last.finish_reason in ("stop", "length")
+        assert c.last.usage["completion_tokens"] == len(c.ids)
+        if c.last.finish_reason == "length":
+            assert len(c.ids) == n
+    assert eng.blocks.used == 0
+
+
+def test_shared_prefix_is_prefilled_once(pooled):
+    eng = engine_for(pooled)
+    system = pooled.tokenizer.encode("Lily and Tom went to the park. " * 6, True)
+    assert len(system) >= 4 * BS
+    tails = [pooled.tokenizer.encode(f" Then {w} came.", False) for w in ("Ben", "Sue", "a dog", "the sun")]
+    first, c0 = request(system + tails[0], 4)
+    run_all(eng, [first])
+    rest = [request(system + t, 4) for t in tails[1:]]
+    run_all(eng, [r for r, _ in rest])
+    shared = len(system) // BS * BS
+    for _, c in rest:
+        assert c.last.usage["cached_tokens"] == shared
+    assert c0.last.usage["cached_tokens"] == 0
+    ran = eng.metrics.prompt_tokens._value.get()
+    assert ran == len(system) + len(tails[0]) + sum(len(system) + len(t) - shared for t in tails[1:])
+    # the same tokens as without sharing
+    for (r, c) in rest:
+        alone, ca = request(r.prompt_ids, 4)
+        run_all(engine_for(batch_model()), [alone])
+        assert ca.ids == c.ids
+
+
+def test_a_small_pool_preempts_and_gives_the_same_tokens(single):
+    """Six sequences of up to 110 positions in a pool of 160: they cannot all
+    grow at once; the youngest go back to the queue and are recomputed."""
+    small = batch_model(n_blocks=160 // BS, max_batch=6)
+    ps = prompts(single, 6, seed=3)
+    eng = engine_for(small, max_batch=6)
+    pairs = [request(p, 80) for p in ps]
+    run_all(eng, [r for r, _ in pairs])
+    assert eng.metrics.preemptions._value.get() > 0
+    for p, (_, c) in zip(ps, pairs):
+        want = list(single.generate(p, 80, temperature=0.0, stop=False))
+        assert c.ids == want[: len(c.ids)]
+        assert c.last.finish_reason == "length" or c.ids[-1] in small.config.stop_ids
+    assert eng.blocks.used == 0
+
+
+def test_cancel_frees_blocks(pooled):
+    eng = engine_for(pooled)
+    pairs = [request(p, 200, rid=f"r{i}") for i, p in enumerate(prompts(pooled, 4, seed=5))]
+    for r, _ in pairs:
+        eng.submit(r)
+    for _ in range(12):
+        eng.step()
+    assert eng.blocks.used > 0
+    for r, _ in pairs:
+        eng.cancel(r.id)
+    eng.step()
+    assert not eng.running and not eng.waiting and eng.outstanding == 0
+    assert eng.blocks.used == 0
+    assert all(c.last.finish_reason is None for _, c in pairs)   # nobody listens any more
+    r, c = request(prompts(pooled, 1)[0], 5)
+    run_all(eng, [r])
+    assert len(c.ids) == 5
+
+
+def test_one_request_may_use_the_whole_context(single):
+    """The pool holds one context and a little: a prompt of nearly the whole
+    context runs to its end while short requests stream beside it."""
+    model = batch_model(n_blocks=CTX // BS + 6, max_batch=4)
+    eng = engine_for(model, max_batch=4)
+    long_prompt = ([1] + [int(t) for t in np.random.default_rng(1).integers(3, 500, CTX - 40)])
+    big, cb = request(long_prompt, 39)
+    small = [request(p, 6) for p in prompts(single, 3, seed=9)]
+    run_all(eng, [big] + [r for r, _ in small])
+    assert len(cb.ids) == 39 or cb.ids[-1] in model.config.stop_ids
+    assert cb.ids == list(single.generate(long_prompt, 39, temperature=0.0, stop=False))[: len(cb.ids)]
+    for _, c in small:
+        assert c.last.finish_reason is not None and c.ids
+
+
+def test_checks_and_queue_bound(pooled):
+    eng = engine_for(pooled, max_batch=2, max_queue=1)
+    with pytest.raises(EngineError, match="context is 256"):
+        eng.submit(request([1] * 200, 100)[0])
+    with pytest.raises(EngineError, match="empty"):
+        eng.submit(request([], 5)[0])
+    with pytest.raises(EngineError, match="vocabulary"):
+        eng.submit(request([1, 10 ** 6], 5)[0])
+    for _ in range(3):
+        eng.submit(request([1, 2], 5)[0])
+    with pytest.raises(EngineBusy):
+        eng.submit(request([1, 2], 5)[0])
+
+
+def test_drain_cuts_what_is_left(pooled):
+    eng = engine_for(pooled)
+    pairs = [request(p, 200) for p in prompts(pooled, 3, seed=7)]
+    for r, _ in pairs:
+        eng.submit(r)
+    for _ in range(5):
+        eng.step()
+    eng.drain(0.0)
+    with pytest.raises(EngineBusy, match="shutting down"):
+        eng.submit(request([1, 2], 5)[0])
+    eng.step()
+    for _, c in pairs:
+        assert c.last.finish_reason == "length" and c.last.usage["completion_tokens"] == len(c.ids)
+    assert eng.blocks.used == 0 and eng.outstanding == 0
+
+
+def test_engine_thread_serves_requests(pooled):
+    eng = engine_for(pooled).start()
+    try:
+        pairs = [request(p, 10) for p in prompts(pooled, 3, seed=11)]
+        for r, _ in pairs:
+            eng.submit(r)
+        for _, c in pairs:
+            assert c.done.wait(60)
+            assert len(c.ids) == 10 or c.last.finish_reason == "stop"
+    finally:
+        eng.stop()

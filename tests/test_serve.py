@@ -1,0 +1,318 @@
+"""``lmc serve`` as a client meets it: a real server process on a free
+loopback port, the official ``openai`` client and plain HTTP (httpx).
+
+This file uses the bundled stories260K (no chat template: ``plain``), so it
+runs everywhere: the API's shapes, streaming, errors and a fuzz of hostile
+bodies, the API key, the bounded queue, clients that disconnect, and a
+drain on SIGTERM. ``test_serve_instruct.py`` does the acceptance on a real
+instruct model.
+"""
+from __future__ import annotations
+
+import json
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from runtime.cli import DEFAULT_MODEL, DEFAULT_TOKENIZER
+from serve_process import ROOT, serve
+
+ARGS = ("-z", str(DEFAULT_TOKENIZER), "-t", "2", "-c", "256", "--parallel", "4")
+
+
+def metric(url: str, name: str, headers: dict | None = None) -> float:
+    text = httpx.get(f"{url}/metrics", headers=headers).text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def wait_for(cond, timeout: float = 20.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve(str(DEFAULT_MODEL), *ARGS) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_banner_health_models(server):
+    assert server.url.startswith("http://127.0.0.1:")   # loopback unless told otherwise
+    assert "parallel 4, context 256" in server.banner
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    models = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x").models.list()
+    assert [m.id for m in models.data] == ["stories260K"]
+
+
+def test_completion_whole_and_streamed(server, client):
+    prompt = "Once upon a time"
+    whole = client.completions.create(model="stories260K", prompt=prompt, max_tokens=24, temperature=0)
+    text = whole.choices[0].text
+    ids = httpx.post(f"{server.url}/tokenize", json={"content": prompt, "add_special": True}).json()["tokens"]
+    assert whole.usage.prompt_tokens == len(ids)
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    if whole.choices[0].finish_reason == "length":
+        assert whole.usage.completion_tokens == 24
+    parts, reasons = [], []
+    for chunk in client.completions.create(model="stories260K", prompt=prompt, max_tokens=24, temperature=0,
+                                           stream=True):
+        parts.append(chunk.choices[0].text)
+        reasons.append(chunk.choices[0].finish_reason)
+    assert "".join(parts) == text and len(parts) > 5
+    assert reasons[-1] == whole.choices[0].finish_reason and set(reasons[:-1]) == {None}
+    # the same as lmc run gives
+    import runtime
+
+    m = runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, ctx=256, threads=2)
+    want = m.tokenizer.decode(list(m.generate(ids, 24, temperature=0.0)))
+    assert text == want
+
+
+def test_raw_sse_ends_with_done(server):
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": "Tom"}], "max_tokens": 5, "stream": True,
+                            "stream_options": {"include_usage": True}}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert all(ln.startswith("data: ") for ln in lines)
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] <= 5
+    assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_logprobs_and_tokenize_roundtrip(server, client):
+    r = client.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Lily"}],
+                                       max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    lps = r.choices[0].logprobs.content
+    assert len(lps) == r.usage.completion_tokens
+    for lp in lps:
+        assert lp.logprob <= 0 and len(lp.top_logprobs) == 3
+        assert lp.top_logprobs[0].logprob >= lp.logprob - 1e-6   # greedy: the chosen one is the most likely
+        assert lp.top_logprobs[0].token == lp.token
+    ids = httpx.post(f"{server.url}/tokenize", json={"content": "Lily and Tom"}).json()["tokens"]
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["content"].strip() == "Lily and Tom"
+
+
+# --- refusals -------------------------------------------------------------------------------
+BAD = [
+    ("POST", "/v1/chat/completions", b"{not json", 400),
+    ("POST", "/v1/chat/completions", b"[]", 400),
+    ("POST", "/v1/chat/completions", {"messages": "hello"}, 400),
+    ("POST", "/v1/chat/completions", {"messages": []}, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}, 404),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": [""]}, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 400}]}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 300}, 400),
+    ("POST", "/v1/completions", {"prompt": [1, 2, 10 ** 6]}, 400),
+    ("POST", "/v1/completions", {"prompt": []}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "echo": True}, 400),
+    ("POST", "/v1/completions", {"prompt": {"a": 1}}, 400),
+    ("POST", "/detokenize", {"tokens": [-5]}, 400),
+    ("POST", "/tokenize", {"content": 5}, 400),
+    ("GET", "/v1/nothing", None, 404),
+    ("GET", "/v1/chat/completions", None, 405),
+]
+
+
+@pytest.mark.parametrize("method,path,body,status", BAD)
+def test_bad_requests_get_openai_errors(server, method, path, body, status):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
+    r = httpx.request(method, f"{server.url}{path}", timeout=30, headers={"content-type": "application/json"}, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and "Traceback" not in err["message"]
+    assert err["type"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_oversized_body_is_413(server):
+    r = httpx.post(f"{server.url}/v1/completions", content=b"x" * (9 << 20), timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "MiB" in r.json()["error"]["message"]
+
+
+#: values no request may carry in each field
+INVALID = {
+    "messages": ["hi", 5, None, {}, [], [[]], [{"role": 5}], [{"content": "x"}], [{"role": None, "content": "x"}],
+                 [{"role": "user", "content": {"x": 1}}], [{"role": "user", "content": [{"type": "audio"}]}]],
+    "max_tokens": ["ten", -1, 0, 1.5, 10 ** 6, [], {}, True],
+    "temperature": [-1, 2.5, "hot", [], {}, 1e308, "NaN"],
+    "top_p": [0, -0.5, 1.5, "x", []],
+    "top_k": [-1, "x", 1.5, [], {}],
+    "min_p": [-0.1, 1, "x", []],
+    "stop": [[""], "", 5, [1, 2], {"a": 1}, [None]],
+    "stream": ["yes", 5, [], {}],
+    "seed": ["x", 1.5, [], {}],
+    "n": [0, 2, "x", -3],
+    "logprobs": ["all", [], {}, 3],
+    "top_logprobs": [-1, 21, "x", []],
+    "presence_penalty": [3, -3, "x", []],
+    "frequency_penalty": [2.5, "x", {}],
+    "model": ["gpt-4", 5, [], {}],
+    "response_format": [{"type": "json_object"}, "json", 5],
+}
+
+
+def _hostile_bodies(n: int, seed: int = 1) -> list[bytes]:
+    """Chat bodies no server may accept: broken JSON, a wrong type or range
+    in a field (one or several at once), deep nesting, bytes that are not
+    UTF-8, the wrong top-level type."""
+    rng = random.Random(seed)
+    good = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    out: list[bytes] = []
+    while len(out) < n:
+        kind = rng.randrange(6)
+        if kind == 0:   # a valid body cut short
+            raw = json.dumps(good).encode()
+            out.append(raw[: rng.randrange(1, len(raw) - 1)])
+        elif kind in (1, 2):   # one or several fields wrong
+            body = json.loads(json.dumps(good))
+            for field in rng.sample(sorted(INVALID), 1 if kind == 1 else 3):
+                body[field] = rng.choice(INVALID[field])
+            raw = json.dumps(body).replace('"NaN"', "NaN")
+            out.append(raw.encode())
+        elif kind == 3:   # deep nesting
+            d = rng.randrange(50, 3000)
+            out.append(b'{"messages": ' + b"[" * d + b"]" * d + b"}")
+        elif kind == 4:   # not UTF-8, not JSON
+            out.append(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200))) + b"\xff")
+        else:   # the wrong top-level type
+            out.append(json.dumps(rng.choice([[good], "text", 42, None])).encode())
+    return out
+
+
+def test_fuzz_hostile_bodies(server):
+    bodies = _hostile_bodies(240)
+    statuses = []
+    with httpx.Client(timeout=30) as c:
+        for i, body in enumerate(bodies):
+            r = c.post(f"{server.url}/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+            statuses.append(r.status_code)
+            assert 400 <= r.status_code < 500, (body[:200], r.status_code, r.text[:300])
+            assert "error" in r.json()
+    assert server.proc.poll() is None
+    assert wait_for(lambda: metric(server.url, "lmc_kv_blocks_used") == 0)
+    ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Tom", "max_tokens": 3}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_disconnected_clients_free_their_blocks(server, client):
+    def leave_early() -> None:
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                          json={"prompt": "Once upon a time", "max_tokens": 200, "stream": True}) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 4:
+                    break     # closes the connection mid-stream
+
+    threads = [threading.Thread(target=leave_early) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert wait_for(lambda: metric(server.url, "lmc_kv_blocks_used") == 0
+                    and metric(server.url, "lmc_running_sequences") == 0)
+    assert metric(server.url, "lmc_generated_tokens_total") < 16 * 200
+    r = client.completions.create(model="stories260K", prompt="Tom", max_tokens=8, temperature=0)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_metrics_count_requests_and_tokens(server, client):
+    before = metric(server.url, "lmc_generated_tokens_total")
+    reqs = metric(server.url, "lmc_requests_total")
+    r = client.completions.create(model="stories260K", prompt="Lily", max_tokens=7, temperature=0)
+    assert metric(server.url, "lmc_generated_tokens_total") - before == r.usage.completion_tokens
+    assert metric(server.url, "lmc_requests_total") - reqs == 1
+    for name in ("lmc_queue_depth", "lmc_running_sequences", "lmc_kv_blocks_total", "lmc_batch_size_count",
+                 "lmc_generation_tokens_per_second", "lmc_prompt_tokens_total"):
+        metric(server.url, name)
+    assert metric(server.url, "lmc_kv_blocks_total") == 4 * 256 // 16
+
+
+# --- a server of its own -----------------------------------------------------------------------
+def test_api_key():
+    with serve(str(DEFAULT_MODEL), *ARGS, "--api-key", "sesame") as s:
+        assert httpx.get(f"{s.url}/health").status_code == 200
+        for path in ("/v1/models", "/metrics"):
+            r = httpx.get(f"{s.url}{path}")
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(f"{s.url}/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{s.url}/v1", api_key="nope", max_retries=0).completions.create(
+                model="stories260K", prompt="x", max_tokens=2)
+        good = openai.OpenAI(base_url=f"{s.url}/v1", api_key="sesame", max_retries=0)
+        assert good.completions.create(model="stories260K", prompt="x", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_sigterm_lets_a_running_stream_finish():
+    """SIGTERM while a stream runs: it ends with its finish reason and
+    [DONE] (within --drain-timeout), then the process exits 0. (Cutting a
+    stream that outlives the grace period, and the 503 of a full server,
+    are shown on a slower model in test_serve_instruct.py.)"""
+    with serve(str(DEFAULT_MODEL), *ARGS, "--drain-timeout", "30") as s:
+        lines: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{s.url}/v1/completions", timeout=120,
+                              json={"prompt": "Once", "max_tokens": 200, "stream": True}) as r:
+                for ln in r.iter_lines():
+                    if ln:
+                        lines.append(ln)
+                        started.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(60)
+        code, out, err = s.stop(signal.SIGTERM)
+        t.join(60)
+        assert code == 0 and "lmc serve: stopped" in out, err
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_cli_errors_are_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "runtime.cli", "serve", str(DEFAULT_MODEL), "--port", str(port)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and f"--port {port}" in r.stderr, r.stderr
+    for argv, msg in ((["--parallel", "0"], "--parallel"), (["-c", "100000"], "-c 100000"),
+                      (["--mem-budget", "10M"], "--mem-budget"), (["--chat-template", "nonesuch"], "nonesuch")):
+        r = subprocess.run([sys.executable, "-m", "runtime.cli", "serve", str(DEFAULT_MODEL), "-z",
+                            str(DEFAULT_TOKENIZER), "--port", "0", *argv], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and msg in r.stderr, (argv, r.stderr)
+        assert "Traceback" not in r.stderr
