@@ -64,6 +64,7 @@ class Request:
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None      # None: off; k: the chosen token's and the k most likely
     id: str = ""
+    ignore_eos: bool = False         # run to max_tokens (benchmarks; llama.cpp's and vLLM's field)
 
 
 class _Seq:
@@ -80,7 +81,7 @@ class _Seq:
         self.admitted_once = False
         self.sampler = Sampler(req.sampling, vocab)
         self.text = TextAssembler(tokenizer, self.tokens[-1], req.stop)
-        self.stop_ids = stop_ids
+        self.stop_ids = set() if req.ignore_eos else stop_ids
         self.cancelled = False
         self.t_arrival = time.perf_counter()
 
@@ -121,6 +122,8 @@ class Engine:
         self._lock = threading.Lock()
         self.draining = False
         self.drain_deadline = float("inf")
+        if metrics:
+            metrics.observe(self)   # the pool's size is known before the first step
         import inspect
         self._decode_kw = {"decode": True} if "decode" in inspect.signature(executor.batch).parameters else {}
 

@@ -7,11 +7,23 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
 
+import httpx
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def stream_into(url: str, body: dict, lines: list[str], started: threading.Event) -> None:
+    """POST a streaming completion and keep its non-empty SSE lines; ``started`` is set at the first."""
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=300, json={**body, "stream": True}) as r:
+        for ln in r.iter_lines():
+            if ln:
+                lines.append(ln)
+                started.set()
 
 
 class Server:

@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from runtime.cli import DEFAULT_MODEL, DEFAULT_TOKENIZER
-from serve_process import ROOT, serve
+from serve_process import ROOT, serve, stream_into
 
 ARGS = ("-z", str(DEFAULT_TOKENIZER), "-t", "2", "-c", "256", "--parallel", "4")
 
@@ -283,15 +283,8 @@ def test_sigterm_lets_a_running_stream_finish():
         lines: list[str] = []
         started = threading.Event()
 
-        def stream() -> None:
-            with httpx.stream("POST", f"{s.url}/v1/completions", timeout=120,
-                              json={"prompt": "Once", "max_tokens": 200, "stream": True}) as r:
-                for ln in r.iter_lines():
-                    if ln:
-                        lines.append(ln)
-                        started.set()
-
-        t = threading.Thread(target=stream)
+        body = {"prompt": "Once", "max_tokens": 200}
+        t = threading.Thread(target=stream_into, args=(s.url, body, lines, started))
         t.start()
         assert started.wait(60)
         code, out, err = s.stop(signal.SIGTERM)

@@ -140,7 +140,7 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, ctx: int, api_key:
         # without max_tokens a reply may run to the end of the context
         n = max_tokens if max_tokens is not None else max(1, ctx - len(ids))
         req = Request(ids, n, sampling_of(body), lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                      stops_of(body), logprobs, rid)
+                      stops_of(body), logprobs, rid, ignore_eos=body.ignore_eos)
         try:
             engine.submit(req)
         except EngineBusy as e:
@@ -163,6 +163,15 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, ctx: int, api_key:
         finally:
             if not done:
                 engine.cancel(rid)
+
+    async def whole(rid: str, events: asyncio.Queue) -> tuple[str, list, Event]:
+        """A request's text, log-probabilities and last event, for an answer in one piece."""
+        text, lps, last = "", [], None
+        async for ev in events_of(rid, events):
+            text += ev.text
+            lps += ev.logprobs or []
+            last = ev
+        return text, lps, last
 
     def piece(tok: int) -> tuple[str, list[int]]:
         raw = tokenizer.token_to_piece(tok, special=True) if hasattr(tokenizer, "token_to_piece") else \
@@ -233,11 +242,7 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, ctx: int, api_key:
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(stream(), media_type="text/event-stream")
-        text, lps, last = "", [], None
-        async for ev in events_of(rid, events):
-            text += ev.text
-            lps += ev.logprobs or []
-            last = ev
+        text, lps, last = await whole(rid, events)
         reason = finished(last)
         return S.ChatCompletion(id=cid, created=created, model=model, usage=usage_of(last), choices=[S.ChatChoice(
             message=S.AssistantMessage(content=text), finish_reason=reason,
@@ -285,11 +290,7 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, ctx: int, api_key:
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(stream(), media_type="text/event-stream")
-        text, lps, last = "", [], None
-        async for ev in events_of(rid, events):
-            text += ev.text
-            lps += ev.logprobs or []
-            last = ev
+        text, lps, last = await whole(rid, events)
         reason = finished(last)
         return S.Completion(id=cid, created=created, model=model, usage=usage_of(last), choices=[S.CompletionChoice(
             text=text, finish_reason=reason,

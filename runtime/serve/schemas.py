@@ -32,6 +32,7 @@ class Sampling(_Body):
     repeat_penalty: float = Field(default=1.0, gt=0.0)
     n: int = Field(default=1, ge=1, le=1)
     stream_options: dict[str, Any] | None = None
+    ignore_eos: bool = False   # llama.cpp's and vLLM's extension: generate max_tokens whatever comes
 
 
 class ChatMessage(_Body):
