@@ -117,6 +117,15 @@ def test_chat_streams_complete_and_count_the_servers_tokens(server):
     _sane_latencies(r)
 
 
+def test_ignore_eos_runs_every_request_to_max_tokens(server):
+    """With ``ignore_eos`` llama.cpp generates max_tokens whatever the model
+    samples: every request does the same work (what a throughput comparison needs)."""
+    r = run_load_test(server, clients=2, requests=4, max_tokens=40, prompt_tokens=8, ignore_eos=True, details=True)
+    assert (r["completed"], r["errors"], r["ignore_eos"]) == (4, 0, True)
+    assert [q["usage_completion_tokens"] for q in r["per_request"]] == [40] * 4
+    assert r["finish_reasons"] == {"length": 4} and r["completion_tokens_total"] == 160
+
+
 def test_synthetic_prompts_differ_so_the_prefix_cache_cannot_hide_prefill(server):
     """llama.cpp reports, in usage.prompt_tokens_details.cached_tokens, the
     prompt tokens its prefix cache served: most of a repeated fixed prompt,
@@ -213,6 +222,7 @@ class _Canned(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         assert body["model"] == "canned" and body["stream"] is True and body["messages"][0]["role"] == "user"
+        assert "ignore_eos" not in body           # only when asked for
         i = type(self).count
         type(self).count += 1
         self._send(200, self.STREAMS[i % len(self.STREAMS)], "text/event-stream")

@@ -1,6 +1,7 @@
 """``lmc bench``: compile time, prefill and decode speed, memory, and how close
 decoding comes to the memory-bandwidth roofline, measured side by side in one
-process.
+process. ``--serve`` measures serving instead: ``lmc serve`` under 1, 4, 8,
+16 concurrent streams (``serve_bench``).
 
 Decoding one token reads every weight of the decode graph once (the
 embedding table only one row, unless it is also the classifier), so
@@ -26,7 +27,8 @@ from compiler.driver import LoadedModel, load_model, model_graph
 from ir.types import KV_TYPES
 
 from ..model import Model, RunError
-from .common import _threads, memory_args, whole_number
+from .common import CliError, _threads, memory_args, whole_number
+from .serve_bench import stream_counts
 
 #: fields in the order the table prints them, with their labels and formats
 _TABLE = [
@@ -196,14 +198,15 @@ def format_table(r: dict[str, Any]) -> str:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``bench`` to the ``lmc`` sub-commands."""
     b = subparsers.add_parser("bench", help="measure compile time, prefill/decode speed and the roofline")
-    b.add_argument("model", help="model file (.bin)")
+    b.add_argument("model", help="model file (.bin, .gguf)")
     b.add_argument("-z", "--tokenizer", default=None, help="tokenizer file (llama2.c tokenizer.bin)")
     b.add_argument("-t", "--threads", type=_threads, default=os.cpu_count() or 1,
                    help="threads (default: all cores)")
-    b.add_argument("--prompt-tokens", type=whole_number("--prompt-tokens", 1), default=128,
-                   help="random prompt length for prefill (default 128; clipped to the context)")
-    b.add_argument("--gen-tokens", type=whole_number("--gen-tokens", 1), default=128,
-                   help="greedy decode steps timed (default 128)")
+    b.add_argument("--prompt-tokens", type=whole_number("--prompt-tokens", 1), default=None,
+                   help="random prompt length for prefill (default 128; clipped to the context); with --serve, "
+                        "words of each synthetic prompt (default 64)")
+    b.add_argument("--gen-tokens", type=whole_number("--gen-tokens", 1), default=None,
+                   help="greedy decode steps timed (default 128); with --serve, tokens of each reply (default 64)")
     b.add_argument("--runs", type=whole_number("--runs", 1), default=5,
                    help="repetitions; medians are reported (default 5)")
     b.add_argument("--backend", choices=["llvm", "interp"], default="llvm")
@@ -212,7 +215,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--probe-mb", type=whole_number("--probe-mb", 16), default=1024,
                    help="buffer of the bandwidth probe in MiB (default 1024; keep it >> the L3 cache)")
     b.add_argument("--compare-llamacpp", action="store_true",
-                   help="also measure llama.cpp (the xllamacpp package) on the same file, same threads")
+                   help="also measure llama.cpp (the xllamacpp package) on the same file, same threads; with "
+                        "--serve, llama.cpp's server with as many slots, after ours")
+    b.add_argument("--serve", action="store_true",
+                   help="measure serving: start lmc serve on the model and load it with 1, 4, 8, 16 concurrent "
+                        "streaming clients (lmc loadtest); aggregate tok/s, time to first token, inter-token "
+                        "latency; prints JSON, then a table unless --json")
+    b.add_argument("--streams", type=stream_counts, default=None, metavar="N,N,...",
+                   help="with --serve: the stream counts (default 1,4,8,16); each client sends two requests")
+    b.add_argument("--parallel", type=whole_number("--parallel", 1), default=None, metavar="P",
+                   help="with --serve: lmc serve --parallel, llama.cpp's slots (default: the largest of --streams)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
 
     memory_args(b)
@@ -224,8 +236,15 @@ def _jsonable(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    r = run_bench(args.model, args.tokenizer, args.threads, prompt_tokens=args.prompt_tokens,
-                  gen_tokens=args.gen_tokens, runs=args.runs, backend=args.backend,
+    if args.serve:
+        from . import serve_bench
+
+        return serve_bench.run(args)
+    for flag, value in (("--streams", args.streams), ("--parallel", args.parallel)):
+        if value is not None:
+            raise CliError(f"{flag} is a flag of lmc bench --serve")
+    r = run_bench(args.model, args.tokenizer, args.threads, prompt_tokens=args.prompt_tokens or 128,
+                  gen_tokens=args.gen_tokens or 128, runs=args.runs, backend=args.backend,
                   probe_bytes=args.probe_mb << 20, kv_type=args.kv_type, mem_budget=args.mem_budget,
                   stream=args.stream, stream_io=args.stream_io)
     if args.compare_llamacpp:

@@ -19,6 +19,11 @@ counted, its message kept (``"error_messages"``), the run goes on.
 prefix cache skipped: with the synthetic prompts, only a chat template's
 opening.
 
+``--ignore-eos`` (``ignore_eos=True``) asks the server to run every request
+to ``max_tokens`` whatever the model samples (the ``ignore_eos`` field of
+llama.cpp's server and vLLM, which lmc serve takes too): every request then
+does the same work on every server, which a throughput comparison needs.
+
 Percentiles are numpy's default, linear interpolation between the closest
 ranks (``numpy.percentile(..., method="linear")``); with one sample every
 percentile is that sample, with none they are null.
@@ -163,7 +168,7 @@ def _normalize(url: str) -> str:
 async def load_test(url: str, clients: int = 4, requests: int | None = None, max_tokens: int = 64, *,
                     prompt: str | None = None, prompt_tokens: int | None = None, endpoint: str = "chat",
                     model: str | None = None, api_key: str | None = None, temperature: float = 0.0,
-                    timeout: float = 600.0, details: bool = False) -> dict[str, Any]:
+                    timeout: float = 600.0, details: bool = False, ignore_eos: bool = False) -> dict[str, Any]:
     """Run the load and return the report (the JSON object ``lmc loadtest`` prints).
 
     ``requests`` defaults to ``clients``; the prompt is ``prompt``, else a
@@ -172,6 +177,7 @@ async def load_test(url: str, clients: int = 4, requests: int | None = None, max
     the first id of ``GET /v1/models`` (left out of the requests when the
     server lists none). ``timeout`` bounds the whole run; what is in flight
     then is cancelled (``"cancelled"``) and ``"timed_out"`` is true.
+    ``ignore_eos`` puts ``"ignore_eos": true`` in every request body.
     ``details`` adds ``"per_request"``: each finished request's numbers, in
     the order they finished. Raises ``ServerUnreachable`` when nothing
     answers at ``url``."""
@@ -211,6 +217,8 @@ async def load_test(url: str, clients: int = 4, requests: int | None = None, max
                                  "stream_options": {"include_usage": True}}
             if model is not None:
                 b["model"] = model
+            if ignore_eos:
+                b["ignore_eos"] = True
             if endpoint == "chat":
                 b["messages"] = [{"role": "user", "content": text}]
             else:
@@ -231,16 +239,19 @@ async def load_test(url: str, clients: int = 4, requests: int | None = None, max
                 recs.append(rec)
 
         tasks = [asyncio.create_task(client_loop()) for _ in range(min(clients, requests))]
-        _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        try:
+            _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
+        finally:   # also when the run itself is cancelled (Ctrl-C): no client outlives the connections
+            for t in tasks:
+                t.cancel()                                 # a no-op on the finished ones
+            await asyncio.gather(*tasks, return_exceptions=True)
         for t in tasks:
             if not t.cancelled() and t.exception() is not None:
                 raise t.exception()
 
     report = _report(base, model, endpoint, clients, requests, max_tokens, recs, timed_out=bool(pending),
                      cancelled=in_flight)
+    report["ignore_eos"] = ignore_eos
     if details:
         report["per_request"] = [
             {"ttft_s": r.chunks[0] - r.sent if r.chunks else None, "text_chunks": len(r.chunks),
@@ -335,6 +346,10 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=None, metavar="KEY", help="sent as Authorization: Bearer KEY")
     p.add_argument("--temperature", type=_temperature, default=0.0, metavar="T",
                    help="sampling temperature (default 0)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="ask the server to generate max_tokens for every request whatever comes (the "
+                        "ignore_eos field of llama.cpp, vLLM and lmc serve): equal work per request, for "
+                        "throughput comparisons")
     p.add_argument("--timeout", type=_seconds, default=600.0, metavar="S",
                    help="bound on the whole run in seconds; what is unfinished then is cancelled (default 600)")
 
@@ -347,7 +362,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = run_load_test(args.url, args.clients, args.requests, args.max_tokens, prompt=args.prompt,
                                prompt_tokens=args.prompt_tokens, endpoint=args.endpoint, model=args.model,
-                               api_key=args.api_key, temperature=args.temperature, timeout=args.timeout)
+                               api_key=args.api_key, temperature=args.temperature, timeout=args.timeout,
+                               ignore_eos=args.ignore_eos)
     except ServerUnreachable as e:
         raise CliError(str(e)) from None
     print(json.dumps(report, indent=1))
