@@ -57,9 +57,17 @@ class CompileOptions:
     batch: BatchOptions | None = None  # build the paged batch graphs instead of decode/prefill
 
 
+def pass_names(options: CompileOptions) -> tuple[str, ...]:
+    """The pipeline ``options`` asks for: its own list or the backend's default."""
+    return tuple(options.passes if options.passes is not None else default_pipeline(options.backend))
+
+
 def model_graph(model: LoadedModel, mode: str, options: CompileOptions | None = None,
-                all_logits: bool = False, stop_after: str | None = None, run_passes: bool = True) -> Graph:
-    """One graph of ``model`` (decode, prefill or batch), after the pass pipeline."""
+                all_logits: bool = False, stop_after: str | None = None, run_passes: bool = True,
+                decode_rows: bool = False) -> Graph:
+    """One graph of ``model`` (decode, prefill or batch), after the pass pipeline.
+    ``decode_rows``: a batch graph whose every row is a sequence's next token
+    (``batch_decode``), which passes may treat as decode steps (``int_dot``)."""
     options = options or CompileOptions()
     paged = {}
     if mode == "batch":
@@ -69,12 +77,17 @@ def model_graph(model: LoadedModel, mode: str, options: CompileOptions | None = 
         paged = dict(block_size=bo.block_size, n_blocks=bo.n_blocks)
     g = build_graph(model.config, model.weights, mode, ctx=options.ctx, all_logits=all_logits, name=model.name,
                     kv_type=options.kv_type, **paged)
+    if mode == "batch":
+        g.meta.update(max_batch=bo.max_batch, decode_rows=decode_rows)
     if not run_passes:
         return g
-    # prefill and prefill_all (batch and batch_last) share a graph name; their dumps must not
-    suffix = ("" if all_logits else "_last") if mode == "batch" else ("_all" if all_logits else "")
+    # prefill and prefill_all (the batch graphs too) share a graph name; their dumps must not
+    if mode == "batch":
+        suffix = "_decode" if decode_rows else "" if all_logits else "_last"
+    else:
+        suffix = "_all" if all_logits else ""
     dump = os.path.join(options.dump_dir, g.name + suffix) if options.dump_dir else None
-    names = options.passes if options.passes is not None else default_pipeline(options.backend)
+    names = pass_names(options)
     if options.split_rows:
         g.meta["split_rows"] = dict(options.split_rows)
         names = tuple(names) + ("split_rows",)
@@ -84,14 +97,25 @@ def model_graph(model: LoadedModel, mode: str, options: CompileOptions | None = 
 def build_graphs(model: LoadedModel, options: CompileOptions | None = None) -> dict[str, Graph]:
     """The graphs a runtime needs: a decode step, a prefill chunk (last-row
     logits) and a prefill that returns every row (for ``logits``/perplexity).
-    With ``options.batch``, the two paged batch graphs instead: ``batch``
-    (a row of logits per row) and ``batch_last`` (the last row's); their KV
-    pool cannot be shared with a single stream's cache."""
+    With ``options.batch``, the paged batch graphs instead: ``batch`` (a row
+    of logits per row) and ``batch_last`` (the last row's); their KV pool
+    cannot be shared with a single stream's cache. When ``int_dot`` puts
+    some matmul of the decode step on the integer path, also
+    ``batch_decode``: ``batch`` for rows that are each a sequence's next
+    token (at most ``max_batch``), every matmul computing each row as the
+    decode step does, integer path included, so a served sequence decodes
+    to the single stream's numbers; prompt chunks stay on the float
+    ``batch``/``batch_last``."""
     if options is not None and options.batch is not None:
-        return {
+        graphs = {
             "batch": model_graph(model, "batch", options, all_logits=True),
             "batch_last": model_graph(model, "batch", options),
         }
+        if "int_dot" in pass_names(options):
+            g = model_graph(model, "batch", options, all_logits=True, decode_rows=True)
+            if any(n.attrs.get("act") for n in g.nodes):   # else it is ``batch`` again
+                graphs["batch_decode"] = g
+        return graphs
     return {
         "decode": model_graph(model, "decode", options),
         "prefill": model_graph(model, "prefill", options),

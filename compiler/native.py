@@ -3,10 +3,12 @@
 The artifact holds object code for a decode step, a prefill chunk and a
 prefill that keeps every row's logits, and the manifest that says where
 everything lives (arena offsets, state layout, IO area, outputs). Built for
-batched serving (``NativeOptions.batch``) it holds the two paged batch
-steps instead, ``batch`` and ``batch_last``, over a KV pool of blocks: a
-single stream's contiguous cache cannot share the pool's state layout, and
-a server needs only the batch steps (one sequence is a batch of one).
+batched serving (``NativeOptions.batch``) it holds the paged batch steps
+instead, ``batch`` and ``batch_last`` (and ``batch_decode``, decode rows on
+the integer path, when the pipeline has ``int_dot``), over a KV pool of
+blocks: a single stream's contiguous cache cannot share the pool's state
+layout, and a server needs only the batch steps (one sequence is a batch of
+one).
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ class NativeOptions:
     threads: int | None = None      # for the budget's scratch estimate (default: the cores)
     #: told what is happening on a cache miss (a terminal's status line); not part of the cache key
     progress: Callable[[str], None] | None = None
-    batch: BatchOptions | None = None   # paged batch entries (batch, batch_last) instead of decode/prefill
+    batch: BatchOptions | None = None   # paged batch entries (batch, batch_last, batch_decode), not decode/prefill
 
 
 @dataclass
@@ -74,7 +76,8 @@ class CompileResult:
 def _scratch_floats(graphs: dict, ctx: int) -> int:
     """Per-thread scratch (float32 elements): attention scores over the whole
     context at least, and whatever any kernel's own rule asks for (attention
-    scores per head, the integer path's quantized activations)."""
+    scores per head, the integer path's quantized activations: a row each
+    of up to ``decode_rows`` rows in ``batch_decode``)."""
     from .codegen import k_attention, k_matmul_int
     from .codegen.kernels import KernelSig
 

@@ -129,6 +129,10 @@ def _matmul(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
                                            f"got {w.layout}")
         _need(isinstance(w.shape[1], int) and w.shape[1] % QK8 == 0,
               f"qmatmul act=q8: row length {w.shape[1]} is not a multiple of {QK8}")
+    if "decode_rows" in attrs:
+        m = attrs["decode_rows"]
+        _need(isinstance(m, int) and not isinstance(m, bool) and m >= 1,
+              f"decode_rows={m!r}: must be a positive row count")
     return TensorType(x.shape[:-1] + (w.shape[0],), "f32")
 
 
@@ -247,8 +251,19 @@ def rmsnorm_ref(x: np.ndarray, w: Any, *, eps: float) -> np.ndarray:
     return (wv * (xs * ss[:, None])).astype(np.float32).reshape(np.shape(x))
 
 
+def _decode_rows(x: np.ndarray, one_row: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """Rows of x [T, K] each as a decode step computes it (``decode_rows``):
+    one product per row, so no row depends on how many came with it."""
+    return np.stack([one_row(r) for r in np.asarray(x, np.float32)])
+
+
 @register("matmul", 2, _matmul)
-def matmul_ref(x: np.ndarray, w: Any) -> np.ndarray:
+def matmul_ref(x: np.ndarray, w: Any, *, decode_rows: int | None = None) -> np.ndarray:
+    """x @ w.T. ``decode_rows`` (attribute of matmuls in a graph of decode
+    rows, ``passes/int_dot``): at most that many rows, each computed as a
+    decode step's one-row product."""
+    if decode_rows and np.ndim(x) > 1:
+        return _decode_rows(x, lambda r: matmul_ref(r, w))
     return np.asarray(x, np.float32) @ f32_of(w).T
 
 
@@ -258,14 +273,17 @@ def dequant_ref(w: WeightData) -> np.ndarray:
 
 
 @register("qmatmul", 2, _matmul)
-def qmatmul_ref(x: np.ndarray, w: WeightData, *, layout: str, act: str | None = None) -> np.ndarray:
+def qmatmul_ref(x: np.ndarray, w: WeightData, *, layout: str, act: str | None = None,
+                decode_rows: int | None = None) -> np.ndarray:
     """matmul with a stored (quantized) weight; the reference dequantizes.
 
     With ``act="q8"`` (the integer path, as llama.cpp's ``ggml_vec_dot_q*_0_q8_0``)
     x is first quantized per row in blocks of 32 (:func:`quantize_q8_rows`) and
     out = sum over blocks of d_w * d_x * (integer sum of q_w * q_x). The block
     sums are exact integers; d_w * d_x * sum and the sum over blocks are done
-    in float64, then rounded once to float32."""
+    in float64, then rounded once to float32. ``decode_rows``: as ``matmul_ref``."""
+    if decode_rows and np.ndim(x) > 1:
+        return _decode_rows(x, lambda r: qmatmul_ref(r, w, layout=layout, act=act))
     if act is None:
         return np.asarray(x, np.float32) @ w.to_f32().T
     xf = np.asarray(x, np.float32)
@@ -297,11 +315,12 @@ def _matmul_rows(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
 
 @register("qmatmul_rows", -1, _matmul_rows, inplace=2)
 def qmatmul_rows_ref(x: np.ndarray, w: WeightData, acc: np.ndarray | None = None, *, layout: str,
-                     row0: int, n_total: int, act: str | None = None) -> np.ndarray:
+                     row0: int, n_total: int, act: str | None = None,
+                     decode_rows: int | None = None) -> np.ndarray:
     """One row block of a split ``qmatmul`` (``passes/split_rows``): rows
     [row0, row0 + n) of the full [.., n_total] result, written into ``acc``
     (the blocks before it) in place; rows not written yet are zero."""
-    part = qmatmul_ref(x, w, layout=layout, act=act)
+    part = qmatmul_ref(x, w, layout=layout, act=act, decode_rows=decode_rows)
     out = np.zeros(part.shape[:-1] + (n_total,), np.float32) if acc is None else np.array(acc, np.float32)
     out[..., row0: row0 + part.shape[-1]] = part
     return out

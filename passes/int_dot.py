@@ -10,6 +10,14 @@ Prefill graphs are left alone: their matmuls are compute-bound and the float
 kernels tile them. Whether to run the pass is the pipeline's choice (it
 changes results slightly: x is rounded to 8 bits per block); the compiler
 can ask ``compiler.codegen.k_matmul_int.host_has_int_dot()``.
+
+A batch graph of decode rows (``meta["decode_rows"]``: ``batch_decode``,
+each row a sequence's next token, at most ``meta["max_batch"]``) must give
+every row the decode step's numbers, bit for bit, or a served sequence
+drifts from ``lmc run``'s. So its matmuls get ``decode_rows`` = max_batch:
+kernels compute each row with the one-row (decode) arithmetic, reading each
+weight tile once for all rows; and those on 32-block weights take the
+integer path as in decode.
 """
 from __future__ import annotations
 
@@ -21,8 +29,15 @@ from .registry import register_pass
 
 @register_pass("int_dot")
 def int_dot(graph: Graph) -> Graph:
-    """Quantize activations per block (q8) for decode qmatmuls on Q8_0/Q4_0/Q5_0 weights."""
-    if graph.meta.get("mode") != "decode":
+    """Quantize activations per block (q8) for decode qmatmuls on Q8_0/Q4_0/Q5_0
+    weights; in a graph of decode rows, also compute every row as decode does."""
+    mode = graph.meta.get("mode")
+    if mode == "batch" and graph.meta.get("decode_rows"):
+        rows = {"decode_rows": int(graph.meta["max_batch"])}
+        for node in graph.nodes:
+            if node.op in ("matmul", "qmatmul"):
+                node.attrs = {**node.attrs, **rows}
+    elif mode != "decode":
         return graph
     for node in graph.nodes:
         if node.op != "qmatmul" or node.attrs.get("layout") not in INT_DOT_LAYOUTS:

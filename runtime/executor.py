@@ -2,8 +2,9 @@
 
 The interpreter executor is the reference; native executors share this
 interface so the generation loop does not care which one runs. Graphs
-built for batched serving (``batch``/``batch_last``, a paged KV pool) run
-through ``batch`` instead of ``decode``/``prefill`` (``runtime.paged``).
+built for batched serving (``batch``, ``batch_last``, ``batch_decode``: a
+paged KV pool) run through ``batch`` instead of ``decode``/``prefill``
+(``runtime.paged``).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class InterpExecutor(PagedBatch):
             m = first.meta
             vocab = int(graphs["batch"].outputs[0].type.shape[-1])
             self.pool = PoolShape(int(m["block_size"]), int(m["n_blocks"]), int(m["max_blocks"]), self.ctx, vocab,
-                                  max_rows)
+                                  max_rows, m.get("max_batch"))
 
     def reset(self) -> None:
         for buf in self.state.values():
@@ -54,8 +55,9 @@ class InterpExecutor(PagedBatch):
         return out["logits"]
 
     def _batch_step(self, tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray,
-                    last_only: bool) -> np.ndarray:
-        g = self.graphs["batch_last" if last_only else "batch"]
+                    last_only: bool, decode: bool = False) -> np.ndarray:
+        name = "batch_last" if last_only else "batch_decode" if decode and "batch_decode" in self.graphs else "batch"
+        g = self.graphs[name]
         out = run(g, {"tokens": tokens, "positions": positions, "block_tables": tables}, self.state, self.weights)
         return out["logits"]
 

@@ -119,7 +119,7 @@ class NativeExecutor(PagedBatch):
         if m.get("batch"):
             bm = m["batch"]
             self.pool = PoolShape(int(bm["block_size"]), int(bm["n_blocks"]), int(bm["max_blocks_per_seq"]),
-                                  self.ctx, self.vocab, int(bm["max_rows"]))
+                                  self.ctx, self.vocab, int(bm["max_rows"]), int(bm["max_batch"]))
         self._threads: list[threading.Thread] = []
         for tid in range(1, self.threads):
             t = threading.Thread(target=self._worker, args=(self._ctl_ptr, tid), daemon=True,
@@ -255,8 +255,8 @@ class NativeExecutor(PagedBatch):
 
     # --- batched serving (runtime.paged checked the inputs) ---------------------------
     def _batch_step(self, tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray,
-                    last_only: bool) -> np.ndarray:
-        name = "batch_last" if last_only else "batch"
+                    last_only: bool, decode: bool = False) -> np.ndarray:
+        name = "batch_last" if last_only else "batch_decode" if decode and "batch_decode" in self.entries else "batch"
         at = self.entries[name]["inputs"]
         for key, a in (("tokens", tokens), ("positions", positions), ("block_tables", tables)):
             raw = np.ascontiguousarray(a, np.int32).view(np.uint8).reshape(-1)

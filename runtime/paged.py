@@ -34,6 +34,7 @@ class PoolShape:
     ctx: int
     vocab: int
     max_rows: int | None   # rows one step can take (the compiled plan's T); None: any
+    max_batch: int | None = None   # decode rows one step can take (sequences); None: max_rows
 
 
 def check_batch(pool: PoolShape, tokens, positions, tables) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -76,7 +77,8 @@ def check_batch(pool: PoolShape, tokens, positions, tables) -> tuple[np.ndarray,
 
 class PagedBatch:
     """``batch`` and ``copy_block`` for an executor that provides
-    ``_batch_step`` (one checked step of at most ``max_rows`` rows) and
+    ``_batch_step`` (one checked step of at most ``max_rows`` rows, or
+    ``max_batch`` decode rows) and
     ``_copy_block_rows`` (the copy itself), and sets ``pool``."""
 
     pool: PoolShape
@@ -97,7 +99,11 @@ class PagedBatch:
     def max_rows(self) -> int | None:
         return self.pool.max_rows
 
-    def batch(self, tokens, positions, tables, last_only: bool = False) -> np.ndarray:
+    @property
+    def max_batch(self) -> int | None:
+        return self.pool.max_batch if self.pool.max_batch is not None else self.pool.max_rows
+
+    def batch(self, tokens, positions, tables, last_only: bool = False, decode: bool = False) -> np.ndarray:
         """Run one step: row r is token ``tokens[r]`` of the sequence whose
         block table is ``tables[r]``, at position ``positions[r]``; its K/V
         rows go into the pool and it attends over its sequence's positions
@@ -105,8 +111,22 @@ class PagedBatch:
         Returns float32 logits [T, vocab], or with ``last_only`` the last
         row's [vocab] (a prompt chunk of one sequence, in position order:
         longer than ``max_rows`` it runs in pieces). A fresh array, not a
-        view of executor memory."""
+        view of executor memory.
+
+        ``decode``: every row is a distinct sequence's next token (at most
+        ``max_batch`` rows). They run through ``batch_decode`` where the
+        model has it (built where ``int_dot`` runs: each row's matmuls are
+        the decode step's, integer path included, so its logits are, bit
+        for bit, what that sequence's own decode step gives), else as
+        ``batch``."""
         tok, pos, tab = check_batch(self.pool, tokens, positions, tables)
+        if decode:
+            if last_only:
+                raise BatchError("decode rows give every row's logits: decode and last_only do not go together")
+            if self.max_batch is not None and len(tok) > self.max_batch:
+                raise BatchError(f"{len(tok)} decode rows are more than this model's {self.max_batch} sequences "
+                                 f"per step (split them)")
+            return np.array(self._batch_step(tok, pos, tab, False, decode=True), np.float32)
         n = self.pool.max_rows
         if n is None or len(tok) <= n:
             return np.array(self._batch_step(tok, pos, tab, last_only), np.float32)
@@ -128,7 +148,7 @@ class PagedBatch:
             self._copy_block_rows(int(src), int(dst))
 
     def _batch_step(self, tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray,
-                    last_only: bool) -> np.ndarray:
+                    last_only: bool, decode: bool = False) -> np.ndarray:
         raise NotImplementedError
 
     def _copy_block_rows(self, src: int, dst: int) -> None:

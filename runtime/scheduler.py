@@ -107,7 +107,7 @@ class Engine:
         self.max_batch = max(1, int(max_batch))
         rows = executor.max_rows or prefill_chunk
         self.prefill_chunk = max(1, min(prefill_chunk, rows))
-        self.max_batch = min(self.max_batch, rows)
+        self.max_batch = min(self.max_batch, rows, executor.max_batch or rows)
         self.blocks = BlockManager(executor.n_blocks, executor.block_size)
         self.metrics = metrics
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -124,8 +124,6 @@ class Engine:
         self.drain_deadline = float("inf")
         if metrics:
             metrics.observe(self)   # the pool's size is known before the first step
-        import inspect
-        self._decode_kw = {"decode": True} if "decode" in inspect.signature(executor.batch).parameters else {}
 
     # --- from any thread ---------------------------------------------------------------------
     def check(self, prompt_ids: Sequence[int], max_tokens: int) -> None:
@@ -270,7 +268,7 @@ class Engine:
         the arithmetic of the single-stream decode step (``decode=True``),
         so a request's tokens do not depend on who else is being served."""
         logits = self.ex.batch([s.tokens[-1] for s in seqs], [len(s.tokens) - 1 for s in seqs],
-                               _padded([self.blocks.table(s.key) for s in seqs]), **self._decode_kw)
+                               _padded([self.blocks.table(s.key) for s in seqs]), decode=True)
         if self.metrics:
             self.metrics.batch_size.observe(len(seqs))
         for s, row in zip(seqs, logits):

@@ -9,6 +9,12 @@ logits must equal that sequence run alone through today's single-stream
 graphs. Models: stories260K (f32 and f16 KV), and synthetic Qwen- and
 Gemma-3-shaped GGUFs (head_dim 64, so q8 KV too; Gemma's sliding window of
 5 is shorter than the sequences, and its sixth layer is global).
+
+Decode rows (``batch(..., decode=True)``) on models whose decode step takes
+the integer path (``int_dot``: Q8_0, Q4_0, Q5_0 weights) run through
+``batch_decode`` and must equal each sequence's own decode step bit for bit:
+synthetic Q8_0, Q4_0 and Q5_0/Q4_K GGUFs, and SmolLM2-135M-Instruct when
+../shared can provide it.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from runtime.cli import DEFAULT_MODEL, DEFAULT_TOKENIZER
 from runtime.executor import InterpExecutor
 from runtime.native import NativeExecutor
 from runtime.paged import BatchError, BatchIndexError
+from shared_data import SMOLLM2, instruct_models
 
 CTX = 64
 BS = 4
@@ -40,16 +47,24 @@ SYNTH = {
     "qwen2": dict(arch="qwen2", dim=256, hidden_dim=512, n_layers=2, n_heads=4, n_kv_heads=2, tied_output=False),
     "gemma3": dict(arch="gemma3", dim=256, hidden_dim=512, n_layers=6, n_heads=4, n_kv_heads=1, tied_output=False,
                    rope_theta=1e6, extra={"sliding_window": 5, "rope_local_theta": 10000.0}),
+    # 320-wide rows: Q4_K falls back to Q5_0 there, as llama.cpp's quantizer does (Qwen2.5-Coder's
+    # Q4_K_M layers), next to ffn_down's Q4_K rows of 512 (float kernels)
+    "qwen2_320": dict(arch="qwen2", dim=320, hidden_dim=512, n_layers=2, n_heads=5, n_kv_heads=1, tied_output=False),
 }
+#: models whose decode takes the integer path, by name: (SYNTH config, qtype asked for)
+INT_MODELS = {"q8_0": ("qwen2", "Q8_0"), "q4_0": ("qwen2", "Q4_0"), "q5_0": ("qwen2_320", "Q4_K")}
+#: the pipeline with int_dot, on any host (without VNNI the kernel's portable path)
+INT_PASSES = ("fuse_dequant", "int_dot")
 
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
-    """Model files by name: stories260K and the synthetic GGUFs (
-    F32 and Q4_K weights: neither takes the integer decode path, see int_dot)."""
+    """Model files by name: stories260K and the synthetic GGUFs (qwen2 F32
+    and gemma3 Q4_K weights: neither takes the integer decode path, see
+    int_dot; the INT_MODELS do)."""
     out = {"stories": (str(DEFAULT_MODEL), str(DEFAULT_TOKENIZER))}
-    for name, qtype in (("qwen2", "F32"), ("gemma3", "Q4_K")):
-        cfg = ModelConfig(**SYNTH[name], vocab_size=VOCAB, seq_len=CTX)
+    for name, (arch, qtype) in {"qwen2": ("qwen2", "F32"), "gemma3": ("gemma3", "Q4_K"), **INT_MODELS}.items():
+        cfg = ModelConfig(**SYNTH[arch], vocab_size=VOCAB, seq_len=CTX)
         p = tmp_path_factory.mktemp("batch") / f"{name}.gguf"
         write_gguf(p, cfg, random_tensor(expected_shapes(cfg), 3), qtype, vocab=printable_vocab(VOCAB))
         out[name] = (str(p), None)
@@ -69,15 +84,18 @@ def interp_single(paths, name: str, kv: str) -> InterpExecutor:
     return InterpExecutor(build_graphs(loaded(paths, name), CompileOptions(ctx=CTX, kv_type=kv)))
 
 
-def interp_batch(paths, name: str, kv: str, batch: BatchOptions = BATCH, max_rows: int = 16) -> InterpExecutor:
-    return InterpExecutor(build_graphs(loaded(paths, name), CompileOptions(ctx=CTX, kv_type=kv, batch=batch)),
+def interp_batch(paths, name: str, kv: str, batch: BatchOptions = BATCH, max_rows: int = 16,
+                 passes: tuple[str, ...] | None = None) -> InterpExecutor:
+    return InterpExecutor(build_graphs(loaded(paths, name), CompileOptions(ctx=CTX, kv_type=kv, batch=batch,
+                                                                          passes=passes)),
                           max_rows=max_rows)
 
 
 def native(paths, name: str, kv: str, batch: BatchOptions | None = BATCH, chunk: int = 16,
-           threads: int = 2) -> NativeExecutor:
+           threads: int = 2, passes: tuple[str, ...] | None = None) -> NativeExecutor:
     m = loaded(paths, name)
-    art = compile_native(m, NativeOptions(ctx=CTX, kv_type=kv, batch=batch, prefill_chunk=chunk)).artifact
+    art = compile_native(m, NativeOptions(ctx=CTX, kv_type=kv, batch=batch, prefill_chunk=chunk,
+                                          passes=passes)).artifact
     return NativeExecutor(art, m.path, threads=threads)
 
 
@@ -86,8 +104,9 @@ class Blocks:
     """Free pool blocks in shuffled order: a sequence's blocks scatter and
     sequences interleave in the pool."""
 
-    def __init__(self, n_blocks: int, seed: int) -> None:
+    def __init__(self, n_blocks: int, seed: int, block_size: int = BS) -> None:
         self.free = [int(b) for b in np.random.default_rng(seed).permutation(n_blocks)]
+        self.size = block_size
 
     def take(self) -> int:
         return self.free.pop()
@@ -99,7 +118,7 @@ class Seq:
     table: list[int]
 
     def grow(self, blocks: Blocks, length: int) -> None:
-        while len(self.table) * BS < length:
+        while len(self.table) * blocks.size < length:
             self.table.append(blocks.take())
 
 
@@ -109,7 +128,7 @@ class Schedule:
 
     def __init__(self, ex, seed: int = 0) -> None:
         self.ex = ex
-        self.blocks = Blocks(ex.n_blocks, seed)
+        self.blocks = Blocks(ex.n_blocks, seed, ex.block_size)
         self.seqs: list[Seq] = []
         self.rows: dict[tuple[int, int], np.ndarray] = {}
 
@@ -117,8 +136,9 @@ class Schedule:
         self.seqs.append(Seq([], []))
         return len(self.seqs) - 1
 
-    def step(self, work: list[tuple[int, list[int]]], last_only: bool = False) -> np.ndarray:
-        """One batch step: for each (sequence, new tokens), its rows, in order."""
+    def step(self, work: list[tuple[int, list[int]]], last_only: bool = False, decode: bool = False) -> np.ndarray:
+        """One batch step: for each (sequence, new tokens), its rows, in order
+        (its inputs kept in ``last``)."""
         toks, pos, tabs, keys = [], [], [], []
         for s, new in work:
             seq = self.seqs[s]
@@ -131,7 +151,8 @@ class Schedule:
         width = max(len(self.seqs[s].table) for s, _ in work)
         for s, new in work:
             tabs += [self.seqs[s].table + [0] * (width - len(self.seqs[s].table))] * len(new)
-        out = self.ex.batch(toks, pos, tabs, last_only=last_only)
+        self.last = (toks, pos, tabs)
+        out = self.ex.batch(toks, pos, tabs, last_only=last_only, decode=decode)
         if last_only:
             self.rows[keys[-1]] = out
         else:
@@ -233,8 +254,10 @@ def test_native_batch_equals_interpreter(paths, name, kv):
 
 
 # --- native greedy: B sequences batched == each decoded alone ------------------------------------
-def greedy_batched(ex, prompts: list[list[int]], steps: int, join: list[int]) -> list[list[int]]:
-    """Greedy continuation of every prompt; prompt i joins at round join[i]."""
+def greedy_batched(ex, prompts: list[list[int]], steps: int, join: list[int],
+                   decode: bool = False) -> list[list[int]]:
+    """Greedy continuation of every prompt; prompt i joins at round join[i];
+    ``decode``: the rounds' rows as decode rows (``batch_decode``)."""
     sch = Schedule(ex, 5)
     ids = [sch.new() for _ in prompts]
     out: list[list[int]] = [[] for _ in prompts]
@@ -244,7 +267,7 @@ def greedy_batched(ex, prompts: list[list[int]], steps: int, join: list[int]) ->
                 out[i].append(int(np.argmax(sch.step([(ids[i], p)], last_only=True))))
         live = [i for i in range(len(prompts)) if join[i] < rnd and len(out[i]) < steps]
         if live:
-            rows = sch.step([(ids[i], [out[i][-1]]) for i in live])
+            rows = sch.step([(ids[i], [out[i][-1]]) for i in live], decode=decode)
             for i, row in zip(live, rows):
                 out[i].append(int(np.argmax(row)))
     return out
@@ -255,7 +278,8 @@ def test_native_batch_greedy_equals_single_decode(paths, name):
     """Sequences join at different rounds; each row's greedy token is the
     single stream's. (On weights the single-stream decode runs through the
     integer path, Q8_0/Q4_0/Q5_0 with VNNI, the float batch matmuls round
-    differently and greedy runs can part at near ties: not tested here.)"""
+    differently and greedy runs can part at near ties: decode rows go
+    through batch_decode then, see test_native_decode_rows_greedy_equals_generate.)"""
     rng = np.random.default_rng(2)
     vocab = loaded(paths, name).config.vocab_size
     prompts = [[1] + [int(t) for t in rng.integers(3, vocab, n)] for n in (4, 11, 1, 7)]
@@ -265,6 +289,105 @@ def test_native_batch_greedy_equals_single_decode(paths, name):
     for p, g in zip(prompts, got):
         assert g == list(single.generate(p, steps, temperature=0.0, stop=False))
         assert len(set(g)) > steps // 4   # a model that repeats one token would compare nothing
+
+
+# --- decode rows on the integer path: batch_decode == each sequence's decode step ----------------
+def singles_and_batch(paths, name: str, backend: str):
+    """(the batch executor, a maker of single-stream executors) with int_dot."""
+    m = loaded(paths, name)
+    if backend == "interp":
+        graphs = build_graphs(m, CompileOptions(ctx=CTX, passes=INT_PASSES))
+        ex = interp_batch(paths, name, "f32", passes=INT_PASSES)
+        assert "batch_decode" in ex.graphs
+        return ex, lambda: InterpExecutor(graphs)
+    art = compile_native(m, NativeOptions(ctx=CTX, passes=INT_PASSES)).artifact
+    ex = native(paths, name, "f32", passes=INT_PASSES)
+    assert "batch_decode" in ex.entries
+    return ex, lambda: NativeExecutor(art, m.path, threads=2)
+
+
+def check_decode_rows(ex, singles: list, prompts: list[list[int]], rounds: int, rng) -> None:
+    """For B = 1 .. len(singles) sequences (prompts of different lengths,
+    so rows sit at different positions; prompts through ``batch_last`` and
+    ``prefill``): ``rounds`` steps of B decode rows, each row equal, bit for
+    bit, to that sequence's own decode step. Then the last step once more as
+    float rows, which differ (the test tells the paths apart), and again as
+    decode rows, which rewrite the same K/V rows and give the same logits."""
+    vocab = ex.pool.vocab
+    for B in range(1, len(singles) + 1):
+        sch = Schedule(ex, B)
+        for i in range(B):
+            sch.step([(sch.new(), prompts[i])], last_only=True)
+            singles[i].prefill(prompts[i], 0)
+        for _ in range(rounds):
+            new = [int(t) for t in rng.integers(3, vocab, B)]
+            rows = sch.step([(i, [t]) for i, t in enumerate(new)], decode=True)
+            for i, t in enumerate(new):
+                np.testing.assert_array_equal(rows[i], singles[i].decode(t, len(sch.seqs[i].ids) - 1))
+        assert not np.array_equal(ex.batch(*sch.last), rows)
+        np.testing.assert_array_equal(ex.batch(*sch.last, decode=True), rows)
+
+
+@pytest.mark.parametrize("backend", ["interp", "llvm"])
+@pytest.mark.parametrize("name", list(INT_MODELS))
+def test_decode_rows_equal_decode_steps(paths, name, backend):
+    ex, single = singles_and_batch(paths, name, backend)
+    rng = np.random.default_rng(6)
+    prompts = [[int(t) for t in rng.integers(3, VOCAB, n)] for n in (3, 9, 1, 6)]
+    check_decode_rows(ex, [single() for _ in range(BATCH.max_batch)], prompts, 3, rng)
+    if backend == "llvm":   # the step's inputs and scratch: a quantized row per decode row
+        from compiler.codegen.k_matmul_int import slot_bytes
+
+        e, m = ex.entries, ex.manifest
+        assert e["batch_decode"]["inputs"] == e["batch"]["inputs"]
+        assert m["scratch_floats"] * 4 >= BATCH.max_batch * slot_bytes(loaded(paths, name).config.dim)
+
+
+@pytest.mark.parametrize("name", list(INT_MODELS))
+def test_native_decode_rows_greedy_equals_generate(paths, name):
+    """As test_native_batch_greedy_equals_single_decode, on the integer
+    path: decode rows through batch_decode give each sequence the tokens
+    ``generate`` (the single-stream decode step) gives it."""
+    rng = np.random.default_rng(2)
+    prompts = [[1] + [int(t) for t in rng.integers(3, VOCAB, n)] for n in (4, 11, 1, 7)]
+    got = greedy_batched(native(paths, name, "f32", passes=INT_PASSES), prompts, 24, join=[0, 0, 3, 9],
+                         decode=True)
+    single = runtime.load(paths[name][0], ctx=CTX, threads=2, passes=INT_PASSES)
+    for p, g in zip(prompts, got):
+        assert g == list(single.generate(p, 24, temperature=0.0, stop=False))
+        assert len(set(g)) > 6
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M-Instruct Q4_1 (output matrix Q8_0: the integer path),
+    compiled for batches of 4 sequences, and prompts from its tokenizer."""
+    path = instruct_models()[SMOLLM2]
+    m = load_model(path)
+    art = compile_native(m, NativeOptions(ctx=128, passes=INT_PASSES, prefill_chunk=32,
+                                          batch=BatchOptions(16, None, 4))).artifact
+    texts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
+             "def fibonacci(n):\n    "]
+    return path, art, [m.tokenizer.encode(t, bos=True) for t in texts]
+
+
+def test_smollm2_decode_rows_equal_decode_steps(smollm2):
+    path, art, prompts = smollm2
+    ex = NativeExecutor(art, path, threads=2)
+    assert "batch_decode" in ex.entries
+    single = compile_native(load_model(path), NativeOptions(ctx=128, passes=INT_PASSES)).artifact
+    check_decode_rows(ex, [NativeExecutor(single, path, threads=2) for _ in range(4)], prompts, 2,
+                      np.random.default_rng(7))
+
+
+def test_smollm2_greedy_batched_equals_generate(smollm2):
+    """What a server gives 4 clients at once, batched, is what ``lmc run``
+    gives each alone: 48 greedy tokens."""
+    path, art, prompts = smollm2
+    got = greedy_batched(NativeExecutor(art, path, threads=2), prompts, 48, join=[0, 0, 2, 5], decode=True)
+    single = runtime.load(path, ctx=128, threads=2, passes=INT_PASSES)
+    for p, g in zip(prompts, got):
+        assert g == list(single.generate(p, 48, temperature=0.0, stop=False))
 
 
 # --- copy_block -----------------------------------------------------------------------------------
@@ -324,10 +447,16 @@ def test_batch_refuses_bad_steps(paths, backend):
         (dict(ok, tokens=[1.0, 2.0]), BatchError, "integers"),
         (dict(tokens=list(range(17)), positions=list(range(17)), tables=[list(range(5))] * 17), BatchError,
          "rows per step"),
+        (dict(tokens=[1] * 5, positions=range(5), tables=[[0, 1]] * 5, decode=True), BatchError,
+         "4 sequences per step"),
+        (dict(ok, decode=True, last_only=True), BatchError, "last_only"),
     ]
     for kw, err, msg in bad:
         with pytest.raises(err, match=msg):
             ex.batch(**kw)
+    # no integer path here (F32 weights): decode rows run as ``batch``
+    assert ex.max_batch == 4
+    np.testing.assert_array_equal(ex.batch(**ok, decode=True), ex.batch(**ok))
     # unused table entries may hold anything
     assert np.isfinite(ex.batch([1], [0], [[4, -1, 10 ** 9]])).all()
     with pytest.raises(BatchError, match="batched serving"):

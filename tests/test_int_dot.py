@@ -233,6 +233,60 @@ def test_int_matmul_prefill_rows(name):
         check_close(got, want, x, w)
 
 
+def _call_with_guard(k: CompiledKernel, x, w, T: int, nt: int) -> np.ndarray:
+    """Run ``k`` on every thread id with a scratch of exactly the size its
+    rule asks for, followed by a guard zone that must stay untouched."""
+    need = k_matmul_int.scratch_floats(k.sig)
+    out = np.zeros((T, int(w.type.shape[0])) if x.ndim == 2 else int(w.type.shape[0]), np.float32)
+    for tid in range(nt):
+        scratch = np.full(need + 256, 12345.0, np.float32)
+        k(out, [x, w], T=T, tid=tid, nthreads=nt, scratch=scratch)
+        assert np.all(scratch[need:] == 12345.0), "the kernel wrote past its scratch"
+    return out
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("name", INT_LAYOUTS)
+def test_decode_rows_equal_one_row_calls_bit_for_bit(name, portable):
+    """A batch of decode rows (``decode_rows``: quantize up to that many
+    rows, then each weight tile against all of them) gives every row exactly
+    the one-row (decode) kernel's result: the same tile code per row. T
+    below, at and above decode_rows (groups), short and long rows, 1..3
+    threads; the scratch holds decode_rows slots and no more."""
+    rng = np.random.default_rng(21)
+    for n, k in ((7, 96), (33, 640), (9, 8192)):
+        w = gguf_weight(rng, name, n, k, "normal")
+        one = compiled(sig_for("qmatmul", [TensorType((k,)), w.type], layout=name, act="q8"), portable=portable)
+        for slots in (1, 4):
+            sig = sig_for("qmatmul", [TensorType(("T", k)), w.type], layout=name, act="q8", decode_rows=slots)
+            assert k_matmul_int.scratch_floats(sig) * 4 >= slots * k * 3
+            rows = compiled(sig, portable=portable)
+            for T in (1, 3, 4, 9):
+                x = rng.standard_normal((T, k)).astype(np.float32)
+                for nt in (1, 3):
+                    got = _call_with_guard(rows, x, w, T, nt)
+                    want = np.stack([_call_with_guard(one, x[t], w, 1, nt) for t in range(T)])
+                    np.testing.assert_array_equal(got, want)
+                check_close(got, qmatmul_ref(x, w, layout=name, act="q8"), x, w)
+
+
+def test_decode_rows_attribute():
+    """A positive int; the references compute such rows one at a time, as
+    decode steps."""
+    rng = np.random.default_rng(22)
+    w = gguf_weight(rng, "Q8_0", 5, 64)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    q = get_op("qmatmul")
+    xt = TensorType(("T", 64))
+    assert q.infer([xt, w.type], {"layout": "Q8_0", "act": "q8", "decode_rows": 8}).shape == ("T", 5)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ShapeError):
+            q.infer([xt, w.type], {"layout": "Q8_0", "decode_rows": bad})
+    for act in ("q8", None):
+        want = np.stack([qmatmul_ref(r, w, layout="Q8_0", act=act) for r in x])
+        np.testing.assert_array_equal(qmatmul_ref(x, w, layout="Q8_0", act=act, decode_rows=4), want)
+
+
 def test_scratch_need():
     sig = sig_for("qmatmul", [TensorType((640,)), TensorType((8, 640), "f32", "Q5_0")], layout="Q5_0", act="q8")
     assert k_matmul_int.scratch_floats(sig) * 4 >= 640 * 3
@@ -273,6 +327,25 @@ def test_pass_marks_decode_qmatmuls_only(tmp_path, qtype):
             assert (n.attrs.get("act") == "q8") == want, (mode, n.attrs)
         if mode == "decode" and qtype in INT_LAYOUTS:
             assert any(n.attrs.get("act") == "q8" for n in qm)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "F32"])
+def test_pass_marks_batch_graphs_of_decode_rows_only(tmp_path, qtype):
+    """The batch graphs: in ``batch_decode`` (decode rows) every matmul gets
+    ``decode_rows`` = max_batch and the Q8_0 ones the integer path;
+    ``batch``/``batch_last`` (prompt chunks) are left alone. Without an
+    integer matmul there is no batch_decode (it would be ``batch``)."""
+    from compiler.driver import BatchOptions, CompileOptions, build_graphs
+
+    m = _tiny_model(tmp_path, qtype)
+    gs = build_graphs(m, CompileOptions(passes=("fuse_dequant", "int_dot"), batch=BatchOptions(4, 16, 3)))
+    assert set(gs) == ({"batch", "batch_last", "batch_decode"} if qtype == "Q8_0" else {"batch", "batch_last"})
+    for name, g in gs.items():
+        mm = [n for n in g.nodes if n.op in ("matmul", "qmatmul")]
+        want = ("q8", 3) if name == "batch_decode" else (None, None)
+        assert mm and all((n.attrs.get("act"), n.attrs.get("decode_rows")) == want for n in mm), name
+    gs = build_graphs(m, CompileOptions(passes=("fuse_dequant",), batch=BatchOptions(4, 16, 3)))
+    assert set(gs) == {"batch", "batch_last"}
 
 
 def test_q8_0_model_interpreter_and_native_agree(tmp_path):

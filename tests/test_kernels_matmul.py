@@ -270,3 +270,41 @@ def test_matvec_assembly_has_vector_fma():
     else:
         fmas = re.findall(rf"\bvfmadd\w*ps\s[^\n]*%{reg}", asm)
     assert len(fmas) >= 8, asm[:3000]
+
+
+# --- decode rows: T rows, each with the decode step's arithmetic --------------------------------
+def _weight(rng, layout: str, n: int, k: int) -> WeightData:
+    if layout == "F32":
+        return f32_weight(rng.standard_normal((n, k)))
+    if layout.startswith("Q8G"):
+        return q8_weight(rng, n, k, int(layout[3:]))
+    if layout.endswith("_K"):
+        from test_kquants import kquant_weight
+        return kquant_weight(rng, layout, n, k)
+    from test_gguf_layouts import gguf_weight
+    return gguf_weight(rng, layout, n, k)
+
+
+@pytest.mark.parametrize("layout,n,k", [
+    ("F32", 9, 200), ("F32", 5, 2048), ("Q8G32", 7, 96), ("Q8G32", 8, 100), ("Q8_0", 5, 2048),
+    ("Q4_1", 33, 576), ("Q4_1", 3, 8192), ("Q5_1", 7, 160), ("Q4_K", 9, 512), ("Q6_K", 7, 2048)])
+def test_decode_rows_equal_one_row_calls_bit_for_bit(layout, n, k):
+    """``decode_rows`` (a batch of decode rows, ``passes/int_dot``): each
+    row's result is the one-row (decode) kernel's, bit for bit, whatever T
+    and the thread count; prefill tiles (several tokens, K chunks) would
+    sum in another order. Planar Q8 with K % group != 0 too (rows straddle
+    groups), long K (R = 4 rows; K chunks in prefill)."""
+    rng = np.random.default_rng(31)
+    w = _weight(rng, layout, n, k)
+    op, attrs = ("matmul", {}) if layout == "F32" else ("qmatmul", {"layout": w.type.layout})
+    one = compiled(sig_for(op, [TensorType((k,)), w.type], **attrs))
+    rows = sig_for(op, [TensorType(("T", k)), w.type], **attrs, decode_rows=4)
+    for T in (1, 4, 6):
+        x = activations(rng, T, k)
+        for nt in (1, 3):
+            got = run_kernel_like_reference(rows, [x, w], nthreads=nt, symbols={"T": T}, kernel=compiled(rows))
+            want = np.stack([run_kernel_like_reference(one.sig, [x[t], w], nthreads=nt, kernel=one)
+                             for t in range(T)])
+            np.testing.assert_array_equal(got, want)
+        ref = matmul_ref(x, w) if op == "matmul" else qmatmul_ref(x, w, layout=w.type.layout)
+        check_dot(got, ref, x, w)

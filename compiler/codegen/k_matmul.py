@@ -44,6 +44,12 @@ stay in L1 while the activations stream through; a K of 2048 or more is cut
 into chunks of ``_K_CHUNK`` columns (partial sums are added in ``out``) so a
 chunk of activations stays in L2.
 
+Rows of a batch of decode rows (the ``decode_rows`` attribute, set by
+``passes/int_dot``) each take the decode step's tiles (C = 1, decode's R
+and U, no K chunks): every row's dot products are summed in the decode
+step's order, bit for bit its numbers, while a tile of weight rows is still
+read once for all the tokens.
+
 R, C and U are defaults: the optional kernel attributes ``rows``,
 ``tile_tokens`` (prefill) and ``unroll`` replace them. Graphs never set
 them; ``lmc kernel`` does, to try variants without editing this file.
@@ -429,15 +435,16 @@ def emit_matmul(kb: KernelBuilder, sig: KernelSig) -> None:
     out, n_out = out_rows(kb, sig)
     m = kb.rows_of(xt.shape)          # tokens: constant 1 for decode, T for prefill
     lo, hi = kb.thread_share(n)
+    as_decode = _is_one(m) or "decode_rows" in sig.attr   # every row with decode's arithmetic
 
     tune = sig.attr  # optional overrides of the constants below: rows, tile_tokens, unroll
     if not dec.row_aligned:
-        C = 1 if _is_one(m) else _tuned(kb, tune, "tile_tokens", 4)
+        C = 1 if as_decode else _tuned(kb, tune, "tile_tokens", 4)
         with kb.loop(lo, hi, name="row") as r:
             _over_tokens(kb, m, C, lambda t0, c: _planar_rowwise_tile(kb, dec, x, out, r, t0, c, n, k, n_out))
         return
 
-    if _is_one(m):
+    if as_decode:
         # short rows: one row at a time is one sequential stream, which the
         # hardware prefetcher follows best; long rows: 4 rows share x loads
         R, C, U = ((_DECODE_ROWS, 1, dec.decode_unroll) if k >= _LONG_ROW
@@ -455,7 +462,7 @@ def emit_matmul(kb: KernelBuilder, sig: KernelSig) -> None:
             _over_tokens(kb, m, C, lambda t0, c: _tile(kb, dec, x, out, r, 1, t0, c, n_out, k, U, k0, klen, first))
 
     kc = _K_CHUNK
-    if _is_one(m) or k < 2 * kc or kc % dec.step(U):
+    if as_decode or k < 2 * kc or kc % dec.step(U):
         rows_pass(0, k, None)
         return
     # prefill with a long K: chunks of kc columns, so that a tile's weight

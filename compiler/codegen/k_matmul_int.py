@@ -7,15 +7,22 @@ out[r] = sum over blocks of d_w * d_x * (integer sum of q_w * q_x).
 
 Per call (one thread)
 ---------------------
-1. Quantize x (each token row in turn) into this thread's scratch, laid out
-   for the dot loop (bytes, nb = K / 32 blocks):
+1. Quantize x into this thread's scratch, one slot per token row, each laid
+   out for the dot loop (bytes, nb = K / 32 blocks):
 
        [0, K)          q_x, 32 int8 per block
        [K, K + 32 nb)  per block 8 int32: the bias correction c_b in lane 0, zeros
        [.., + 32 nb)   per block 8 float32: d_x repeated
 
    Every thread quantizes the whole row itself: no barrier, and it is a few
-   hundred nanoseconds against the rows' weight traffic.
+   hundred nanoseconds against the rows' weight traffic. Rows x [T, K] of
+   a batch of decode rows (the ``decode_rows`` attribute, set by
+   ``passes/int_dot``) are quantized ``decode_rows`` at a time, each into
+   its own slot; then each weight tile is read once and multiplied with
+   every slot in turn (from L1), instead of streaming the weights again for
+   every row. The tile code is the one-row code, so each row gets the
+   decode step's numbers, bit for bit. Other [T, K] run one row at a time
+   (correct, not tuned: prefill uses the float kernels).
 2. Its share of the rows, ``_ROWS`` at a time (the kernel attribute ``rows``
    overrides it, and ``unroll`` the ``_UNROLL`` block groups per loop
    iteration), over the blocks ``G`` at a time (G = 2 at vector width 16: one
@@ -72,12 +79,22 @@ def host_has_int_dot() -> bool:
     return t.triple.startswith("x86_64") and (t.has("avx512vnni") or t.has("avxvnni"))
 
 
+def slot_bytes(k: int) -> int:
+    """Scratch bytes of one quantized row of K columns: 96 per block of 32
+    (quants, bias seeds, scales), rounded up to a cache line."""
+    return ((k // QK) * 96 + 63) // 64 * 64
+
+
+def slot_count(sig: KernelSig) -> int:
+    """Rows quantized at once: ``decode_rows`` for a batch of decode rows, else 1."""
+    return int(sig.attr.get("decode_rows", 1)) if len(sig.in_types[0].shape) > 1 else 1
+
+
 def scratch_floats(sig: KernelSig) -> int:
-    """Per-thread scratch (float32 elements) the kernel needs: 96 bytes per
-    block of 32 columns (quants, bias seeds, scales), plus 64 bytes slack."""
+    """Per-thread scratch (float32 elements) the kernel needs: a slot per
+    row quantized at once, plus 64 bytes slack."""
     if sig.op == "qmatmul" and sig.attr.get("act") == "q8":
-        k = int(sig.in_types[1].shape[1])
-        return (k // QK) * 24 + 16
+        return slot_count(sig) * slot_bytes(int(sig.in_types[1].shape[1])) // 4 + 16
     return 0
 
 
@@ -125,14 +142,19 @@ class _IntKernel:
         self.G = 2 if kb.vw >= 16 else 1
         self.U = _tuned(kb, sig.attr, "unroll", _UNROLL)
         self.xt = xt
-        s = kb.scratch
-        self.sq = s                                                      # i8*
-        self.sinit = kb.b.bitcast(kb.gep(s, self.k), ir.PointerType(I32))
-        self.sdx = kb.b.bitcast(kb.gep(s, self.k + 32 * self.nb), ir.PointerType(F32))
         self.w = kb.in_raw[1]
+
+    def slot(self, i: ir.Value) -> None:
+        """Point the scratch pointers (quants, bias seeds, d_x) at slot ``i``."""
+        kb, b = self.kb, self.b
+        s = kb.gep(kb.scratch, b.mul(i, i64(slot_bytes(self.k))))
+        self.sq = s                                                      # i8*
+        self.sinit = b.bitcast(kb.gep(s, self.k), ir.PointerType(I32))
+        self.sdx = b.bitcast(kb.gep(s, self.k + 32 * self.nb), ir.PointerType(F32))
 
     # --- step 1: x -> q8 blocks in scratch --------------------------------------------
     def quantize(self, xrow: ir.Value) -> None:
+        """Row x[xrow / K] into the current slot."""
         kb, b = self.kb, self.b
         x = kb.in_f32(0)
         with kb.loop(0, self.nb, name="qblk") as j:
@@ -203,7 +225,7 @@ class _IntKernel:
         return kb.fma(dots, scale, acc)
 
     def tile(self, r0: ir.Value, R: int, t: ir.Value) -> None:
-        """out[t, r0 .. r0+R-1] from the quantized row in scratch."""
+        """out[t, r0 .. r0+R-1] from the quantized row in the current slot."""
         kb, b, G, U = self.kb, self.b, self.G, self.U
         step = G * U
         nmain = self.nb - self.nb % step
@@ -239,25 +261,41 @@ class _IntKernel:
 
 
 def emit_int_matvec(kb: KernelBuilder, sig: KernelSig) -> None:
-    """qmatmul with ``act="q8"``: x [K] (decode), or [T, K] one token at a
-    time (correct, not tuned: prefill should use the float kernels)."""
+    """qmatmul with ``act="q8"``: x [K] (decode), or [T, K] in groups of
+    ``slot_count`` rows: quantize the group, then per weight tile every row."""
     kern = _IntKernel(kb, sig)
     b = kb.b
     lo, hi = kb.thread_share(kern.n)
     R = _tuned(kb, sig.attr, "rows", _ROWS if kern.k >= _LONG_ROW else 1)
     rows_main = b.sub(hi, b.srem(b.sub(hi, lo), i64(R)))
     m = kb.rows_of(kern.xt.shape)
+    S = slot_count(sig)
 
-    def token(t: ir.Value) -> None:
-        kern.quantize(b.mul(t, i64(kern.k)))
+    def each_slot(t0: ir.Value, n: ir.Value | None, body) -> None:
+        """body(t) for rows t = t0 .. t0+n-1 of x, the scratch at slot t - t0
+        (n None: the one row t0, slot 0, no loop: the decode step's code)."""
+        if n is None:
+            kern.slot(i64(0))
+            body(t0)
+            return
+        with kb.loop(0, n, name="slot") as i:
+            kern.slot(i)
+            body(b.add(t0, i))
+
+    def group(t0: ir.Value, n: ir.Value | None) -> None:
+        """Quantize rows t0 .. t0+n-1 of x (n <= S), then each weight tile against all of them."""
+        each_slot(t0, n, lambda t: kern.quantize(b.mul(t, i64(kern.k))))
         with kb.loop(lo, rows_main, step=R, name="rt") as r0:
-            kern.tile(r0, R, t)
+            each_slot(t0, n, lambda t: kern.tile(r0, R, t))
         with kb.loop(rows_main, hi, name="r1") as r:
-            kern.tile(r, 1, t)
+            each_slot(t0, n, lambda t: kern.tile(r, 1, t))
 
     if isinstance(m, ir.Constant) and m.constant == 1:
-        token(i64(0))
-    else:
+        group(i64(0), None)
+    elif S == 1:
         with kb.loop(0, m, name="tok") as t:
-            token(t)
-
+            group(t, None)
+    else:
+        with kb.loop(0, m, step=S, name="tok") as t0:
+            left = b.sub(m, t0)
+            group(t0, b.select(b.icmp_signed("<", left, i64(S)), left, i64(S)))
