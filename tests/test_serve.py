@@ -9,6 +9,7 @@ instruct model.
 """
 from __future__ import annotations
 
+import collections
 import json
 import random
 import signal
@@ -222,6 +223,7 @@ def test_fuzz_hostile_bodies(server):
             assert 400 <= r.status_code < 500, (body[:200], r.status_code, r.text[:300])
             assert "error" in r.json()
     assert server.proc.poll() is None
+    print(f"\nfuzz: {len(bodies)} hostile bodies, statuses {dict(sorted(collections.Counter(statuses).items()))}")
     assert wait_for(lambda: metric(server.url, "lmc_kv_blocks_used") == 0)
     ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Tom", "max_tokens": 3}, timeout=60)
     assert ok.status_code == 200
@@ -243,6 +245,8 @@ def test_disconnected_clients_free_their_blocks(server, client):
     assert wait_for(lambda: metric(server.url, "lmc_kv_blocks_used") == 0
                     and metric(server.url, "lmc_running_sequences") == 0)
     assert metric(server.url, "lmc_generated_tokens_total") < 16 * 200
+    print(f"\n16 clients left mid-stream: blocks in use {metric(server.url, 'lmc_kv_blocks_used'):.0f}, "
+          f"running {metric(server.url, 'lmc_running_sequences'):.0f}")
     r = client.completions.create(model="stories260K", prompt="Tom", max_tokens=8, temperature=0)
     assert r.usage.completion_tokens >= 1
 

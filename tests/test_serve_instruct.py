@@ -160,6 +160,9 @@ def test_context_is_not_split(server, client, tokenizer):
     assert r.usage.prompt_tokens == n_long
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
     assert len(first_token) == 7
+    print(f"\ncontext not split: long prompt {n_long} tokens, {r.usage.completion_tokens} generated, "
+          f"{r.choices[0].finish_reason}; {sum(first_token[i] < done['long'] for i in range(7))} of 7 short "
+          f"streams had their first token before it finished")
     # the short ones streamed while the long prompt was still being worked on
     assert sum(first_token[i] < done["long"] for i in range(7)) >= 5
 
@@ -187,6 +190,8 @@ def test_shared_system_prompt_is_prefilled_once(server, client, tokenizer):
     ran = metric(server.url, "lmc_prompt_tokens_total") - ran0
     cached = metric(server.url, "lmc_cached_prompt_tokens_total") - cached0
     full_blocks = n_sys // 16 * 16
+    print(f"\nshared prefix: system prompt {n_sys} tokens, 8 requests, {int(total)} prompt tokens, "
+          f"{int(ran)} run through the model, {int(cached)} found in the KV cache")
     assert cached >= 7 * (full_blocks - 16)
     assert ran + cached == total
     assert ran < total - 6 * 1000     # prefilled once, not eight times
