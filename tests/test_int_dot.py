@@ -249,19 +249,20 @@ def _call_with_guard(k: CompiledKernel, x, w, T: int, nt: int) -> np.ndarray:
 @pytest.mark.parametrize("name", INT_LAYOUTS)
 def test_decode_rows_equal_one_row_calls_bit_for_bit(name, portable):
     """A batch of decode rows (``decode_rows``: quantize up to that many
-    rows, then each weight tile against all of them) gives every row exactly
-    the one-row (decode) kernel's result: the same tile code per row. T
+    rows, then each weight tile against all of them, several rows sharing
+    each unpacked weight block) gives every row exactly the one-row
+    (decode) kernel's result: the same operations per row. T
     below, at and above decode_rows (groups), short and long rows, 1..3
     threads; the scratch holds decode_rows slots and no more."""
     rng = np.random.default_rng(21)
     for n, k in ((7, 96), (33, 640), (9, 8192)):
         w = gguf_weight(rng, name, n, k, "normal")
         one = compiled(sig_for("qmatmul", [TensorType((k,)), w.type], layout=name, act="q8"), portable=portable)
-        for slots in (1, 4):
+        for slots in (1, 4, 8):
             sig = sig_for("qmatmul", [TensorType(("T", k)), w.type], layout=name, act="q8", decode_rows=slots)
             assert k_matmul_int.scratch_floats(sig) * 4 >= slots * k * 3
             rows = compiled(sig, portable=portable)
-            for T in (1, 3, 4, 9):
+            for T in (1, 3, 4, 9, 13):
                 x = rng.standard_normal((T, k)).astype(np.float32)
                 for nt in (1, 3):
                     got = _call_with_guard(rows, x, w, T, nt)

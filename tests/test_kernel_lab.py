@@ -129,6 +129,12 @@ def test_options_change_the_generated_code(capsys):
     assert show_ir(capsys, *base, "--unroll", "8", "--tile", "1", "--vector-width", str(HOST_VW)) == default
     q8 = ["qmatvec", "--qtype", "Q8_0", "--rows", "64", "--cols", "512"]
     assert show_ir(capsys, *q8, "--int-dot") != show_ir(capsys, *q8, "--float-dot")
+    # decode matvecs on quantized weights prefetch ahead of their rows; --prefetch 0 turns it off
+    for q in (["qmatvec", "--qtype", "Q4_K", "--rows", "64", "--cols", "512"], [*q8, "--int-dot"]):
+        on = show_ir(capsys, *q)
+        assert "llvm.prefetch" in on and "llvm.prefetch" not in show_ir(capsys, *q, "--prefetch", "0")
+        assert show_ir(capsys, *q, "--prefetch", "2048") == on
+    assert "llvm.prefetch" not in show_ir(capsys, "matvec", "--rows", "64", "--cols", "512")
 
 
 def test_show_asm(capsys):
@@ -155,6 +161,13 @@ def test_default_tuning_is_the_emitters_constants():
     assert _tuning(pre, 16) == {"rows": 4, "tile_tokens": 4, "unroll": 1}
     assert _tuning(pre, 8) == {"rows": 3, "tile_tokens": 3, "unroll": 1}
     assert _tuning(qmv("Q4_K", 2048, rows=2, unroll=3)) == {"rows": 2, "unroll": 3}
+    # a batch of decode rows: decode's tiles, several tokens (float) or quantized rows (int) per tile
+    rows = sig_for("qmatmul", [TensorType(("T", 2048)), TensorType((8, 2048), "f32", "Q4_K")], layout="Q4_K",
+                   decode_rows=8)
+    assert _tuning(rows) == {"rows": 1, "unroll": 8, "tile_tokens": 4}
+    rows = sig_for("qmatmul", [TensorType(("T", 2048)), TensorType((8, 2048), "f32", "Q8_0")], layout="Q8_0",
+                   act="q8", decode_rows=8)
+    assert _tuning(rows) == {"rows": 1, "unroll": 2, "slots": 8}
 
 
 # --- sweep ------------------------------------------------------------------------------------------
@@ -214,6 +227,7 @@ def test_sweep_json(capsys):
     ["unknownkind", "--rows", "2", "--cols", "256"],
     ["matvec", "--rows", "2", "--cols", "256", "--show", "ir", "--sweep"],
     ["matvec", "--rows", "200000", "--cols", "200000"],                     # too large to allocate
+    ["qmatvec", "--qtype", "Q8_0", "--rows", "8", "--cols", "256", "--prefetch", "-64"],
 ])
 def test_bad_input_is_one_line(capsys, argv):
     assert main(["kernel", *argv]) == 2

@@ -299,7 +299,7 @@ def test_decode_rows_equal_one_row_calls_bit_for_bit(layout, n, k):
     op, attrs = ("matmul", {}) if layout == "F32" else ("qmatmul", {"layout": w.type.layout})
     one = compiled(sig_for(op, [TensorType((k,)), w.type], **attrs))
     rows = sig_for(op, [TensorType(("T", k)), w.type], **attrs, decode_rows=4)
-    for T in (1, 4, 6):
+    for T in (1, 4, 6, 11):
         x = activations(rng, T, k)
         for nt in (1, 3):
             got = run_kernel_like_reference(rows, [x, w], nthreads=nt, symbols={"T": T}, kernel=compiled(rows))

@@ -45,10 +45,11 @@ into chunks of ``_K_CHUNK`` columns (partial sums are added in ``out``) so a
 chunk of activations stays in L2.
 
 Rows of a batch of decode rows (the ``decode_rows`` attribute, set by
-``passes/int_dot``) each take the decode step's tiles (C = 1, decode's R
-and U, no K chunks): every row's dot products are summed in the decode
-step's order, bit for bit its numbers, while a tile of weight rows is still
-read once for all the tokens.
+``passes/int_dot``) take decode's R and U, no K chunks, and tiles of
+``_DECODE_TOKENS`` tokens whose dot products each keep the decode step's
+accumulators and deferred scales (``exact``): every row is summed in the
+decode step's order, bit for bit its numbers, while each decoded weight
+vector serves all the tokens of the tile.
 
 R, C and U are defaults: the optional kernel attributes ``rows``,
 ``tile_tokens`` (prefill) and ``unroll`` replace them. Graphs never set
@@ -76,6 +77,12 @@ HALF = ir.HalfType()
 _PREFILL_TILE = {16: (4, 4), 8: (3, 3), 4: (4, 4)}
 #: rows per tile for decode (one token)
 _DECODE_ROWS = 4
+#: bytes ahead of the weights in use that a decode tile prefetches (see
+#: _prefetch_rows; measured with ``lmc kernel --prefetch``: 2048 best of
+#: 0/512/1024/2048/4096 for Q4_0, Q5_0 and Q8_0 on 896..151936-row matrices)
+PREFETCH_BYTES = 2048
+#: tokens per tile for a batch of decode rows (each with decode's sums)
+_DECODE_TOKENS = 4
 _LONG_ROW = 8192  # columns; measured on znver4: below this R=1 reads faster
 #: prefill splits K into chunks of this many columns when K >= 2 chunks
 _K_CHUNK = 1024
@@ -266,14 +273,20 @@ def _decoder(kb: KernelBuilder, wt: TensorType, raw: ir.Value) -> Decoder:
 # --- the tiled dot-product loop ----------------------------------------------------------
 def _tile(kb: KernelBuilder, dec: Decoder, x: ir.Value, out: ir.Value, r0: ir.Value, R: int,
           t0: ir.Value, C: int, n: int, k: int, U: int,
-          k0: ir.Value | int = 0, klen: int | None = None, first: ir.Value | None = None) -> None:
+          k0: ir.Value | int = 0, klen: int | None = None, first: ir.Value | None = None,
+          exact: bool = False, ahead: int = 0) -> None:
     """out[t, r] = sum_c W[r, c] * x[t, c] for r in r0..r0+R-1, t in t0..t0+C-1,
     over the columns c in [k0, k0 + klen) (all of K by default). With a K
-    chunk, ``first`` (i1) says whether to store the sums or add them to out."""
+    chunk, ``first`` (i1) says whether to store the sums or add them to out.
+    ``exact``: each token's sums are the one-token (decode) tile's, bit for
+    bit, for any C (its accumulators and deferred scales), the decoded
+    weights still shared by the C tokens. ``ahead``: bytes ahead of the
+    weights in use to prefetch (0: none)."""
     b, vw = kb.b, kb.vw
     S = dec.step(U)
     nvec = S // vw
-    nacc = U if C == 1 else 1       # independent accumulators per dot product
+    one = C == 1 or exact
+    nacc = U if one else 1          # independent accumulators per dot product
     klen = k if klen is None else klen
     kmain = klen - klen % S
     assert isinstance(k0, int) or kmain == klen, "a tail needs a constant chunk start"
@@ -288,9 +301,11 @@ def _tile(kb: KernelBuilder, dec: Decoder, x: ir.Value, out: ir.Value, r0: ir.Va
     if kmain:
         with kb.loop_carry(k0v, b.add(k0v, i64(kmain)), accs, step=S, name="kk") as (col, cur, setv):
             cur = list(cur)
+            if ahead:
+                _prefetch_rows(kb, dec, rows, col, S, ahead)
             xs = [[kb.vload(x, b.add(xrow[t], b.add(col, i64(j * vw)))) for j in range(nvec)] for t in range(C)]
             for i in range(R):
-                ws, sc = dec.decode(rows[i], col, [vw] * nvec, S, defer=("blocks" if C == 1 else False))
+                ws, sc = dec.decode(rows[i], col, [vw] * nvec, S, defer=("blocks" if one else False))
                 if sc is None:
                     for j in range(nvec):
                         for t in range(C):
@@ -348,6 +363,21 @@ def _tile(kb: KernelBuilder, dec: Decoder, x: ir.Value, out: ir.Value, r0: ir.Va
             if first is not None:  # later K chunks add to the partial sums
                 s = b.select(first, s, b.fadd(s, kb.load(out, o), flags=FAST))
             kb.store(s, out, o)
+
+
+def _prefetch_rows(kb: KernelBuilder, dec: Decoder, rows: list[ir.Value], col: ir.Value, S: int,
+                   ahead: int) -> None:
+    """Ask for the bytes ``ahead`` past the weights of columns col..col+S-1
+    of each row, a cache line at a time. The hardware prefetcher alone
+    leaves a decode matvec latency-bound (on this project's Xeon, 8 of
+    about 30 GB/s for Q4_0); a prefetch never faults, so running past the
+    end of the weight is harmless."""
+    b = kb.b
+    rb, k = dec.row_bytes, dec.k
+    for r in rows:
+        at = b.add(b.mul(r, i64(rb)), b.udiv(b.mul(col, i64(rb)), i64(k)))
+        for off in range(0, max(1, S * rb // k), 64):
+            kb.prefetch(kb.gep(dec.raw, b.add(at, i64(ahead + off))))
 
 
 def _planar_rowwise_tile(kb: KernelBuilder, dec: Decoder, x: ir.Value, out: ir.Value, r: ir.Value,
@@ -431,6 +461,7 @@ def emit_matmul(kb: KernelBuilder, sig: KernelSig) -> None:
     b = kb.b
     n, k = _as_int(wt.shape[0]), _as_int(wt.shape[1])
     dec = _decoder(kb, wt, kb.in_raw[1])
+    dec.row_bytes = wt.nbytes() // n
     x = kb.in_f32(0)
     out, n_out = out_rows(kb, sig)
     m = kb.rows_of(xt.shape)          # tokens: constant 1 for decode, T for prefill
@@ -449,17 +480,24 @@ def emit_matmul(kb: KernelBuilder, sig: KernelSig) -> None:
         # hardware prefetcher follows best; long rows: 4 rows share x loads
         R, C, U = ((_DECODE_ROWS, 1, dec.decode_unroll) if k >= _LONG_ROW
                    else (1, 1, 2 * dec.decode_unroll))
+        if not _is_one(m):   # decode rows: C tokens share each decoded weight vector
+            C = _tuned(kb, tune, "tile_tokens", _DECODE_TOKENS)
     else:
         (R, C), U = _PREFILL_TILE.get(kb.vw, (4, 4)), 1
         C = _tuned(kb, tune, "tile_tokens", C)
     R, U = _tuned(kb, tune, "rows", R), _tuned(kb, tune, "unroll", U)
+    # dense float rows are one stream the hardware prefetcher follows alone
+    quantized = (wt.layout or "F32") not in ("F32", "F16", "BF16")
+    ahead = int(tune.get("prefetch", PREFETCH_BYTES if as_decode and quantized else 0))
     rows_main = b.sub(hi, b.srem(b.sub(hi, lo), i64(R)))
 
     def rows_pass(k0, klen, first):
         with kb.loop(lo, rows_main, step=R, name="rt") as r0:
-            _over_tokens(kb, m, C, lambda t0, c: _tile(kb, dec, x, out, r0, R, t0, c, n_out, k, U, k0, klen, first))
+            _over_tokens(kb, m, C, lambda t0, c: _tile(kb, dec, x, out, r0, R, t0, c, n_out, k, U, k0, klen, first,
+                                                       exact=as_decode, ahead=ahead))
         with kb.loop(rows_main, hi, name="r1") as r:
-            _over_tokens(kb, m, C, lambda t0, c: _tile(kb, dec, x, out, r, 1, t0, c, n_out, k, U, k0, klen, first))
+            _over_tokens(kb, m, C, lambda t0, c: _tile(kb, dec, x, out, r, 1, t0, c, n_out, k, U, k0, klen, first,
+                                                       exact=as_decode, ahead=ahead))
 
     kc = _K_CHUNK
     if as_decode or k < 2 * kc or kc % dec.step(U):

@@ -18,11 +18,13 @@ Per call (one thread)
    hundred nanoseconds against the rows' weight traffic. Rows x [T, K] of
    a batch of decode rows (the ``decode_rows`` attribute, set by
    ``passes/int_dot``) are quantized ``decode_rows`` at a time, each into
-   its own slot; then each weight tile is read once and multiplied with
-   every slot in turn (from L1), instead of streaming the weights again for
-   every row. The tile code is the one-row code, so each row gets the
-   decode step's numbers, bit for bit. Other [T, K] run one row at a time
-   (correct, not tuned: prefill uses the float kernels).
+   its own slot; then each weight tile is read once, each block unpacked
+   once, and multiplied with up to ``slots`` quantized rows (each with its
+   own accumulators), instead of streaming and unpacking the weights again
+   for every row. Every row does the one-row code's operations in its
+   order, so each gets the decode step's numbers, bit for bit. Other
+   [T, K] run one row at a time (correct, not tuned: prefill uses the
+   float kernels).
 2. Its share of the rows, ``_ROWS`` at a time (the kernel attribute ``rows``
    overrides it, and ``unroll`` the ``_UNROLL`` block groups per loop
    iteration), over the blocks ``G`` at a time (G = 2 at vector width 16: one
@@ -50,10 +52,12 @@ float64: results agree to ~1e-6 relative of sum |d_w d_x q_w q_x|.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import llvmlite.ir as ir
 
 from .emit import F32, FAST, I32, KernelBuilder, i64
-from .k_matmul import HALF, _tuned, out_rows
+from .k_matmul import HALF, PREFETCH_BYTES, _tuned, out_rows
 from .kernels import KernelSig
 from .target import host_target
 
@@ -70,6 +74,18 @@ LAYOUTS = {"Q8_0": (34, 128), "Q4_0": (18, 8), "Q5_0": (22, 16)}
 _ROWS = 4
 _LONG_ROW = 8192
 _UNROLL = 2
+#: accumulators (rows x unroll x slots) a multi-row tile may keep: with the
+#: unpacked weights, each slot's quants and temporaries, 16 fit the 32
+#: vector registers of AVX-512 (the kernel attribute ``slots`` overrides)
+_SLOT_ACCS = 16
+
+
+class _Slot(NamedTuple):
+    """Scratch of one quantized activation row: quants, bias seeds, d_x."""
+
+    q: ir.Value
+    init: ir.Value
+    dx: ir.Value
 
 
 def host_has_int_dot() -> bool:
@@ -141,20 +157,20 @@ class _IntKernel:
         self.out, self.n_out = out_rows(kb, sig)
         self.G = 2 if kb.vw >= 16 else 1
         self.U = _tuned(kb, sig.attr, "unroll", _UNROLL)
+        self.ahead = int(sig.attr.get("prefetch", PREFETCH_BYTES))
         self.xt = xt
         self.w = kb.in_raw[1]
 
-    def slot(self, i: ir.Value) -> None:
-        """Point the scratch pointers (quants, bias seeds, d_x) at slot ``i``."""
+    def slot(self, i: ir.Value) -> _Slot:
+        """The scratch pointers (quants, bias seeds, d_x) of slot ``i``."""
         kb, b = self.kb, self.b
         s = kb.gep(kb.scratch, b.mul(i, i64(slot_bytes(self.k))))
-        self.sq = s                                                      # i8*
-        self.sinit = b.bitcast(kb.gep(s, self.k), ir.PointerType(I32))
-        self.sdx = b.bitcast(kb.gep(s, self.k + 32 * self.nb), ir.PointerType(F32))
+        return _Slot(s, b.bitcast(kb.gep(s, self.k), ir.PointerType(I32)),
+                     b.bitcast(kb.gep(s, self.k + 32 * self.nb), ir.PointerType(F32)))
 
     # --- step 1: x -> q8 blocks in scratch --------------------------------------------
-    def quantize(self, xrow: ir.Value) -> None:
-        """Row x[xrow / K] into the current slot."""
+    def quantize(self, xrow: ir.Value, sl: _Slot) -> None:
+        """Row x[xrow / K] into slot ``sl``."""
         kb, b = self.kb, self.b
         x = kb.in_f32(0)
         with kb.loop(0, self.nb, name="qblk") as j:
@@ -165,12 +181,12 @@ class _IntKernel:
                            b.fdiv(ir.Constant(F32, 127.0), amax), ir.Constant(F32, 0.0))
             r = kb.intrinsic("llvm.roundeven", [b.fmul(xv, kb.splat(inv, QK))])
             q = b.fptosi(r, ir.VectorType(I8, QK))
-            kb.vstore(q, self.sq, b.mul(j, i64(QK)))
+            kb.vstore(q, sl.q, b.mul(j, i64(QK)))
             sx = _call(kb, "llvm.vector.reduce.add.v32i32", I32, [b.sext(q, ir.VectorType(I32, QK))])
             c = b.mul(sx, ir.Constant(I32, -self.bias))
             init = b.insert_element(_vc(I32, [0] * 8), c, i64(0))
-            kb.vstore(init, self.sinit, b.mul(j, i64(8)))
-            kb.vstore(kb.splat(d, 8), self.sdx, b.mul(j, i64(8)))
+            kb.vstore(init, sl.init, b.mul(j, i64(8)))
+            kb.vstore(kb.splat(d, 8), sl.dx, b.mul(j, i64(8)))
 
     # --- step 2: weights ------------------------------------------------------------------
     def _block_ptr(self, row: ir.Value, j: ir.Value) -> ir.Value:
@@ -207,62 +223,89 @@ class _IntKernel:
         hi = [i + 8 for i in lo]
         return b.add(b.add(_shuffle(kb, p, p, lo), _shuffle(kb, p, p, hi)), init)
 
-    def _group(self, row: ir.Value, j: ir.Value, g: int, acc: ir.Value) -> ir.Value:
-        """acc + (int32 lanes of blocks j..j+g-1 of row) * d_w * d_x."""
+    def _group(self, row: ir.Value, j: ir.Value, g: int, accs: list[ir.Value],
+               slots: list[_Slot]) -> list[ir.Value]:
+        """accs[s] + (int32 lanes of blocks j..j+g-1 of row, times slot s's
+        quants) * d_w * d_x[s], for every slot: the weight blocks are loaded
+        and made unsigned once, then each slot does exactly the one-row
+        code's operations on its own accumulator."""
         kb, b = self.kb, self.b
         bps = [self._block_ptr(row, b.add(j, i64(i))) for i in range(g)]
         us = [self._unsigned_quants(bp) for bp in bps]
         u = us[0] if g == 1 else _shuffle(kb, us[0], us[1], list(range(64)))
-        xq = kb.vload(self.sq, b.mul(j, i64(QK)), QK * g)
-        init = kb.vload(self.sinit, b.mul(j, i64(8)), 8 * g)
-        dots = b.sitofp(self._dot(u, xq, init, g), ir.VectorType(F32, 8 * g))
         dw = ir.Constant(ir.VectorType(HALF, g), ir.Undefined)
         for i, bp in enumerate(bps):
             dw = b.insert_element(dw, b.load(b.bitcast(bp, ir.PointerType(HALF)), align=1), i64(i))
         dw = b.fpext(dw, ir.VectorType(F32, g))
         dw = _shuffle(kb, dw, dw, [i // 8 for i in range(8 * g)])
-        scale = b.fmul(dw, kb.vload(self.sdx, b.mul(j, i64(8)), 8 * g), flags=FAST)
-        return kb.fma(dots, scale, acc)
+        out = []
+        for sl, acc in zip(slots, accs):
+            xq = kb.vload(sl.q, b.mul(j, i64(QK)), QK * g)
+            init = kb.vload(sl.init, b.mul(j, i64(8)), 8 * g)
+            dots = b.sitofp(self._dot(u, xq, init, g), ir.VectorType(F32, 8 * g))
+            scale = b.fmul(dw, kb.vload(sl.dx, b.mul(j, i64(8)), 8 * g), flags=FAST)
+            out.append(kb.fma(dots, scale, acc))
+        return out
 
-    def tile(self, r0: ir.Value, R: int, t: ir.Value) -> None:
-        """out[t, r0 .. r0+R-1] from the quantized row in the current slot."""
+    def tile(self, r0: ir.Value, R: int, slots: list[_Slot], ts: list[ir.Value]) -> None:
+        """out[ts[s], r0 .. r0+R-1] for the quantized rows in ``slots``
+        (token row ``ts[s]``). Each slot's sums are the one-row code's, in
+        its order, whatever the number of slots beside it."""
         kb, b, G, U = self.kb, self.b, self.G, self.U
+        P = len(slots)
         step = G * U
         nmain = self.nb - self.nb % step
         rows = [b.add(r0, i64(i)) for i in range(R)]
         vz = ir.Constant(ir.VectorType(F32, 8 * G), [0.0] * (8 * G))
-        accs = [vz] * (R * U)
+
+        def at(i: int, u: int, p: int) -> int:
+            return (i * U + u) * P + p
+
+        accs = [vz] * (R * U * P)
         if nmain:
             with kb.loop_carry(0, nmain, accs, step=step, name="blk") as (j, cur, setv):
                 cur = list(cur)
+                if self.ahead:
+                    for i in range(R):
+                        bp = self._block_ptr(rows[i], j)
+                        for off in range(0, self.bb * step, 64):
+                            kb.prefetch(kb.gep(bp, self.ahead + off))
                 for i in range(R):
                     for u in range(U):
-                        cur[i * U + u] = self._group(rows[i], b.add(j, i64(u * G)), G, cur[i * U + u])
+                        new = self._group(rows[i], b.add(j, i64(u * G)), G,
+                                          [cur[at(i, u, p)] for p in range(P)], slots)
+                        for p in range(P):
+                            cur[at(i, u, p)] = new[p]
                 setv(cur)
             accs = list(kb.last_carry)
-        tails = [None] * R
+        tails: list[list[ir.Value] | None] = [None] * R
         for jt in range(nmain, self.nb, G):
             g = min(G, self.nb - jt)
             for i in range(R):
                 if g == G:
-                    accs[i * U] = self._group(rows[i], i64(jt), g, accs[i * U])
+                    new = self._group(rows[i], i64(jt), g, [accs[at(i, 0, p)] for p in range(P)], slots)
+                    for p in range(P):
+                        accs[at(i, 0, p)] = new[p]
                 else:
                     z = ir.Constant(ir.VectorType(F32, 8 * g), [0.0] * (8 * g))
-                    tails[i] = self._group(rows[i], i64(jt), g, tails[i] if tails[i] is not None else z)
+                    tails[i] = self._group(rows[i], i64(jt), g, tails[i] if tails[i] is not None else [z] * P,
+                                           slots)
         out, n_out = self.out, self.n_out
         for i in range(R):
-            v = accs[i * U]
-            for u in range(1, U):
-                v = b.fadd(v, accs[i * U + u], flags=FAST)
-            s = kb.hsum(v)
-            if tails[i] is not None:
-                s = b.fadd(s, kb.hsum(tails[i]), flags=FAST)
-            kb.store(s, out, b.add(b.mul(t, i64(n_out)), rows[i]))
+            for p in range(P):
+                v = accs[at(i, 0, p)]
+                for u in range(1, U):
+                    v = b.fadd(v, accs[at(i, u, p)], flags=FAST)
+                s = kb.hsum(v)
+                if tails[i] is not None:
+                    s = b.fadd(s, kb.hsum(tails[i][p]), flags=FAST)
+                kb.store(s, out, b.add(b.mul(ts[p], i64(n_out)), rows[i]))
 
 
 def emit_int_matvec(kb: KernelBuilder, sig: KernelSig) -> None:
     """qmatmul with ``act="q8"``: x [K] (decode), or [T, K] in groups of
-    ``slot_count`` rows: quantize the group, then per weight tile every row."""
+    ``slot_count`` rows: quantize the group, then per weight tile every row,
+    ``slots`` rows at a time sharing the unpacked weight blocks."""
     kern = _IntKernel(kb, sig)
     b = kb.b
     lo, hi = kb.thread_share(kern.n)
@@ -270,25 +313,39 @@ def emit_int_matvec(kb: KernelBuilder, sig: KernelSig) -> None:
     rows_main = b.sub(hi, b.srem(b.sub(hi, lo), i64(R)))
     m = kb.rows_of(kern.xt.shape)
     S = slot_count(sig)
+    P = min(S, _tuned(kb, sig.attr, "slots", max(1, _SLOT_ACCS // (R * kern.U)))) if S > 1 else 1
 
-    def each_slot(t0: ir.Value, n: ir.Value | None, body) -> None:
-        """body(t) for rows t = t0 .. t0+n-1 of x, the scratch at slot t - t0
-        (n None: the one row t0, slot 0, no loop: the decode step's code)."""
-        if n is None:
-            kern.slot(i64(0))
-            body(t0)
-            return
-        with kb.loop(0, n, name="slot") as i:
-            kern.slot(i)
-            body(b.add(t0, i))
+    def tiles(t0: ir.Value, n: ir.Value | None) -> None:
+        """Every weight tile of this thread against rows t0 .. t0+n-1 (in
+        slots 0 .. n-1), P slots at a time then one at a time (n None: the
+        one row t0 in slot 0, the decode step's code)."""
+        def over_slots(r0: ir.Value, R_: int) -> None:
+            if n is None:
+                kern.tile(r0, R_, [kern.slot(i64(0))], [t0])
+                return
+            if P > 1:
+                n_main = b.sub(n, b.srem(n, i64(P)))
+                with kb.loop(0, n_main, step=P, name="slots") as s0:
+                    ss = [b.add(s0, i64(p)) for p in range(P)]
+                    kern.tile(r0, R_, [kern.slot(s) for s in ss], [b.add(t0, s) for s in ss])
+            else:
+                n_main = i64(0)
+            with kb.loop(n_main, n, name="slot1") as s:
+                kern.tile(r0, R_, [kern.slot(s)], [b.add(t0, s)])
+
+        with kb.loop(lo, rows_main, step=R, name="rt") as r0:
+            over_slots(r0, R)
+        with kb.loop(rows_main, hi, name="r1") as r:
+            over_slots(r, 1)
 
     def group(t0: ir.Value, n: ir.Value | None) -> None:
         """Quantize rows t0 .. t0+n-1 of x (n <= S), then each weight tile against all of them."""
-        each_slot(t0, n, lambda t: kern.quantize(b.mul(t, i64(kern.k))))
-        with kb.loop(lo, rows_main, step=R, name="rt") as r0:
-            each_slot(t0, n, lambda t: kern.tile(r0, R, t))
-        with kb.loop(rows_main, hi, name="r1") as r:
-            each_slot(t0, n, lambda t: kern.tile(r, 1, t))
+        if n is None:
+            kern.quantize(b.mul(t0, i64(kern.k)), kern.slot(i64(0)))
+        else:
+            with kb.loop(0, n, name="quant") as i:
+                kern.quantize(b.mul(b.add(t0, i), i64(kern.k)), kern.slot(i))
+        tiles(t0, n)
 
     if isinstance(m, ir.Constant) and m.constant == 1:
         group(i64(0), None)

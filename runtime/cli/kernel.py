@@ -40,6 +40,8 @@ def add_arguments(k: argparse.ArgumentParser) -> None:
                      help="integer dot path: x quantized per block, int8 dot products (Q8_0/Q4_0/Q5_0)")
     dot.add_argument("--float-dot", dest="int_dot", action="store_const", const=False,
                      help="float dot path (weights decoded to float32 in registers)")
+    k.add_argument("--prefetch", type=whole_number("--prefetch", 0), default=None,
+                   help="integer path: bytes ahead of the weights in use to prefetch (0: none)")
     k.add_argument("--head-dim", type=_positive("--head-dim"), default=None,
                    help="rope/attention head size (default 64)")
     k.add_argument("--kv-heads", type=_positive("--kv-heads"), default=None,
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     qtype = args.qtype.upper() if args.qtype else None
     p = Problem(args.kind, args.rows, args.cols, batch, qtype, args.threads or os.cpu_count() or 1,
                 args.head_dim, args.kv_heads, args.style or "interleaved", args.seed, args.hot)
-    prm = Params(args.vector_width, args.unroll, rows, tokens, args.int_dot)
+    prm = Params(args.vector_width, args.unroll, rows, tokens, args.int_dot, args.prefetch)
     if args.show:
         if args.sweep or args.json:
             raise KernelLabError("--show prints code only: leave out --sweep and --json")

@@ -62,7 +62,8 @@ _GGUF_QUANTIZE = ("BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 _ORDER = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 #: parameter name (kernel attribute) -> the option that sets it
 FLAGS = {"vector_width": "--vector-width", "unroll": "--unroll", "rows": "rows per tile (--tile R)",
-         "tile_tokens": "tokens per tile (--tile RxC)", "int_dot": "--int-dot/--float-dot"}
+         "tile_tokens": "tokens per tile (--tile RxC)", "int_dot": "--int-dot/--float-dot",
+         "prefetch": "--prefetch"}
 
 
 class KernelLabError(ValueError):
@@ -79,14 +80,16 @@ class Params:
     rows: int | None = None          # rows per tile
     tile_tokens: int | None = None   # tokens per tile (matmul on a batch)
     int_dot: bool | None = None      # integer dot path (act="q8")
+    prefetch: int | None = None      # bytes of weights asked for ahead (integer path; 0: none)
 
     def attrs(self) -> dict[str, int]:
         """The kernel attributes the emitters read."""
         return {k: v for k, v in (("unroll", self.unroll), ("rows", self.rows),
-                                  ("tile_tokens", self.tile_tokens)) if v is not None}
+                                  ("tile_tokens", self.tile_tokens), ("prefetch", self.prefetch)) if v is not None}
 
     def given(self) -> list[str]:
-        return [k for k in ("vector_width", "unroll", "rows", "tile_tokens", "int_dot") if getattr(self, k) is not None]
+        return [k for k in ("vector_width", "unroll", "rows", "tile_tokens", "int_dot", "prefetch")
+                if getattr(self, k) is not None]
 
 
 @dataclass(frozen=True)
