@@ -315,18 +315,25 @@ def _tiny_model(tmp_path, qtype):
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "F32"])
-def test_pass_marks_decode_qmatmuls_only(tmp_path, qtype):
+def test_pass_marks_qmatmuls_on_32_blocks(tmp_path, qtype):
+    """Decode: the integer path, one row. Prefill: the integer path,
+    PROMPT_ROWS rows quantized at once, each as decode computes it. Other
+    layouts keep the float kernels."""
     from compiler.driver import model_graph
     from compiler.pipeline import run_pipeline
+    from passes.int_dot import PROMPT_ROWS
 
     m = _tiny_model(tmp_path, qtype)
     for mode in ("decode", "prefill"):
         g = run_pipeline(model_graph(m, mode, run_passes=False), ["fuse_dequant", "int_dot"])
         qm = [n for n in g.nodes if n.op == "qmatmul"]
         for n in qm:
-            want = mode == "decode" and n.attrs["layout"] in INT_LAYOUTS
-            assert (n.attrs.get("act") == "q8") == want, (mode, n.attrs)
-        if mode == "decode" and qtype in INT_LAYOUTS:
+            if n.attrs["layout"] in INT_LAYOUTS:
+                want = ("q8", None if mode == "decode" else PROMPT_ROWS)
+            else:
+                want = (None, None)
+            assert (n.attrs.get("act"), n.attrs.get("decode_rows")) == want, (mode, n.attrs)
+        if qtype in INT_LAYOUTS:
             assert any(n.attrs.get("act") == "q8" for n in qm)
 
 
@@ -334,17 +341,23 @@ def test_pass_marks_decode_qmatmuls_only(tmp_path, qtype):
 def test_pass_marks_batch_graphs_of_decode_rows_only(tmp_path, qtype):
     """The batch graphs: in ``batch_decode`` (decode rows) every matmul gets
     ``decode_rows`` = max_batch and the Q8_0 ones the integer path;
-    ``batch``/``batch_last`` (prompt chunks) are left alone. Without an
-    integer matmul there is no batch_decode (it would be ``batch``)."""
+    ``batch``/``batch_last`` (prompt chunks) are marked as prefill is. Without
+    an integer matmul there is no batch_decode (it would be ``batch``)."""
     from compiler.driver import BatchOptions, CompileOptions, build_graphs
+    from passes.int_dot import PROMPT_ROWS
 
     m = _tiny_model(tmp_path, qtype)
     gs = build_graphs(m, CompileOptions(passes=("fuse_dequant", "int_dot"), batch=BatchOptions(4, 16, 3)))
     assert set(gs) == ({"batch", "batch_last", "batch_decode"} if qtype == "Q8_0" else {"batch", "batch_last"})
     for name, g in gs.items():
         mm = [n for n in g.nodes if n.op in ("matmul", "qmatmul")]
-        want = ("q8", 3) if name == "batch_decode" else (None, None)
-        assert mm and all((n.attrs.get("act"), n.attrs.get("decode_rows")) == want for n in mm), name
+        for n in mm:
+            if name == "batch_decode":
+                want = ("q8" if n.op == "qmatmul" else None, 3)
+            else:
+                want = ("q8", PROMPT_ROWS) if n.op == "qmatmul" and qtype == "Q8_0" else (None, None)
+            assert (n.attrs.get("act"), n.attrs.get("decode_rows")) == want, (name, n.attrs)
+        assert mm, name
     gs = build_graphs(m, CompileOptions(passes=("fuse_dequant",), batch=BatchOptions(4, 16, 3)))
     assert set(gs) == {"batch", "batch_last"}
 
