@@ -277,11 +277,13 @@ def qmatmul_ref(x: np.ndarray, w: WeightData, *, layout: str, act: str | None = 
                 decode_rows: int | None = None) -> np.ndarray:
     """matmul with a stored (quantized) weight; the reference dequantizes.
 
-    With ``act="q8"`` (the integer path, as llama.cpp's ``ggml_vec_dot_q*_0_q8_0``)
-    x is first quantized per row in blocks of 32 (:func:`quantize_q8_rows`) and
-    out = sum over blocks of d_w * d_x * (integer sum of q_w * q_x). The block
-    sums are exact integers; d_w * d_x * sum and the sum over blocks are done
-    in float64, then rounded once to float32. ``decode_rows``: as ``matmul_ref``."""
+    With ``act="q8"`` (the integer path, as llama.cpp's ``ggml_vec_dot_q*_0_q8_0``
+    and ``ggml_vec_dot_q*_1_q8_1``) x is first quantized per row in blocks of 32
+    (:func:`quantize_q8_rows`) and out = sum over blocks of
+    d_w * d_x * (integer sum of q_w * q_x) + m_w * d_x * (integer sum of q_x),
+    the second term only for the offset layouts (Q4_1, Q5_1: v = d q + m). The
+    integer sums are exact; the products and the sum over blocks are done in
+    float64, then rounded once to float32. ``decode_rows``: as ``matmul_ref``."""
     if decode_rows and np.ndim(x) > 1:
         return _decode_rows(x, lambda r: qmatmul_ref(r, w, layout=layout, act=act))
     if act is None:
@@ -289,15 +291,18 @@ def qmatmul_ref(x: np.ndarray, w: WeightData, *, layout: str, act: str | None = 
     xf = np.asarray(x, np.float32)
     k = xf.shape[-1]
     dx, qx = quantize_q8_rows(xf.reshape(-1, k))                    # [M, nb], [M, nb, 32]
-    dw, qw = int_blocks(w)                                          # [N, nb], [N, nb, 32]
+    dw, qw, mw = int_blocks(w)                                      # [N, nb], [N, nb, 32], [N, nb] | None
     n = qw.shape[0]
     out = np.empty((qx.shape[0], n), np.float64)
     qxf, dx64 = qx.astype(np.float32), dx.astype(np.float64)
+    sxd = dx64 * qx.sum(axis=2, dtype=np.int64)                     # [M, nb]: d_x * sum(q_x), exact
     for r in range(0, n, 4096):  # row chunks bound the temporaries on large vocabularies
         # block sums are integers below 2^24 (32 x 127 x 128): exact in float32
         isum = np.einsum("nbj,mbj->mnb", qw[r:r + 4096].astype(np.float32), qxf)
         out[:, r:r + 4096] = np.einsum("mnb,nb,mb->mn", isum.astype(np.float64),
                                        dw[r:r + 4096].astype(np.float64), dx64)
+        if mw is not None:
+            out[:, r:r + 4096] += sxd @ mw[r:r + 4096].astype(np.float64).T
     return out.astype(np.float32).reshape(xf.shape[:-1] + (n,))
 
 
@@ -328,7 +333,7 @@ def qmatmul_rows_ref(x: np.ndarray, w: WeightData, acc: np.ndarray | None = None
 
 #: values per block of the integer path, and the weight layouts it reads
 QK8 = 32
-INT_DOT_LAYOUTS = ("Q8_0", "Q4_0", "Q5_0")
+INT_DOT_LAYOUTS = ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1")
 
 
 def quantize_q8_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -347,29 +352,36 @@ def quantize_q8_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return d, q
 
 
-def int_blocks(w: WeightData) -> tuple[np.ndarray, np.ndarray]:
-    """A Q8_0 / Q4_0 / Q5_0 weight's block scales (float32 [N, K/32]) and
-    integer quants with their bias applied (int8 [N, K/32, 32]), read from
-    the stored bytes (byte layouts: ``ir/layouts_gguf.py``)."""
+def int_blocks(w: WeightData) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """An ``INT_DOT_LAYOUTS`` weight's blocks as (d, q, m), read from the
+    stored bytes (byte layouts: ``ir/layouts_gguf.py``): the scales d
+    (float32 [N, K/32]), the integer quants q (int8 [N, K/32, 32]) with
+    value = d * q, or = d * q + m for the offset layouts Q4_1 / Q5_1 (q
+    unsigned, 0..15 / 0..31), whose block minimums m (float32 [N, K/32]) come
+    third; m is None for the symmetric layouts."""
     name = w.type.layout
     n, k = int(w.type.shape[0]), int(w.type.shape[1])
     nb = k // QK8
-    bb = {"Q8_0": 34, "Q4_0": 18, "Q5_0": 22}.get(name)
+    bb = {"Q8_0": 34, "Q4_0": 18, "Q5_0": 22, "Q4_1": 20, "Q5_1": 24}.get(name)
     if bb is None:
         raise ShapeError(f"no integer quants for layout {name}")
     blk = np.asarray(w.raw, np.uint8).reshape(n * nb, bb)
-    d = np.ascontiguousarray(blk[:, 0:2]).view("<f2").astype(np.float32).reshape(n, nb)
+
+    def f16(off: int) -> np.ndarray:
+        return np.ascontiguousarray(blk[:, off:off + 2]).view("<f2").astype(np.float32).reshape(n, nb)
+
+    m = f16(2) if name in ("Q4_1", "Q5_1") else None
     if name == "Q8_0":
         q = np.ascontiguousarray(blk[:, 2:34]).view(np.int8)
     else:
         qs = blk[:, bb - 16:]
-        nib = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int16)
-        if name == "Q4_0":
-            q = nib - 8
-        else:
-            qh = np.unpackbits(np.ascontiguousarray(blk[:, 2:6]), axis=1, bitorder="little").astype(np.int16)
-            q = (nib | (qh << 4)) - 16
-    return d, q.astype(np.int8).reshape(n, nb, QK8)
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int16)
+        if name in ("Q5_0", "Q5_1"):
+            at = 2 if name == "Q5_0" else 4
+            qh = np.unpackbits(np.ascontiguousarray(blk[:, at:at + 4]), axis=1, bitorder="little")
+            q = q | (qh.astype(np.int16) << 4)
+        q = q - {"Q4_0": 8, "Q5_0": 16}.get(name, 0)
+    return f16(0), q.astype(np.int8).reshape(n, nb, QK8), m
 
 
 #: attributes of ``rope`` that scale it (absent: no scaling), with their defaults

@@ -1,5 +1,5 @@
-"""int_dot: decode-step ``qmatmul`` on 32-value block weights takes the
-integer path (``act="q8"``).
+"""int_dot: decode-step ``qmatmul`` on 32-value block weights (Q8_0, Q4_0,
+Q5_0, Q4_1, Q5_1) takes the integer path (``act="q8"``).
 
 A decode step is one matrix-vector product per weight: bandwidth-bound, and
 on x86 with VNNI an int8 dot product reads the weight bytes with fewer
@@ -39,8 +39,9 @@ PROMPT_ROWS = 8
 
 @register_pass("int_dot")
 def int_dot(graph: Graph) -> Graph:
-    """Quantize activations per block (q8) for qmatmuls on Q8_0/Q4_0/Q5_0
-    weights; in a graph of decode rows, also compute every row as decode does."""
+    """Quantize activations per block (q8) for qmatmuls on ``INT_DOT_LAYOUTS``
+    weights (Q8_0, Q4_0, Q5_0, Q4_1, Q5_1); in a graph of decode rows, also
+    compute every row as decode does."""
     mode = graph.meta.get("mode")
     rows: dict[str, int] = {}
     if mode == "batch" and graph.meta.get("decode_rows"):

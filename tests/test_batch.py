@@ -11,7 +11,7 @@ Gemma-3-shaped GGUFs (head_dim 64, so q8 KV too; Gemma's sliding window of
 5 is shorter than the sequences, and its sixth layer is global).
 
 Decode rows (``batch(..., decode=True)``) on models whose decode step takes
-the integer path (``int_dot``: Q8_0, Q4_0, Q5_0 weights) run through
+the integer path (``int_dot``: Q8_0, Q4_0, Q5_0, Q4_1, Q5_1 weights) run through
 ``batch_decode`` and must equal each sequence's own decode step bit for bit:
 synthetic Q8_0, Q4_0 and Q5_0/Q4_K GGUFs, and SmolLM2-135M-Instruct when
 ../shared can provide it.
@@ -277,7 +277,7 @@ def greedy_batched(ex, prompts: list[list[int]], steps: int, join: list[int],
 def test_native_batch_greedy_equals_single_decode(paths, name):
     """Sequences join at different rounds; each row's greedy token is the
     single stream's. (On weights the single-stream decode runs through the
-    integer path, Q8_0/Q4_0/Q5_0 with VNNI, the float batch matmuls round
+    integer path, Q8_0/Q4_0/Q5_0/Q4_1/Q5_1 with VNNI, the float batch matmuls round
     differently and greedy runs can part at near ties: decode rows go
     through batch_decode then, see test_native_decode_rows_greedy_equals_generate.)"""
     rng = np.random.default_rng(2)
@@ -368,7 +368,7 @@ def test_native_decode_rows_greedy_equals_generate(paths, name):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """SmolLM2-135M-Instruct Q4_1 (output matrix Q8_0: the integer path),
+    """SmolLM2-135M-Instruct Q4_1 (its Q4_1 matrices and Q8_0 output matrix: the integer path),
     compiled for batches of 4 sequences, and prompts from its tokenizer."""
     path = instruct_models()[SMOLLM2]
     m = load_model(path)

@@ -23,7 +23,9 @@ from ir.ops import ShapeError, WeightData, get_op, int_blocks, qmatmul_ref, quan
 from ir.types import TensorType
 from test_gguf_layouts import gguf_weight
 
-INT_LAYOUTS = ["Q8_0", "Q4_0", "Q5_0"]
+INT_LAYOUTS = ["Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1"]
+#: bytes per block
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q5_0": 22, "Q4_1": 20, "Q5_1": 24}
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 _KERNELS: dict = {}
 
@@ -46,17 +48,23 @@ def _f16_bits_to_float(lo: int, hi: int) -> float:
     return float(np.frombuffer(bytes([lo, hi]), "<f2")[0])
 
 
-def slow_weight_block(name: str, blk: bytes) -> tuple[float, list[int]]:
-    """(d, 32 integer quants) of one stored block, byte by byte."""
+def slow_weight_block(name: str, blk: bytes) -> tuple[float, float, list[int]]:
+    """(d, m, 32 integer quants) of one stored block, byte by byte: value =
+    d * q + m (m = 0 for the symmetric layouts)."""
     d = _f16_bits_to_float(blk[0], blk[1])
+    m = _f16_bits_to_float(blk[2], blk[3]) if name in ("Q4_1", "Q5_1") else 0.0
     if name == "Q8_0":
-        return d, [b - 256 if b >= 128 else b for b in blk[2:34]]
+        return d, m, [b - 256 if b >= 128 else b for b in blk[2:34]]
     qs = blk[-16:]
     nib = [qs[j] & 15 for j in range(16)] + [qs[j] >> 4 for j in range(16)]
     if name == "Q4_0":
-        return d, [v - 8 for v in nib]
-    qh = int.from_bytes(blk[2:6], "little")
-    return d, [(nib[j] | (((qh >> j) & 1) << 4)) - 16 for j in range(32)]
+        return d, m, [v - 8 for v in nib]
+    if name == "Q4_1":
+        return d, m, nib
+    at = 2 if name == "Q5_0" else 4
+    qh = int.from_bytes(blk[at:at + 4], "little")
+    bias = 16 if name == "Q5_0" else 0
+    return d, m, [(nib[j] | (((qh >> j) & 1) << 4)) - bias for j in range(32)]
 
 
 def slow_quantize_block(xs: np.ndarray) -> tuple[float, list[int]]:
@@ -73,7 +81,7 @@ def slow_quantize_block(xs: np.ndarray) -> tuple[float, list[int]]:
 def slow_int_matvec(x: np.ndarray, w: WeightData) -> np.ndarray:
     name = w.type.layout
     n, k = (int(s) for s in w.type.shape)
-    nb, bb = k // 32, {"Q8_0": 34, "Q4_0": 18, "Q5_0": 22}[name]
+    nb, bb = k // 32, BLOCK_BYTES[name]
     raw = bytes(np.asarray(w.raw, np.uint8))
     xq = [slow_quantize_block(x[b * 32:(b + 1) * 32]) for b in range(nb)]
     out = []
@@ -81,20 +89,25 @@ def slow_int_matvec(x: np.ndarray, w: WeightData) -> np.ndarray:
         total = 0.0
         for b in range(nb):
             o = (r * nb + b) * bb
-            dw, qw = slow_weight_block(name, raw[o:o + bb])
+            dw, mw, qw = slow_weight_block(name, raw[o:o + bb])
             dx, qx = xq[b]
-            total += dw * dx * sum(p * q for p, q in zip(qw, qx))  # exact int, then float64
+            total += dw * dx * sum(p * q for p, q in zip(qw, qx))  # exact ints, then float64
+            total += mw * dx * sum(qx)
         out.append(total)
     return np.array(out)
 
 
 def int_scale(x: np.ndarray, w: WeightData) -> np.ndarray:
-    """sum over blocks of |d_w d_x q_w q_x| per output: the size of the terms."""
+    """sum over blocks of |d_w d_x q_w q_x| (+ |m_w d_x sum q_x| for the
+    offset layouts) per output: the size of the terms."""
     k = int(w.type.shape[1])
     dx, qx = quantize_q8_rows(np.asarray(x, np.float32).reshape(-1, k))
-    dw, qw = int_blocks(w)
+    dw, qw, mw = int_blocks(w)
+    adx = np.abs(dx.astype(np.float64))
     s = np.einsum("nbj,mbj->mnb", np.abs(qw.astype(np.float64)), np.abs(qx.astype(np.float64)))
-    s = np.einsum("mnb,nb,mb->mn", s, np.abs(dw.astype(np.float64)), np.abs(dx.astype(np.float64)))
+    s = np.einsum("mnb,nb,mb->mn", s, np.abs(dw.astype(np.float64)), adx)
+    if mw is not None:
+        s += (adx * np.abs(qx.sum(axis=2, dtype=np.int64))) @ np.abs(mw.astype(np.float64)).T
     return s.reshape(np.shape(x)[:-1] + (int(w.type.shape[0]),))
 
 
@@ -122,6 +135,16 @@ def test_reference_matches_slow_formula(name):
     np.testing.assert_array_equal(got, want.astype(np.float32))
 
 
+@pytest.mark.parametrize("name", INT_LAYOUTS)
+def test_int_blocks_give_the_dequantized_values(name):
+    """d * q (+ m) in float32, as ggml's dequantizers compute it, is the layout's own dequantization."""
+    w = gguf_weight(np.random.default_rng(5), name, 6, 96, "extreme")
+    d, q, m = int_blocks(w)
+    assert (m is None) == (name not in ("Q4_1", "Q5_1"))
+    v = d[:, :, None] * q.astype(np.float32) + (0 if m is None else m[:, :, None])
+    np.testing.assert_array_equal(v.reshape(6, 96), w.to_f32())
+
+
 def test_reference_quantizer_rounds_half_to_even_and_stores_f16_scales():
     x = np.zeros(32, np.float32)
     x[0], x[1], x[2], x[3] = 127.0, 0.5, 1.5, -2.5
@@ -146,7 +169,7 @@ def test_reference_default_path_unchanged_and_prefill_rows():
     assert np.abs(rows - qmatmul_ref(x, w, layout="Q8_0")).max() <= 0.02 * np.abs(rows).max()
 
 
-@pytest.mark.parametrize("layout", ["Q4_1", "Q5_1", "Q4_K", "F32", "BF16"])
+@pytest.mark.parametrize("layout", ["Q4_K", "F32", "BF16"])
 def test_shape_rule_refuses_other_layouts(layout):
     k = 256
     wt = TensorType((8, k), "f32", None if layout == "F32" else layout)

@@ -1,9 +1,12 @@
 """The integer path of ``qmatmul`` (``act="q8"``) on 32-value block weights
-(GGUF Q8_0, Q4_0, Q5_0), as llama.cpp's ``ggml_vec_dot_q*_0_q8_0``.
+(GGUF Q8_0, Q4_0, Q5_0, Q4_1, Q5_1), as llama.cpp's ``ggml_vec_dot_q*_0_q8_0``
+and ``ggml_vec_dot_q*_1_q8_1``.
 
 The numbers are ``ir.ops.qmatmul_ref`` with ``act="q8"``: x is quantized per
 block of 32 (d_x = float16(max|x| / 127), q_x = rint(x * 127 / max|x|)) and
-out[r] = sum over blocks of d_w * d_x * (integer sum of q_w * q_x).
+out[r] = sum over blocks of d_w * d_x * (integer sum of q_w * q_x), plus, for
+the offset layouts Q4_1 / Q5_1 (value = d_w q_w + m_w, q_w unsigned),
+m_w * d_x * (integer sum of q_x).
 
 Per call (one thread)
 ---------------------
@@ -12,6 +15,7 @@ Per call (one thread)
 
        [0, K)          q_x, 32 int8 per block
        [K, K + 32 nb)  per block 8 int32: the bias correction c_b in lane 0, zeros
+                       (offset layouts: 8 float32, d_x * sum(q_x) in lane 0, zeros)
        [.., + 32 nb)   per block 8 float32: d_x repeated
 
    Every thread quantizes the whole row itself: no barrier, and it is a few
@@ -22,24 +26,28 @@ Per call (one thread)
    once, and multiplied with up to ``slots`` quantized rows (each with its
    own accumulators), instead of streaming and unpacking the weights again
    for every row. Every row does the one-row code's operations in its
-   order, so each gets the decode step's numbers, bit for bit. Other
-   [T, K] run one row at a time (correct, not tuned: prefill uses the
-   float kernels).
+   order, so each gets the decode step's numbers, bit for bit. Prompt
+   chunks come the same way (``decode_rows`` = ``passes.int_dot.PROMPT_ROWS``);
+   [T, K] without ``decode_rows`` run one row at a time.
 2. Its share of the rows, ``_ROWS`` at a time (the kernel attribute ``rows``
    overrides it, and ``unroll`` the ``_UNROLL`` block groups per loop
    iteration), over the blocks ``G`` at a time (G = 2 at vector width 16: one
    512-bit register holds two blocks; otherwise 1). Weight quants are made
    unsigned so that one ``vpdpbusd`` (unsigned x signed bytes, four products
    summed into each int32 lane) does a block: Q8_0 as q + 128 (xor 0x80),
-   Q4_0 as the raw nibble (q + 8), Q5_0 as nibble | high bit << 4 (q + 16).
+   Q4_0 as the raw nibble (q + 8), Q5_0 as nibble | high bit << 4 (q + 16);
+   Q4_1 and Q5_1 quants are unsigned already (bias 0).
    The bias comes back as c_b = -bias * sum(q_x of block b), which seeds the
    int32 accumulator (lane 0 of the block's 8 lanes), so the 8 lanes of a
    block sum to the exact integer dot product. Unlike llama.cpp's sign trick
    (|x| unsigned, x's sign moved onto w) this is exact for every weight byte,
    -128 included.
    The int32 lanes are converted to float and multiplied into float
-   accumulators with d_w * d_x (one FMA per block group); one horizontal sum
-   per row at the end.
+   accumulators with d_w * d_x (one FMA per block group); the offset
+   layouts add a second FMA, m_w (8 lanes per block, as d_w) times the
+   slot's d_x * sum(q_x) lanes (exact in float32: a float16 times an integer
+   below 2^12); one horizontal sum per row at the end. The symmetric
+   layouts' code has no trace of the offset term.
 
 Without VNNI the same int32 lanes come from a portable widening multiply
 (zext/sext to i16, products of even and odd lanes added in i32, which LLVM
@@ -48,7 +56,8 @@ kernels (about half their speed on znver4 forced to it), so the pass should
 only run where ``host_has_int_dot()``.
 
 Float accumulation is float32 in a different order than the reference's
-float64: results agree to ~1e-6 relative of sum |d_w d_x q_w q_x|.
+float64: results agree to ~1e-6 relative of the size of the terms,
+sum |d_w d_x q_w q_x| (+ |m_w d_x sum q_x|).
 """
 from __future__ import annotations
 
@@ -66,7 +75,9 @@ I1 = ir.IntType(1)
 I8 = ir.IntType(8)
 I16 = ir.IntType(16)
 #: layout -> (bytes per block, bias added to make the quants unsigned)
-LAYOUTS = {"Q8_0": (34, 128), "Q4_0": (18, 8), "Q5_0": (22, 16)}
+LAYOUTS = {"Q8_0": (34, 128), "Q4_0": (18, 8), "Q5_0": (22, 16), "Q4_1": (20, 0), "Q5_1": (24, 0)}
+#: layouts with a block minimum m (value = d q + m), a float16 at byte 2
+OFFSET_LAYOUTS = ("Q4_1", "Q5_1")
 #: weight rows per tile (rows of at least _LONG_ROW columns; shorter rows
 #: go one at a time: one sequential stream, which the prefetcher follows best
 #: -- on znver4 4-row tiles of 640-column Q8_0 rows ran at 8 GB/s, single
@@ -81,11 +92,14 @@ _SLOT_ACCS = 16
 
 
 class _Slot(NamedTuple):
-    """Scratch of one quantized activation row: quants, bias seeds, d_x."""
+    """Scratch of one quantized activation row: quants, d_x, and the same
+    per-block lanes seen as ``init`` (int32 bias seeds; symmetric layouts)
+    or as ``sxd`` (float32 d_x * sum(q_x); offset layouts), None for the other."""
 
     q: ir.Value
-    init: ir.Value
     dx: ir.Value
+    init: ir.Value | None
+    sxd: ir.Value | None
 
 
 def host_has_int_dot() -> bool:
@@ -96,8 +110,9 @@ def host_has_int_dot() -> bool:
 
 
 def slot_bytes(k: int) -> int:
-    """Scratch bytes of one quantized row of K columns: 96 per block of 32
-    (quants, bias seeds, scales), rounded up to a cache line."""
+    """Scratch bytes of one quantized row of K columns, whatever the layout:
+    96 per block of 32 (quants; bias seeds or d_x * sum(q_x); d_x), rounded
+    up to a cache line."""
     return ((k // QK) * 96 + 63) // 64 * 64
 
 
@@ -150,6 +165,7 @@ class _IntKernel:
         self.kb, self.b = kb, kb.b
         self.layout = layout
         self.bb, self.bias = LAYOUTS[layout]
+        self.offset = layout in OFFSET_LAYOUTS
         self.n, self.k = int(wt.shape[0]), int(wt.shape[1])
         if self.k % QK:
             raise NotImplementedError(f"row length {self.k} is not a multiple of {QK}")
@@ -162,11 +178,13 @@ class _IntKernel:
         self.w = kb.in_raw[1]
 
     def slot(self, i: ir.Value) -> _Slot:
-        """The scratch pointers (quants, bias seeds, d_x) of slot ``i``."""
+        """The scratch pointers of slot ``i`` (see ``_Slot``)."""
         kb, b = self.kb, self.b
         s = kb.gep(kb.scratch, b.mul(i, i64(slot_bytes(self.k))))
-        return _Slot(s, b.bitcast(kb.gep(s, self.k), ir.PointerType(I32)),
-                     b.bitcast(kb.gep(s, self.k + 32 * self.nb), ir.PointerType(F32)))
+        lanes = kb.gep(s, self.k)
+        init = None if self.offset else b.bitcast(lanes, ir.PointerType(I32))
+        sxd = b.bitcast(lanes, ir.PointerType(F32)) if self.offset else None
+        return _Slot(s, b.bitcast(kb.gep(s, self.k + 32 * self.nb), ir.PointerType(F32)), init, sxd)
 
     # --- step 1: x -> q8 blocks in scratch --------------------------------------------
     def quantize(self, xrow: ir.Value, sl: _Slot) -> None:
@@ -183,9 +201,13 @@ class _IntKernel:
             q = b.fptosi(r, ir.VectorType(I8, QK))
             kb.vstore(q, sl.q, b.mul(j, i64(QK)))
             sx = _call(kb, "llvm.vector.reduce.add.v32i32", I32, [b.sext(q, ir.VectorType(I32, QK))])
-            c = b.mul(sx, ir.Constant(I32, -self.bias))
-            init = b.insert_element(_vc(I32, [0] * 8), c, i64(0))
-            kb.vstore(init, sl.init, b.mul(j, i64(8)))
+            if self.offset:  # d_x (a float16) times |sx| <= 32 * 127 < 2^12: exact in float32
+                sxd = b.fmul(d, b.sitofp(sx, F32))
+                kb.vstore(b.insert_element(kb.vzero(8), sxd, i64(0)), sl.sxd, b.mul(j, i64(8)))
+            else:
+                c = b.mul(sx, ir.Constant(I32, -self.bias))
+                init = b.insert_element(_vc(I32, [0] * 8), c, i64(0))
+                kb.vstore(init, sl.init, b.mul(j, i64(8)))
             kb.vstore(kb.splat(d, 8), sl.dx, b.mul(j, i64(8)))
 
     # --- step 2: weights ------------------------------------------------------------------
@@ -200,9 +222,9 @@ class _IntKernel:
             return b.xor(kb.vload(bp, 2, QK), _vc(I8, [0x80] * QK))
         qs = kb.vload(bp, self.bb - 16, 16)
         nib = _shuffle(kb, b.and_(qs, _vc(I8, [0x0F] * 16)), b.lshr(qs, _vc(I8, [4] * 16)), list(range(32)))
-        if self.layout == "Q4_0":
+        if self.layout in ("Q4_0", "Q4_1"):
             return nib
-        qh = b.load(b.bitcast(kb.gep(bp, 2), ir.PointerType(I32)), align=1)
+        qh = b.load(b.bitcast(kb.gep(bp, 2 if self.layout == "Q5_0" else 4), ir.PointerType(I32)), align=1)
         hb = b.bitcast(qh, ir.VectorType(I1, QK))
         return b.or_(nib, b.select(hb, _vc(I8, [16] * QK), _vc(I8, [0] * QK)))
 
@@ -226,26 +248,39 @@ class _IntKernel:
     def _group(self, row: ir.Value, j: ir.Value, g: int, accs: list[ir.Value],
                slots: list[_Slot]) -> list[ir.Value]:
         """accs[s] + (int32 lanes of blocks j..j+g-1 of row, times slot s's
-        quants) * d_w * d_x[s], for every slot: the weight blocks are loaded
-        and made unsigned once, then each slot does exactly the one-row
-        code's operations on its own accumulator."""
+        quants) * d_w * d_x[s] (+ m_w * d_x[s] * sum(q_x[s]) for the offset
+        layouts), for every slot: the weight blocks are loaded and made
+        unsigned once, then each slot does exactly the one-row code's
+        operations on its own accumulator."""
         kb, b = self.kb, self.b
         bps = [self._block_ptr(row, b.add(j, i64(i))) for i in range(g)]
         us = [self._unsigned_quants(bp) for bp in bps]
         u = us[0] if g == 1 else _shuffle(kb, us[0], us[1], list(range(64)))
-        dw = ir.Constant(ir.VectorType(HALF, g), ir.Undefined)
-        for i, bp in enumerate(bps):
-            dw = b.insert_element(dw, b.load(b.bitcast(bp, ir.PointerType(HALF)), align=1), i64(i))
-        dw = b.fpext(dw, ir.VectorType(F32, g))
-        dw = _shuffle(kb, dw, dw, [i // 8 for i in range(8 * g)])
+        dw = self._f16_lanes(bps, 0)
+        mw = self._f16_lanes(bps, 2) if self.offset else None
+        zero = _vc(I32, [0] * (8 * g))
         out = []
         for sl, acc in zip(slots, accs):
             xq = kb.vload(sl.q, b.mul(j, i64(QK)), QK * g)
-            init = kb.vload(sl.init, b.mul(j, i64(8)), 8 * g)
+            init = zero if self.offset else kb.vload(sl.init, b.mul(j, i64(8)), 8 * g)
             dots = b.sitofp(self._dot(u, xq, init, g), ir.VectorType(F32, 8 * g))
             scale = b.fmul(dw, kb.vload(sl.dx, b.mul(j, i64(8)), 8 * g), flags=FAST)
-            out.append(kb.fma(dots, scale, acc))
+            acc = kb.fma(dots, scale, acc)
+            if mw is not None:  # lane 0 of each block: m_w * d_x sum(q_x); the other lanes add m_w * 0
+                acc = kb.fma(mw, kb.vload(sl.sxd, b.mul(j, i64(8)), 8 * g), acc)
+            out.append(acc)
         return out
+
+    def _f16_lanes(self, bps: list[ir.Value], off: int) -> ir.Value:
+        """<8g x float>: the float16 at byte ``off`` of each of the g blocks, 8 lanes each."""
+        kb, b = self.kb, self.b
+        g = len(bps)
+        v = ir.Constant(ir.VectorType(HALF, g), ir.Undefined)
+        for i, bp in enumerate(bps):
+            p = bp if off == 0 else kb.gep(bp, off)
+            v = b.insert_element(v, b.load(b.bitcast(p, ir.PointerType(HALF)), align=1), i64(i))
+        v = b.fpext(v, ir.VectorType(F32, g))
+        return _shuffle(kb, v, v, [i // 8 for i in range(8 * g)])
 
     def tile(self, r0: ir.Value, R: int, slots: list[_Slot], ts: list[ir.Value]) -> None:
         """out[ts[s], r0 .. r0+R-1] for the quantized rows in ``slots``

@@ -37,7 +37,7 @@ def add_arguments(k: argparse.ArgumentParser) -> None:
     k.add_argument("--tile", default=None, help="rows per tile, or ROWSxTOKENS for matmul/qmatmul on a batch")
     dot = k.add_mutually_exclusive_group()
     dot.add_argument("--int-dot", dest="int_dot", action="store_const", const=True, default=None,
-                     help="integer dot path: x quantized per block, int8 dot products (Q8_0/Q4_0/Q5_0)")
+                     help="integer dot path: x quantized per block, int8 dot products (Q8_0/Q4_0/Q5_0/Q4_1/Q5_1)")
     dot.add_argument("--float-dot", dest="int_dot", action="store_const", const=False,
                      help="float dot path (weights decoded to float32 in registers)")
     k.add_argument("--prefetch", type=whole_number("--prefetch", 0), default=None,
