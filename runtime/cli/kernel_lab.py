@@ -168,11 +168,11 @@ def _layout(name: str):
 
 def default_int_dot(p: Problem) -> bool:
     """What the compiler does: the ``int_dot`` pass (in the default native
-    pipeline where the host has VNNI) gives decode qmatmuls on 32-value block
-    weights the integer path; prefill stays on the float kernels."""
+    pipeline where the host has VNNI) gives qmatmuls on 32-value block
+    weights the integer path, decode and prompt rows alike."""
     from compiler.pipeline import default_pipeline
 
-    return (p.kind == "qmatvec" and p.qtype in INT_DOT_LAYOUTS and p.cols % QK8 == 0
+    return (p.kind in Q_KINDS and p.qtype in INT_DOT_LAYOUTS and p.cols % QK8 == 0
             and "int_dot" in default_pipeline("llvm"))
 
 
@@ -371,6 +371,10 @@ def build_case(p: Problem, int_dot: bool) -> Case:
             op, attrs = "qmatmul", {"layout": layout}
             if int_dot:
                 attrs["act"] = "q8"
+                if kind == "qmatmul":   # prompt rows, as passes/int_dot marks them
+                    from passes.int_dot import PROMPT_ROWS
+
+                    attrs["decode_rows"] = PROMPT_ROWS
             want = ops.qmatmul_ref(x, w, **attrs)
         check = _dot_check(x, w, C)
         case = Case(op, [xt, w.type], attrs, [x, w], want, lambda g: check(g, want),
