@@ -204,7 +204,9 @@ def test_full_server_503_and_drain_cuts_a_long_stream(smollm2):
         lines: list[str] = []
         started = threading.Event()
 
-        body = {"prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0.8, "seed": 1}
+        # ignore_eos: the stream must still run when the drain cuts it, whatever the sampled text
+        body = {"prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0.8, "seed": 1,
+                "ignore_eos": True}
         t = threading.Thread(target=stream_into, args=(s.url, body, lines, started))
         t.start()
         assert started.wait(120)
