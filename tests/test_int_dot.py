@@ -281,7 +281,7 @@ def test_decode_rows_equal_one_row_calls_bit_for_bit(name, portable):
     for n, k in ((7, 96), (33, 640), (9, 8192)):
         w = gguf_weight(rng, name, n, k, "normal")
         one = compiled(sig_for("qmatmul", [TensorType((k,)), w.type], layout=name, act="q8"), portable=portable)
-        for slots in (1, 4, 8):
+        for slots in (1, 3, 4, 8):
             sig = sig_for("qmatmul", [TensorType(("T", k)), w.type], layout=name, act="q8", decode_rows=slots)
             assert k_matmul_int.scratch_floats(sig) * 4 >= slots * k * 3
             rows = compiled(sig, portable=portable)

@@ -352,21 +352,28 @@ def emit_int_matvec(kb: KernelBuilder, sig: KernelSig) -> None:
 
     def tiles(t0: ir.Value, n: ir.Value | None) -> None:
         """Every weight tile of this thread against rows t0 .. t0+n-1 (in
-        slots 0 .. n-1), P slots at a time then one at a time (n None: the
-        one row t0 in slot 0, the decode step's code)."""
+        slots 0 .. n-1), P slots at a time, then the rest r < P in tiles of
+        the powers of two in r (5 rows: 4 + 1), so that a step of a few
+        sequences shares the unpacked blocks too (n None: the one row t0 in
+        slot 0, the decode step's code)."""
+        def tile_at(r0: ir.Value, R_: int, s0: ir.Value, q: int) -> None:
+            ss = [b.add(s0, i64(p)) for p in range(q)]
+            kern.tile(r0, R_, [kern.slot(s) for s in ss], [b.add(t0, s) for s in ss])
+
         def over_slots(r0: ir.Value, R_: int) -> None:
             if n is None:
                 kern.tile(r0, R_, [kern.slot(i64(0))], [t0])
                 return
-            if P > 1:
-                n_main = b.sub(n, b.srem(n, i64(P)))
-                with kb.loop(0, n_main, step=P, name="slots") as s0:
-                    ss = [b.add(s0, i64(p)) for p in range(P)]
-                    kern.tile(r0, R_, [kern.slot(s) for s in ss], [b.add(t0, s) for s in ss])
-            else:
-                n_main = i64(0)
-            with kb.loop(n_main, n, name="slot1") as s:
-                kern.tile(r0, R_, [kern.slot(s)], [b.add(t0, s)])
+            rest = b.srem(n, i64(P))
+            n_main = b.sub(n, rest)
+            with kb.loop(0, n_main, step=P, name="slots") as s0:
+                tile_at(r0, R_, s0, P)
+            q = 1 << max(0, (P - 1).bit_length() - 1)     # the largest power of two below P
+            while q >= 1 and P > 1:
+                with kb.if_then(b.icmp_signed("!=", b.and_(rest, i64(q)), i64(0))):
+                    # bits of rest above q went to the tiles before this one
+                    tile_at(r0, R_, b.add(n_main, b.and_(rest, i64(-2 * q))), q)
+                q //= 2
 
         with kb.loop(lo, rows_main, step=R, name="rt") as r0:
             over_slots(r0, R)
