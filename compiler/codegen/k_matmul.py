@@ -368,16 +368,13 @@ def _tile(kb: KernelBuilder, dec: Decoder, x: ir.Value, out: ir.Value, r0: ir.Va
 def _prefetch_rows(kb: KernelBuilder, dec: Decoder, rows: list[ir.Value], col: ir.Value, S: int,
                    ahead: int) -> None:
     """Ask for the bytes ``ahead`` past the weights of columns col..col+S-1
-    of each row, a cache line at a time. The hardware prefetcher alone
-    leaves a decode matvec latency-bound (on this project's Xeon, 8 of
-    about 30 GB/s for Q4_0); a prefetch never faults, so running past the
-    end of the weight is harmless."""
+    of each row. The hardware prefetcher alone leaves a decode matvec
+    latency-bound (on this project's Xeon, 8 of about 30 GB/s for Q4_0)."""
     b = kb.b
     rb, k = dec.row_bytes, dec.k
     for r in rows:
         at = b.add(b.mul(r, i64(rb)), b.udiv(b.mul(col, i64(rb)), i64(k)))
-        for off in range(0, max(1, S * rb // k), 64):
-            kb.prefetch(kb.gep(dec.raw, b.add(at, i64(ahead + off))))
+        kb.prefetch(kb.gep(dec.raw, b.add(at, i64(ahead))), S * rb // k)
 
 
 def _planar_rowwise_tile(kb: KernelBuilder, dec: Decoder, x: ir.Value, out: ir.Value, r: ir.Value,

@@ -302,9 +302,7 @@ class _IntKernel:
                 cur = list(cur)
                 if self.ahead:
                     for i in range(R):
-                        bp = self._block_ptr(rows[i], j)
-                        for off in range(0, self.bb * step, 64):
-                            kb.prefetch(kb.gep(bp, self.ahead + off))
+                        kb.prefetch(kb.gep(self._block_ptr(rows[i], j), self.ahead), self.bb * step)
                 for i in range(R):
                     for u in range(U):
                         new = self._group(rows[i], b.add(j, i64(u * G)), G,
