@@ -41,12 +41,15 @@ def test_elementwise_matches_reference(op, t, n, nt, vw, seed, big):
 
 
 @settings(max_examples=20, deadline=None)
-@given(t=st.integers(1, 6), n=st.sampled_from([1, 7, 16, 33]), nt=st.integers(1, 3), seed=st.integers(0, 2**31))
-def test_bias_add_matches_reference(t, n, nt, seed):
+@given(t=st.integers(1, 6), n=st.sampled_from([1, 7, 16, 33]), nt=st.integers(1, 3), seed=st.integers(0, 2**31),
+       layout=st.sampled_from(["F32", "F16"]))
+def test_bias_add_matches_reference(t, n, nt, seed, layout):
+    """F32 biases (GGUF) and F16 ones (QSF stores vectors so)."""
     rng = np.random.default_rng(seed)
     a = rng.standard_normal((t, n)).astype(np.float32)
-    bias = rng.standard_normal(n).astype("<f4")
-    w = WeightData(bias.view(np.uint8), TensorType((n,), "f32", "F32"))
+    bias = rng.standard_normal(n).astype("<f4" if layout == "F32" else "<f2")
+    w = WeightData(bias.view(np.uint8), TensorType((n,), "f32", layout))
     sig = sig_for("bias_add", [TensorType(("T", n)), w.type])
     got = run_kernel_like_reference(sig, [a, w], nthreads=nt, symbols={"T": t}, kernel=compiled(sig))
-    np.testing.assert_array_equal(got, a + bias)
+    np.testing.assert_array_equal(got, a + bias.astype(np.float32))
+    np.testing.assert_array_equal(got, ops.bias_add_ref(a, w))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import llvmlite.ir as ir
+
 from .emit import F32, FAST, KernelBuilder, f32c, i64
 from .kernels import KernelSig, kernel
 
@@ -46,13 +48,23 @@ def emit_elementwise(kb: KernelBuilder, sig: KernelSig) -> None:
 
 @kernel("bias_add")
 def emit_bias_add(kb: KernelBuilder, sig: KernelSig) -> None:
-    """out[r, c] = a[r, c] + bias[c]; rows split between threads."""
+    """out[r, c] = a[r, c] + bias[c]; rows split between threads. The bias is
+    F32 or F16 (QSF stores vectors as F16), widened as it is loaded."""
     b = kb.b
     n = int(sig.out_type.shape[-1])
     lo, hi = kb.thread_share(kb.rows_of(sig.out_type.shape))
-    out, a, bias = kb.out_f32(), kb.in_f32(0), kb.in_f32(1)
+    out, a = kb.out_f32(), kb.in_f32(0)
+    bt = sig.in_types[1]
+    if (bt.layout or "F32") == "F16" or bt.dtype == "f16":
+        hp = b.bitcast(kb.in_raw[1], ir.PointerType(ir.HalfType()))
+        bias_at = lambda c: b.fpext(kb.load(hp, c), F32)  # noqa: E731
+    elif (bt.layout or "F32") == "F32":
+        bp = kb.in_f32(1)
+        bias_at = lambda c: kb.load(bp, c)  # noqa: E731
+    else:
+        raise NotImplementedError(f"bias_add: bias layout {bt.layout} (dequantize it first)")
     with kb.loop(lo, hi, name="row") as r:
         base = b.mul(r, i64(n))
         with kb.loop(0, n, name="col") as c:
             i = b.add(base, c)
-            kb.store(b.fadd(kb.load(a, i), kb.load(bias, c), flags=FAST), out, i)
+            kb.store(b.fadd(kb.load(a, i), bias_at(c), flags=FAST), out, i)
