@@ -160,9 +160,12 @@ def _rope(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
           f"rope: pos must be an i32 scalar or one i32 position per row of {x}, got {pos}")
     if len(ts) == 3:
         ff = ts[2]
-        _need(ff.rank == 1 and ff.shape[0] == hd // 2 and (ff.layout or "F32") == "F32",
-              f"rope: frequency factors must be F32 [{hd // 2}], got {ff}")
+        _need(ff.rank == 1 and (ff.layout or "F32") == "F32", f"rope: frequency factors must be F32, got {ff}")
     _need(float(attrs.get("freq_scale", 1.0)) > 0, "rope: freq_scale must be positive")
+    rot = attrs.get("dims") or hd
+    _need(isinstance(rot, int) and 0 < rot <= hd and rot % 2 == 0, f"rope: dims {rot} must be even, 1..{hd}")
+    if len(ts) == 3:
+        _need(ts[2].shape[0] == rot // 2, f"rope: {rot // 2} frequency factors needed, got {ts[2]}")
     return TensorType(x.shape, "f32")
 
 
@@ -475,32 +478,35 @@ def rope_tables_at(positions: np.ndarray, head_dim: int, theta: float, dims: int
 
 @register("rope", -1, _rope)
 def rope_ref(x: np.ndarray, pos: Any, freq_factors: Any = None, *, head_dim: int, theta: float, style: str,
-             **scaling: Any) -> np.ndarray:
+             dims: int | None = None, **scaling: Any) -> np.ndarray:
     """Rotary position embedding. ``interleaved`` rotates (x[2i], x[2i+1]) as
     llama2.c and GGUF llama; ``neox`` rotates (x[i], x[i + head_dim/2]).
     Row t sits at position pos + t, or with ``pos`` a vector (a batch of
     sequences) at pos[t]. ``freq_factors`` (a weight, Llama 3's
     ``rope_freqs``) and the scaling attributes (``ROPE_SCALING_DEFAULTS``)
-    are described in ``rope_tables_at``."""
+    are described in ``rope_tables_at``. ``dims`` (partial rotary, Phi-2):
+    only each head's first ``dims`` values rotate, as a head of that size
+    would (its own frequencies); the rest pass through."""
     x = np.asarray(x, np.float32)
     lead = x.shape[:-1]
     t = x.reshape(-1, x.shape[-1])
     n_rows = t.shape[0]
+    rot = int(dims or head_dim)
     ff = None if freq_factors is None else f32_of(freq_factors)
     at = np.asarray(pos, np.int64).reshape(n_rows) if np.ndim(pos) == 1 else np.arange(int(pos), int(pos) + n_rows)
-    cos, sin = rope_tables_at(at, head_dim, theta, freq_factors=ff, attrs=scaling)
-    heads = t.reshape(n_rows, -1, head_dim)
+    cos, sin = rope_tables_at(at, rot, theta, freq_factors=ff, attrs=scaling)
+    heads = t.reshape(n_rows, -1, head_dim)[..., :rot]
     if style == "interleaved":
         a, b = heads[..., 0::2], heads[..., 1::2]
     else:
-        a, b = heads[..., : head_dim // 2], heads[..., head_dim // 2:]
+        a, b = heads[..., : rot // 2], heads[..., rot // 2:]
     c, s = cos[:, None, :], sin[:, None, :]
     ra, rb = a * c - b * s, a * s + b * c
-    out = np.empty_like(heads)
+    out = t.reshape(n_rows, -1, head_dim).copy()
     if style == "interleaved":
-        out[..., 0::2], out[..., 1::2] = ra, rb
+        out[..., 0:rot:2], out[..., 1:rot:2] = ra, rb
     else:
-        out[..., : head_dim // 2], out[..., head_dim // 2:] = ra, rb
+        out[..., : rot // 2], out[..., rot // 2: rot] = ra, rb
     return out.reshape(lead + (x.shape[-1],))
 
 
@@ -563,12 +569,16 @@ def kv_write_ref(cache: np.ndarray, x: np.ndarray, pos: Any) -> np.ndarray:
     return _kv_store(cache, slice(p, p + n), x)
 
 
-def _attend(qrow: np.ndarray, k: np.ndarray, v: np.ndarray, group: int, scale: float) -> np.ndarray:
-    """One query row's heads [H, hd] against its visible K/V rows [n, KVH, hd]."""
+def _attend(qrow: np.ndarray, k: np.ndarray, v: np.ndarray, group: int, scale: float,
+            softcap: float = 0.0) -> np.ndarray:
+    """One query row's heads [H, hd] against its visible K/V rows [n, KVH, hd].
+    ``softcap`` bounds each score to (-c, c) as c * tanh(s / c) (Gemma 2)."""
     out = np.empty_like(qrow)
     for h in range(qrow.shape[0]):
         kv = h // group
         sc = (k[:, kv, :] @ qrow[h]) * np.float32(scale)
+        if softcap:
+            sc = softcap_ref(sc, cap=softcap)
         sc = np.exp(sc - sc.max())
         sc /= sc.sum(dtype=np.float32)
         out[h] = sc @ v[:, kv, :]
@@ -582,7 +592,8 @@ def _visible(end: int, window: int) -> int:
 
 @register("attention", 4, _attention)
 def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: Any, *, n_heads: int,
-                  n_kv_heads: int, head_dim: int, scale: float, window: int = 0) -> np.ndarray:
+                  n_kv_heads: int, head_dim: int, scale: float, window: int = 0, softcap: float = 0.0
+                  ) -> np.ndarray:
     """Causal grouped-query attention against the cache. Row t of q sits at
     position pos+t and sees positions <= pos+t (and > pos+t-window if set)."""
     q = np.asarray(q, np.float32)
@@ -595,7 +606,7 @@ def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: Any, *, n_
         start = _visible(end, window)
         k = kv_read(kc, start, end).reshape(end - start, n_kv_heads, head_dim)
         v = kv_read(vc, start, end).reshape(end - start, n_kv_heads, head_dim)
-        out[t] = _attend(qs[t], k, v, n_heads // n_kv_heads, scale)
+        out[t] = _attend(qs[t], k, v, n_heads // n_kv_heads, scale, softcap)
     return out.reshape(lead + (n_heads * head_dim,))
 
 
@@ -633,7 +644,7 @@ def kv_write_paged_ref(cache: np.ndarray, x: np.ndarray, positions: Any, tables:
 @register("attention_paged", 5, _attention_paged)
 def attention_paged_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, positions: Any, tables: Any, *,
                         n_heads: int, n_kv_heads: int, head_dim: int, scale: float, window: int = 0,
-                        block_size: int) -> np.ndarray:
+                        block_size: int, softcap: float = 0.0) -> np.ndarray:
     """``attention`` for a batch of sequences in a pool: row t sits at its
     own sequence's position positions[t] and sees that sequence's positions
     max(0, positions[t] - window + 1)..positions[t] (from 0 without a
@@ -645,7 +656,7 @@ def attention_paged_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, positions
         rows = rows[_visible(len(rows), window):]
         k = kv_decode(kc[rows]).reshape(len(rows), n_kv_heads, head_dim)
         v = kv_decode(vc[rows]).reshape(len(rows), n_kv_heads, head_dim)
-        out[t] = _attend(qs[t], k, v, n_heads // n_kv_heads, scale)
+        out[t] = _attend(qs[t], k, v, n_heads // n_kv_heads, scale, softcap)
     return out.reshape(q.shape)
 
 
@@ -684,6 +695,49 @@ def gelu_tanh_ref(x: np.ndarray) -> np.ndarray:
 @register("scale", 1, _same_as_first, elementwise=True)
 def scale_ref(x: np.ndarray, *, factor: float) -> np.ndarray:
     return (np.asarray(x, np.float32) * np.float32(factor)).astype(np.float32)
+
+
+@register("softcap", 1, _same_as_first, elementwise=True)
+def softcap_ref(x: np.ndarray, *, cap: float) -> np.ndarray:
+    """cap * tanh(x / cap): Gemma 2's soft-capping of logits, in llama.cpp's
+    order (times 1/cap, tanh, times cap)."""
+    c = np.float32(cap)
+    return (np.tanh(np.asarray(x, np.float32) * (np.float32(1) / c)) * c).astype(np.float32)
+
+
+def _layernorm(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    x, w, b = ts
+    _need(w.rank == 1 and b.shape == w.shape and x.shape[-1] == w.shape[0],
+          f"layernorm: weight {w} and bias {b} do not fit {x}")
+    return TensorType(x.shape, "f32")
+
+
+@register("layernorm", 3, _layernorm)
+def layernorm_ref(x: np.ndarray, w: Any, b: Any, *, eps: float) -> np.ndarray:
+    """(x - mean) / sqrt(var + eps) * w + b per row (GPT-2, Phi-2, StarCoder2),
+    float32 in llama.cpp's order: centre, mean of squares, scale, weight, bias."""
+    xs = np.asarray(x, np.float32).reshape(-1, np.shape(x)[-1])
+    c = xs - np.mean(xs, axis=1, dtype=np.float32, keepdims=True)
+    inv = np.float32(1.0) / np.sqrt(np.mean(c * c, axis=1, dtype=np.float32) + np.float32(eps))
+    y = (c * inv[:, None]) * f32_of(w) + f32_of(b)
+    return y.astype(np.float32).reshape(np.shape(x))
+
+
+def _pos_embedding(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    w, pos, tokens = ts
+    _need(w.rank == 2, f"pos_embedding: the table must be 2-D, got {w}")
+    _need(pos.dtype == "i32" and (pos.rank == 0 or pos.shape == tokens.shape),
+          f"pos_embedding: pos must be an i32 scalar or one per token of {tokens}, got {pos}")
+    return TensorType(tokens.shape + (w.shape[1],), "f32")
+
+
+@register("pos_embedding", 3, _pos_embedding)
+def pos_embedding_ref(w: WeightData, pos: Any, tokens: Any) -> np.ndarray:
+    """Learned absolute position embeddings (GPT-2): the table's row for each
+    token's position, pos + t for token t of a chunk, or pos[t] in a batch."""
+    shape = np.shape(tokens)
+    at = np.asarray(pos, np.int64).reshape(shape) if np.ndim(pos) else int(pos) + np.arange(int(np.prod(shape)))
+    return embedding_ref(w, np.asarray(at, np.int64).reshape(shape))
 
 
 @register("take_last", 1, _take_last)

@@ -1,4 +1,4 @@
-"""Compiled elementwise kernels (add, mul, scale, silu, gelu_tanh, bias_add)
+"""Compiled elementwise kernels (add, mul, scale, silu, gelu_tanh, softcap, bias_add)
 against their numpy references, on odd sizes and several thread counts."""
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ def compiled(sig, vw=None):
     return _CACHE[key]
 
 
-UNARY = {"silu": {}, "gelu_tanh": {}, "scale": {"factor": 25.298221}}
+UNARY = {"silu": {}, "gelu_tanh": {}, "scale": {"factor": 25.298221}, "softcap": {"cap": 30.0}}
 
 
 @settings(max_examples=40, deadline=None)
-@given(op=st.sampled_from(["add", "mul", "silu", "gelu_tanh", "scale"]), t=st.integers(0, 5),
+@given(op=st.sampled_from(["add", "mul", "silu", "gelu_tanh", "scale", "softcap"]), t=st.integers(0, 5),
        n=st.sampled_from([1, 3, 15, 16, 17, 64, 100]), nt=st.integers(1, 3), vw=st.sampled_from([None, 8, 4]),
        seed=st.integers(0, 2**31), big=st.booleans())
 def test_elementwise_matches_reference(op, t, n, nt, vw, seed, big):

@@ -173,6 +173,15 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
     sc = kb.fptr(kb.scratch)
     scale_s = fconst(scale)
     scale_v = fconst(scale, B)
+    cap = float(a.get("softcap", 0.0) or 0.0)
+
+    def scaled(s: ir.Value) -> ir.Value:
+        """A score (or B of them) times the scale, soft-capped if the op says so."""
+        s = kb.fmul(s, scale_v if isinstance(s.type, ir.VectorType) else scale_s)
+        if cap:
+            w = s.type.count if isinstance(s.type, ir.VectorType) else None
+            s = kb.fmul(kb.tanh(kb.fmul(s, fconst(1.0 / cap, w))), fconst(cap, w))
+        return s
 
     with kb.loop(lo, hi, step=step, name="unit") as u:
         t = b.udiv(u, i64(H))
@@ -223,13 +232,12 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
         # pass 1: scores and their max
         ninf = fconst(float("-inf"), B)
         with kb.loop_carry(0, nb, [ninf], step=B, name="sb") as (j, (mv,), setv):
-            s = hsum_many(kb, [dot(b.add(j, i64(p))) for p in range(B)])
-            s = kb.fmul(s, scale_v)
+            s = scaled(hsum_many(kb, [dot(b.add(j, i64(p))) for p in range(B)]))
             kb.vstore(s, sc, j)
             setv([kb.fmax(mv, s)])
         m0 = kb.hmax(kb.last_carry[0])
         with kb.loop_carry(nb, n, [m0], name="st") as (j, (m,), setv):
-            s = kb.fmul(b.extract_element(hsum_many(kb, [dot(j)]), i64(0)), scale_s)
+            s = scaled(b.extract_element(hsum_many(kb, [dot(j)]), i64(0)))
             kb.store(s, sc, j)
             setv([kb.fmax(m, s)])
         mx = kb.last_carry[0]

@@ -1,4 +1,4 @@
-"""Elementwise kernels: add, mul, scale, silu, gelu_tanh.
+"""Elementwise kernels: add, mul, scale, silu, gelu_tanh, softcap.
 
 Each thread takes a contiguous share of the elements; the body is a plain
 loop over float32 that LLVM vectorizes (fast-math flags allow it)."""
@@ -17,7 +17,7 @@ def _numel(kb: KernelBuilder, sig: KernelSig):
     return kb.b.mul(kb.rows_of(shape), i64(int(shape[-1])))
 
 
-@kernel("add", "mul", "scale", "silu", "gelu_tanh")
+@kernel("add", "mul", "scale", "silu", "gelu_tanh", "softcap")
 def emit_elementwise(kb: KernelBuilder, sig: KernelSig) -> None:
     b = kb.b
     lo, hi = kb.thread_share(_numel(kb, sig))
@@ -35,13 +35,14 @@ def emit_elementwise(kb: KernelBuilder, sig: KernelSig) -> None:
         elif sig.op == "silu":
             e = kb.exp(b.fsub(f32c(0.0), x, flags=FAST))
             y = b.fdiv(x, b.fadd(f32c(1.0), e, flags=FAST), flags=FAST)
-        else:  # gelu_tanh: 0.5 x (1 + tanh(c (x + 0.044715 x^3))), tanh via exp
+        elif sig.op == "softcap":  # cap * tanh(x / cap)
+            cap = float(sig.attr["cap"])
+            y = b.fmul(kb.tanh(b.fmul(x, f32c(1.0 / cap), flags=FAST)), f32c(cap), flags=FAST)
+        else:  # gelu_tanh: 0.5 x (1 + tanh(c (x + 0.044715 x^3)))
             inner = b.fmul(f32c(math.sqrt(2.0 / math.pi)),
                            b.fadd(x, b.fmul(f32c(0.044715), b.fmul(x, b.fmul(x, x, flags=FAST), flags=FAST),
                                             flags=FAST), flags=FAST), flags=FAST)
-            # tanh(u) = 1 - 2 / (exp(2u) + 1), safe for large |u|
-            e2 = kb.exp(b.fmul(f32c(2.0), inner, flags=FAST))
-            th = b.fsub(f32c(1.0), b.fdiv(f32c(2.0), b.fadd(e2, f32c(1.0), flags=FAST), flags=FAST), flags=FAST)
+            th = kb.tanh(inner)
             y = b.fmul(b.fmul(f32c(0.5), x, flags=FAST), b.fadd(f32c(1.0), th, flags=FAST), flags=FAST)
         kb.store(y, out, i)
 

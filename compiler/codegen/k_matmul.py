@@ -70,6 +70,7 @@ from ir.types import TensorType
 
 from .emit import F32, F32P, FAST, I32, I64, KernelBuilder, f32c, i64
 from .kernels import KernelSig, kernel
+from .paging import RowPositions
 
 HALF = ir.HalfType()
 
@@ -527,22 +528,30 @@ def _over_tokens(kb: KernelBuilder, m: ir.Value, C: int, body) -> None:
 
 
 # --- embedding ---------------------------------------------------------------------------
-@kernel("embedding")
+@kernel("embedding", "pos_embedding")
 def emit_embedding(kb: KernelBuilder, sig: KernelSig) -> None:
-    wt, it = sig.in_types
+    """A table row per token: the token's id (``embedding``), or its
+    position (``pos_embedding``: pos + t, or positions[t] in a batch)."""
+    wt, it = sig.in_types[0], sig.in_types[-1]
     b = kb.b
     v, d = _as_int(wt.shape[0]), _as_int(wt.shape[1])
     dec = _decoder(kb, wt, kb.in_raw[0])
-    ids = b.bitcast(kb.in_raw[1], ir.PointerType(I32))
+    if sig.op == "embedding":
+        ids = b.bitcast(kb.in_raw[1], ir.PointerType(I32))
+        row_of = lambda t: b.sext(kb.load(ids, t), I64)  # noqa: E731
+    elif sig.in_types[1].rank == 1:
+        row_of = RowPositions(kb, kb.in_raw[1])
+    else:
+        row_of = lambda t: b.add(kb.pos, t)  # noqa: E731
     out = kb.out_f32()
     m = i64(1)
     for dd in it.shape:
         m = b.mul(m, kb.dim(dd))
     lo, hi = kb.thread_share(m)  # one token (decode): the last thread copies it
     with kb.loop(lo, hi, name="tok") as t:
-        # The runtime validates token ids before the call: 0 <= id < V is
-        # assumed here (no clamping; an invalid id would read out of bounds).
-        row = b.sext(kb.load(ids, t), I64)
+        # The runtime validates token ids and positions before the call: 0 <= row < V
+        # is assumed here (no clamping; an invalid one would read out of bounds).
+        row = row_of(t)
         obase = b.mul(t, i64(d))
         if dec.row_aligned:
             S = dec.step(1)

@@ -1,4 +1,4 @@
-"""Row-wise kernels: rmsnorm, rope, take_last, kv_write, kv_write_paged.
+"""Row-wise kernels: rmsnorm, layernorm, rope, take_last, kv_write, kv_write_paged.
 
 rmsnorm and rope split "units" (rows, or rows x chunks/heads) between threads;
 take_last and kv_write are copies split by elements (kv_write_paged: by
@@ -110,6 +110,41 @@ def emit_rmsnorm(kb: KernelBuilder, sig: KernelSig) -> None:
                 scale_block(j)
 
 
+# --- layernorm ----------------------------------------------------------------------
+@kernel("layernorm")
+def emit_layernorm(kb: KernelBuilder, sig: KernelSig) -> None:
+    """(x - mean) * inv * w + b per row, threads splitting rows: two passes
+    over the row (mean, then the centred sum of squares), as the reference."""
+    b = kb.b
+    xt, wt, bt = sig.in_types
+    _check_f32(xt, "layernorm x")
+    m = int(xt.shape[-1])
+    eps = float(sig.attr["eps"])
+    lo, hi = kb.thread_share(kb.rows_of(xt.shape))
+    x, out = kb.in_f32(0), kb.out_f32()
+    wload = _weight_loader(kb, wt, kb.in_raw[1])
+    bload = _weight_loader(kb, bt, kb.in_raw[2])
+    vw = pow2_divisor(m, kb.vw)
+
+    def row_sum(f) -> ir.Value:
+        with kb.loop_carry(0, m, [fconst(0.0, vw)], step=vw, name="s") as (j, cur, setv):
+            setv([kb.fadd(cur[0], f(j))])
+        return b.extract_element(hsum_many(kb, kb.last_carry), i64(0))
+
+    with kb.loop(lo, hi, name="row") as r:
+        xr, orow = kb.gep(x, b.mul(r, i64(m))), kb.gep(out, b.mul(r, i64(m)))
+        mean = kb.splat(b.fdiv(row_sum(lambda j: kb.vload(xr, j, vw)), f32c(float(m))), vw)
+
+        def centred(j):
+            return b.fsub(kb.vload(xr, j, vw), mean)
+
+        var = b.fdiv(row_sum(lambda j: kb.fmul(centred(j), centred(j))), f32c(float(m)))
+        inv = kb.splat(b.fdiv(f32c(1.0), kb.sqrt(b.fadd(var, f32c(eps)))), vw)
+        with kb.loop(0, m, step=vw, name="y") as j:
+            y = b.fadd(b.fmul(b.fmul(centred(j), inv), wload(j, vw)), bload(j, vw))
+            kb.vstore(y, orow, j)
+
+
 # --- rope -----------------------------------------------------------------------------
 @kernel("rope")
 def emit_rope(kb: KernelBuilder, sig: KernelSig) -> None:
@@ -122,15 +157,16 @@ def emit_rope(kb: KernelBuilder, sig: KernelSig) -> None:
     _check_f32(xt, "rope x")
     a = sig.attr
     hd = int(a["head_dim"])
-    half = hd // 2
+    rot = int(a.get("dims") or hd)  # partial rotary: the first rot values of a head rotate, the rest are copied
+    half = rot // 2
     style = a["style"]
     theta = float(a["theta"])
     n = int(xt.shape[-1])
     nh = n // hd
     # the frequencies exactly as rope_tables computes them (float32 numpy)
-    ftab = const_f32_array(kb, "freq", rope_base_freqs(hd, theta).tolist())
+    ftab = const_f32_array(kb, "freq", rope_base_freqs(rot, theta).tolist())
     fs = float(np.float32(a.get("freq_scale", 1.0)))
-    mix, mscale = rope_mix(hd, theta, a)
+    mix, mscale = rope_mix(rot, theta, a)
     if mix is not None:
         mixtab = const_f32_array(kb, "mix", mix.tolist())
         keeptab = const_f32_array(kb, "keep", (np.float32(1) - mix).astype(np.float32).tolist())
@@ -199,6 +235,10 @@ def emit_rope(kb: KernelBuilder, sig: KernelSig) -> None:
                     else:
                         kb.vstore(ra, oh, k * vw)
                         kb.vstore(rb, oh, half + k * vw)
+                if rot < hd:
+                    tw = pow2_divisor(hd - rot, kb.vw)
+                    for j in range(rot, hd, tw):
+                        kb.vstore(kb.vload(xh, j, tw), oh, j)
 
 
 def _idx(values) -> ir.Constant:
