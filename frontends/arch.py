@@ -25,23 +25,42 @@ class ArchSpec:
     """What distinguishes a family. Defaults are llama's."""
 
     ffn_act: str = "silu"          # gated FFN: act(gate(h)) * up(h)
-    rope_style: str = "interleaved"  # or "neox"
+    ffn_gated: bool = True         # False: act(up(h)) with no gate (GPT-2, StarCoder2, Phi-2)
+    norm: str = "rms"              # "rms" (RMSNorm) or "layer" (LayerNorm: weight and bias)
+    rope_style: str = "interleaved"  # or "neox", or "learned" (absolute position embeddings, no RoPE)
+    partial_rotary: bool = False   # rope.dimension_count may rotate only part of each head (Phi-2)
     qkv_bias: bool = False
+    biases: bool = False           # attn_output, ffn_up, ffn_down carry biases (GPT-2, StarCoder2, Phi-2)
+    fused_qkv: bool = False        # files hold attn_qkv = [q; k; v] (split on load into attn_q/k/v)
+    fused_gate_up: bool = False    # files hold ffn_up = [gate; up] (Phi-3; split on load)
+    parallel: bool = False         # attention and FFN both read one norm of x: x + attn + ffn (Phi-2)
     qk_norm: bool = False          # per-head RMSNorm on Q and K
     post_norms: bool = False       # RMSNorm after attention and after FFN
     embed_scale: bool = False      # embeddings times sqrt(dim)
     swa_every: int = 0             # every n-th layer global, others sliding-window
+    local_rope_theta: float = 0.0  # the sliding-window layers' RoPE base (0: the model's own)
+    default_window: int = 0        # the window when the file does not give one
+    softcap: bool = False          # attention- and final-logit soft-capping, values from the file (Gemma 2)
     rope_freqs: bool = False       # may carry per-frequency RoPE divisors (Llama 3's rope_freqs tensor)
     scale_local_rope: bool = True  # RoPE scaling applies to sliding-window layers too
 
+
+#: biased LayerNorm families with a plain GELU FFN (llama.cpp's LLM_FFN_GELU is the tanh form)
+_GPT = dict(ffn_act="gelu_tanh", ffn_gated=False, norm="layer", biases=True)
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": ArchSpec(rope_freqs=True),
     "mistral": ArchSpec(rope_freqs=True),
     "qwen2": ArchSpec(rope_style="neox", qkv_bias=True),
+    "phi3": ArchSpec(rope_style="neox", fused_qkv=True, fused_gate_up=True),
+    "gpt2": ArchSpec(**_GPT, rope_style="learned", fused_qkv=True, qkv_bias=True),
+    "starcoder2": ArchSpec(**_GPT, rope_style="neox"),
+    "phi2": ArchSpec(**_GPT, rope_style="neox", partial_rotary=True, fused_qkv=True, parallel=True),
+    "gemma2": ArchSpec(ffn_act="gelu_tanh", rope_style="neox", post_norms=True, embed_scale=True, swa_every=2,
+                       default_window=4096, softcap=True),
     # llama.cpp scales only the global layers' RoPE (the local ones keep base 10000, no scaling)
     "gemma3": ArchSpec(ffn_act="gelu_tanh", rope_style="neox", qk_norm=True, post_norms=True, embed_scale=True,
-                       swa_every=6, scale_local_rope=False),
+                       swa_every=6, local_rope_theta=10000.0, default_window=512, scale_local_rope=False),
 }
 
 #: the RoPE scaling types lmc implements (GGUF ``rope.scaling.type``)
@@ -88,6 +107,8 @@ class ModelConfig:
     vocab_size: int
     seq_len: int
     head_dim: int = 0
+    #: dimensions of each head that RoPE rotates (0: all; less with partial rotary, Phi-2)
+    rope_dims: int = 0
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tied_output: bool = True
@@ -96,11 +117,15 @@ class ModelConfig:
     #: tokens that end generation; llama2.c's run.c stops when it samples BOS (and goes on past EOS)
     stop_ids: tuple[int, ...] = (1,)
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    #: family-specific values from the file: ``sliding_window``, ``rope_local_theta``,
+    #: ``attn_softcap`` and ``final_softcap`` (Gemma 2)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.head_dim:
             self.head_dim = self.dim // self.n_heads
+        if not self.rope_dims:
+            self.rope_dims = self.head_dim
 
     @property
     def spec(self) -> ArchSpec:
@@ -122,12 +147,17 @@ class WeightInfo:
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight the family needs, with its [out, in] shape."""
+    """Every weight the family's graph needs, with its [out, in] shape
+    (fused file tensors already split: ``file_shapes`` gives the file's)."""
     s = cfg.spec
     shapes: dict[str, tuple[int, ...]] = {
         "token_embd": (cfg.vocab_size, cfg.dim),
         "output_norm": (cfg.dim,),
     }
+    if s.rope_style == "learned":
+        shapes["position_embd"] = (cfg.seq_len, cfg.dim)
+    if s.norm == "layer":
+        shapes["output_norm.bias"] = (cfg.dim,)
     if not cfg.tied_output:
         shapes["output"] = (cfg.vocab_size, cfg.dim)
     for i in range(cfg.n_layers):
@@ -138,11 +168,17 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             b + "attn_k": (cfg.kv_dim, cfg.dim),
             b + "attn_v": (cfg.kv_dim, cfg.dim),
             b + "attn_output": (cfg.dim, cfg.q_dim),
-            b + "ffn_norm": (cfg.dim,),
-            b + "ffn_gate": (cfg.hidden_dim, cfg.dim),
-            b + "ffn_up": (cfg.hidden_dim, cfg.dim),
-            b + "ffn_down": (cfg.dim, cfg.hidden_dim),
         })
+        if not s.parallel:
+            shapes[b + "ffn_norm"] = (cfg.dim,)
+        if s.ffn_gated:
+            shapes[b + "ffn_gate"] = (cfg.hidden_dim, cfg.dim)
+        shapes.update({b + "ffn_up": (cfg.hidden_dim, cfg.dim), b + "ffn_down": (cfg.dim, cfg.hidden_dim)})
+        if s.norm == "layer":
+            shapes.update({n + ".bias": shapes[n] for n in (b + "attn_norm", b + "ffn_norm") if n in shapes})
+        if s.biases:
+            shapes.update({b + "attn_output.bias": (cfg.dim,), b + "ffn_up.bias": (cfg.hidden_dim,),
+                           b + "ffn_down.bias": (cfg.dim,)})
         if s.qkv_bias:
             shapes.update({b + "attn_q.bias": (cfg.q_dim,), b + "attn_k.bias": (cfg.kv_dim,),
                            b + "attn_v.bias": (cfg.kv_dim,)})
@@ -158,12 +194,73 @@ def optional_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     bias for any projection (llama.cpp reads them for llama too), and the
     RoPE frequency divisors where the family has them."""
     shapes = {name + ".bias": (shape[0],) for name, shape in expected_shapes(cfg).items()
-              if len(shape) == 2 and name != "token_embd"}
+              if len(shape) == 2 and name not in ("token_embd", "position_embd")}
     if not cfg.tied_output:
         shapes["output.bias"] = (cfg.vocab_size,)
     if cfg.spec.rope_freqs:
-        shapes["rope_freqs"] = (cfg.head_dim // 2,)
+        shapes["rope_freqs"] = (cfg.rope_dims // 2,)
     return shapes
+
+
+def _fusions(cfg: ModelConfig) -> list[tuple[str, list[str]]]:
+    """(file tensor, the graph tensors it holds in row order) per layer."""
+    s, out = cfg.spec, []
+    for i in range(cfg.n_layers):
+        b = f"blk.{i}."
+        if s.fused_qkv:
+            out.append((b + "attn_qkv", [b + "attn_q", b + "attn_k", b + "attn_v"]))
+        if s.fused_gate_up:
+            out.append((b + "ffn_up", [b + "ffn_gate", b + "ffn_up"]))
+    return out
+
+
+def file_shapes(cfg: ModelConfig, bias_too: bool = True) -> dict[str, tuple[int, ...]]:
+    """The tensors a file of the family holds, as llama.cpp's converter
+    writes them (fused where the family fuses), with their shapes."""
+    shapes = expected_shapes(cfg)
+    for fused, parts in _fusions(cfg):
+        rows = sum(shapes[p][0] for p in parts)
+        cols = shapes[parts[0]][1]
+        has_bias = all(p + ".bias" in shapes for p in parts)
+        pos = list(shapes).index(parts[0])
+        items = [(k, v) for k, v in shapes.items() if k not in parts and (k[:-5] not in parts or not has_bias)]
+        items.insert(min(pos, len(items)), (fused, (rows, cols)))
+        if has_bias:
+            items.insert(min(pos + 1, len(items)), (fused + ".bias", (rows,)))
+        shapes = dict(items)
+    return shapes
+
+
+def split_fused(cfg: ModelConfig, weights: dict[str, WeightInfo], path: str) -> dict[str, WeightInfo]:
+    """A file's fused tensors (``attn_qkv``, Phi-3's ``ffn_up`` = [gate; up])
+    as the graph's separate ones: row ranges of the same bytes (every layout
+    stores whole rows), nothing copied. Files with the parts separate pass
+    through."""
+    from ir.layouts import get_layout
+
+    need = expected_shapes(cfg)
+    out = dict(weights)
+    for fused, parts in _fusions(cfg):
+        if fused not in weights or (fused == parts[-1] and parts[0] in weights):
+            continue  # stored separately (llama.cpp accepts either): Phi-3's ffn_up is then up alone
+        for suffix in ("", ".bias"):
+            w = weights.get(fused + suffix)
+            if w is None:
+                continue
+            rows = [need[p][0] for p in parts]
+            want = (sum(rows),) + (() if suffix else (need[parts[0]][1],))
+            if tuple(w.type.shape) != want:
+                raise ModelError(f"{path}: tensor {fused}{suffix} has shape {tuple(w.type.shape)}, the config needs "
+                                 f"{want}")
+            layout = w.type.layout or "F32"
+            row_bytes = get_layout(layout).nbytes((1,) + want[1:])
+            del out[fused + suffix]
+            start = 0
+            for p, n in zip(parts, rows):
+                ref = replace(w.ref, offset=w.ref.offset + start * row_bytes, nbytes=n * row_bytes)
+                out[p + suffix] = WeightInfo(replace(w.type, shape=(n,) + want[1:]), ref)
+                start += n
+    return out
 
 
 def check_weights(cfg: ModelConfig, weights: dict[str, WeightInfo], path: str) -> None:
@@ -201,6 +298,22 @@ class _Builder:
 
     def op(self, op: str, *inputs: Value, **attrs) -> Value:
         return self.g.add_node(op, list(inputs), attrs)
+
+    def norm(self, x: Value, name: str, eps: float) -> Value:
+        """The family's norm: RMSNorm, or LayerNorm with its bias."""
+        if self.cfg.spec.norm == "layer":
+            return self.op("layernorm", x, self.w(name), self.w(name + ".bias"), eps=eps)
+        return self.op("rmsnorm", x, self.w(name), eps=eps)
+
+    def ffn(self, h: Value, p: str) -> Value:
+        """down(act(gate(h)) * up(h)), or down(act(up(h))) without a gate."""
+        act = self.cfg.spec.ffn_act
+        up = self.linear(h, p + "ffn_up")
+        if self.cfg.spec.ffn_gated:
+            up = self.op("mul", self.op(act, self.linear(h, p + "ffn_gate")), up)
+        else:
+            up = self.op(act, up)
+        return self.linear(up, p + "ffn_down")
 
     def linear(self, x: Value, name: str) -> Value:
         """x @ W.T (+ bias). Quantized weights go through an explicit dequant,
@@ -258,6 +371,12 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
         pos = g.add_input("pos", TensorType((), "i32"))
 
     x = b.op("embedding", b.w("token_embd"), tok)
+    if s.rope_style == "learned":
+        table = int(weights["position_embd"].type.shape[0])
+        if ctx > table:
+            raise ModelError(f"{name}: a context of {ctx} positions is more than its {table} learned position "
+                             f"embeddings (use -c {table} or less)")
+        x = b.op("add", x, b.op("pos_embedding", b.w("position_embd"), pos, tok))
     if s.embed_scale:
         x = b.op("scale", x, factor=float(math.sqrt(cfg.dim)))
     eps = float(cfg.norm_eps)
@@ -269,22 +388,27 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
         theta = cfg.rope_theta if glob else float(cfg.extra.get("rope_local_theta", cfg.rope_theta))
         window = 0 if glob else int(cfg.extra.get("sliding_window", 0))
 
-        h = b.op("rmsnorm", x, b.w(p + "attn_norm"), eps=eps)
+        h = b.norm(x, p + "attn_norm", eps)
         q = b.linear(h, p + "attn_q")
         k = b.linear(h, p + "attn_k")
         v = b.linear(h, p + "attn_v")
         if s.qk_norm:
             q = b.op("rmsnorm", q, b.w(p + "attn_q_norm"), eps=eps)
             k = b.op("rmsnorm", k, b.w(p + "attn_k_norm"), eps=eps)
-        rope = dict(head_dim=cfg.head_dim, theta=float(theta), style=s.rope_style,
-                    **cfg.rope_scaling.attrs(scaled=glob or s.scale_local_rope))
-        # Llama 3's frequency divisors: one tensor, a weight of every layer (as llama.cpp's
-        # per-layer rope_freqs), so each block's section and stream segment hold their own
-        factors = [b.w("rope_freqs", p + "rope_freqs")] if "rope_freqs" in weights else []
-        q = b.op("rope", q, pos, *factors, **rope)
-        k = b.op("rope", k, pos, *factors, **rope)
+        if s.rope_style != "learned":
+            rope = dict(head_dim=cfg.head_dim, theta=float(theta), style=s.rope_style,
+                        **cfg.rope_scaling.attrs(scaled=glob or s.scale_local_rope))
+            if cfg.rope_dims != cfg.head_dim:
+                rope["dims"] = int(cfg.rope_dims)
+            # Llama 3's frequency divisors: one tensor, a weight of every layer (as llama.cpp's
+            # per-layer rope_freqs), so each block's section and stream segment hold their own
+            factors = [b.w("rope_freqs", p + "rope_freqs")] if "rope_freqs" in weights else []
+            q = b.op("rope", q, pos, *factors, **rope)
+            k = b.op("rope", k, pos, *factors, **rope)
         att = dict(n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                    scale=1.0 / math.sqrt(cfg.head_dim), window=window)
+        if cfg.extra.get("attn_softcap"):
+            att["softcap"] = float(cfg.extra["attn_softcap"])
         if paged:
             kc = b.op("kv_write_paged", kc, k, pos, tables, **paged)
             vc = b.op("kv_write_paged", vc, v, pos, tables, **paged)
@@ -296,20 +420,22 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
         o = b.linear(a, p + "attn_output")
         if s.post_norms:
             o = b.op("rmsnorm", o, b.w(p + "post_attention_norm"), eps=eps)
+        if s.parallel:  # Phi-2: both branches read h, then (attn + ffn) + x as llama.cpp adds them
+            x = b.op("add", b.op("add", o, b.ffn(h, p)), x)
+            continue
         x = b.op("add", x, o)
 
-        h = b.op("rmsnorm", x, b.w(p + "ffn_norm"), eps=eps)
-        gate = b.op(s.ffn_act, b.linear(h, p + "ffn_gate"))
-        up = b.linear(h, p + "ffn_up")
-        f = b.linear(b.op("mul", gate, up), p + "ffn_down")
+        f = b.ffn(b.norm(x, p + "ffn_norm", eps), p)
         if s.post_norms:
             f = b.op("rmsnorm", f, b.w(p + "post_ffw_norm"), eps=eps)
         x = b.op("add", x, f)
 
     if mode != "decode" and not all_logits:
         x = b.op("take_last", x)
-    x = b.op("rmsnorm", x, b.w("output_norm"), eps=eps)
+    x = b.norm(x, "output_norm", eps)
     logits = b.linear(x, "token_embd" if cfg.tied_output else "output")
+    if cfg.extra.get("final_softcap"):
+        logits = b.op("softcap", logits, cap=float(cfg.extra["final_softcap"]))
     logits.name = "logits"
     g.set_outputs(logits)
     return g

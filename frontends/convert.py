@@ -37,7 +37,8 @@ from ir.layouts import get_layout
 
 from .arch import ModelConfig, ModelError, RopeScaling, expected_shapes
 from .loader import LoadedModel, load_model
-from .qsf_format import (FLAG_EMBED_SCALE, FLAG_POST_NORMS, FLAG_QK_NORM, FLAG_QKV_BIAS, FLAG_TIED, Header)
+from .qsf_format import (FLAG_EMBED_SCALE, FLAG_POST_NORMS, FLAG_QK_NORM, FLAG_QKV_BIAS, FLAG_TIED, QSF_NORMS,
+                         QSF_POSITIONS, Header)
 from .qsf_writer import QSFLayer, QSFTensor, QSFWriter
 
 QTYPES = {"q8": "QSF_Q8", "q4": "QSF_Q4", "q2": "QSF_Q2", "ternary": "QSF_TERNARY", "mixed": "mixed"}
@@ -144,14 +145,16 @@ def _header(cfg: ModelConfig, qtype: str, pad_id: int) -> Header:
              | (FLAG_EMBED_SCALE if s.embed_scale else 0))
     window = int(cfg.extra.get("sliding_window", 0)) if s.swa_every else 0
     return Header(
-        version=1, arch=cfg.arch, qtype=qtype, activation=s.ffn_act, norm="rmsnorm",
-        position="rope_neox" if s.rope_style == "neox" else "rope_interleaved", flags=flags,
+        version=1, arch=cfg.arch, qtype=qtype, activation=s.ffn_act, norm=QSF_NORMS[s.norm],
+        position=QSF_POSITIONS[s.rope_style], flags=flags,
         n_layers=cfg.n_layers, dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
         vocab_size=cfg.vocab_size, context=cfg.seq_len, ffn_dim=cfg.hidden_dim, head_dim=cfg.head_dim,
         rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps,
         rope_local_theta=float(cfg.extra.get("rope_local_theta", 0.0)) if window else 0.0,
         sliding_window=window, swa_every=s.swa_every, bos_id=cfg.bos_id, eos_id=cfg.eos_id, pad_id=pad_id,
-        index_offset=0, embedding_offset=0, final_offset=0, tokenizer_offset=0, file_size=0)
+        index_offset=0, embedding_offset=0, final_offset=0, tokenizer_offset=0, file_size=0,
+        rope_dims=cfg.rope_dims if cfg.rope_dims != cfg.head_dim else 0,
+        attn_softcap=float(cfg.extra.get("attn_softcap", 0.0)), final_softcap=float(cfg.extra.get("final_softcap", 0.0)))
 
 
 def tokenizer_blob(model: LoadedModel) -> tuple[str, bytes, int]:
@@ -184,9 +187,9 @@ def tokenizer_blob(model: LoadedModel) -> tuple[str, bytes, int]:
 
 def _group_names(cfg: ModelConfig, weights: dict) -> tuple[list[str], list[list[str]], list[str]]:
     order = [n for n in expected_shapes(cfg) if n in weights]
-    emb = ["token_embd"]
+    emb = [n for n in ("token_embd", "position_embd") if n in weights]
     layers = [[n for n in order if n.startswith(f"blk.{i}.")] for i in range(cfg.n_layers)]
-    final = ["output_norm"] + ([] if cfg.tied_output else ["output"])
+    final = [n for n in ("output_norm", "output_norm.bias", "output", "output.bias") if n in weights]
     return emb, layers, final
 
 

@@ -18,11 +18,13 @@ from ir.graph import WeightRef
 from ir.layouts import get_layout
 from ir.types import TensorType
 
-from .arch import ROPE_SCALING_TYPES, ModelConfig, ModelError, RopeScaling, WeightInfo, check_weights
+from .arch import (ARCHITECTURES, ROPE_SCALING_TYPES, ModelConfig, ModelError, RopeScaling, WeightInfo,
+                   check_weights, split_fused)
 from .string_table import StringArray
 
-#: GGUF architectures we read -> (our family row, RoPE layout in the file)
-FAMILIES: dict[str, str] = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3": "gemma3"}
+#: GGUF architectures we read -> our family row (``frontends.arch.ARCHITECTURES``)
+FAMILIES: dict[str, str] = {a: a for a in ("llama", "mistral", "qwen2", "phi2", "phi3", "gpt2",
+                                             "starcoder2", "gemma2", "gemma3")}
 
 #: ``{arch}.*`` metadata keys lmc reads, for every family; values that
 #: would need what lmc lacks are refused where they are read
@@ -35,6 +37,22 @@ UNDERSTOOD_KEYS = frozenset({
     "rope.scaling.attn_factor", "rope.scaling.finetuned",
     "expert_count", "expert_used_count",
 })
+
+#: keys a family reads on top of ``UNDERSTOOD_KEYS`` (what the row implements)
+_LAYERNORM_KEYS = frozenset({"attention.layer_norm_epsilon"})
+_SOFTCAP_KEYS = frozenset({"attn_logit_softcapping", "final_logit_softcapping"})
+
+
+def family_keys(arch: str) -> frozenset[str]:
+    """The ``{arch}.*`` keys lmc reads for ``arch``."""
+    spec = ARCHITECTURES[FAMILIES[arch]]
+    keys = UNDERSTOOD_KEYS
+    if spec.norm == "layer":
+        keys = keys | _LAYERNORM_KEYS
+    if spec.softcap:
+        keys = keys | _SOFTCAP_KEYS
+    return keys
+
 
 #: keys known to change the computation, with what they do (a clearer refusal)
 COMPUTATION_KEYS = {
@@ -157,10 +175,11 @@ def check_metadata(path: str, md: dict[str, Any], arch: str) -> None:
     computation and that lmc does not implement fails the load, in one line,
     before anything runs (never a silently different model)."""
     a = arch + "."
+    understood = family_keys(arch)
     for key, value in md.items():
         if key.startswith(a):
             sub = key[len(a):]
-            if sub in UNDERSTOOD_KEYS:
+            if sub in understood:
                 continue
             what = COMPUTATION_KEYS.get(sub)
             why = f"it sets {what}" if what else "lmc does not know this key, and it may change the computation"
@@ -239,6 +258,7 @@ def load_gguf(path: str | os.PathLike) -> GGUFModel:
 
     if "token_embd" not in weights:
         raise ModelError(f"{path}: missing tensor token_embd.weight")
+    spec = ARCHITECTURES[FAMILIES[arch]]
     dim = int(meta("embedding_length", required=True))
     n_heads = int(meta("attention.head_count", required=True))
     head_dim = int(meta("attention.key_length", dim // max(n_heads, 1)))
@@ -246,12 +266,19 @@ def load_gguf(path: str | os.PathLike) -> GGUFModel:
     n_ctx_train = int(meta("context_length", 2048))
     extra: dict[str, Any] = {}
     window = int(meta("attention.sliding_window", 0))
-    if arch == "gemma3":
-        extra["sliding_window"] = int(meta("attention.sliding_window", 512))
-        extra["rope_local_theta"] = 10000.0
-    elif window:
+    if spec.swa_every:
+        extra["sliding_window"] = window or spec.default_window
+        if spec.local_rope_theta:
+            extra["rope_local_theta"] = spec.local_rope_theta
+    elif window and arch != "phi3":  # llama.cpp turns Phi-3's window off (its converters set it wrongly)
         raise ModelError(f"{path}: metadata {arch}.attention.sliding_window = {window}: sliding-window attention "
                          f"is not implemented for lmc's {FAMILIES[arch]} family")
+    if spec.softcap:  # llama.cpp's defaults when a Gemma 2 file leaves them out
+        extra["attn_softcap"] = float(meta("attn_logit_softcapping", 50.0))
+        extra["final_softcap"] = float(meta("final_logit_softcapping", 30.0))
+        for k in ("attn_softcap", "final_softcap"):
+            if not (math.isfinite(extra[k]) and extra[k] >= 0):
+                raise ModelError(f"{path}: a soft-capping value of {extra[k]} is not a non-negative number")
     n_kv = meta("attention.head_count_kv", n_heads)
     if isinstance(n_kv, (list, np.ndarray, StringArray)):
         raise ModelError(f"{path}: per-layer KV head counts are not supported")
@@ -259,6 +286,8 @@ def load_gguf(path: str | os.PathLike) -> GGUFModel:
     if n_experts:
         raise ModelError(f"{path}: metadata {arch}.expert_count = {n_experts}: mixture-of-experts layers are not "
                          f"implemented in lmc")
+    eps_key = "attention.layer_norm_epsilon" if spec.norm == "layer" else "attention.layer_norm_rms_epsilon"
+    rope_dims = int(meta("rope.dimension_count", head_dim)) if spec.rope_style != "learned" else head_dim
     cfg = ModelConfig(
         arch=FAMILIES[arch],
         dim=dim,
@@ -269,7 +298,8 @@ def load_gguf(path: str | os.PathLike) -> GGUFModel:
         vocab_size=vocab,
         seq_len=n_ctx_train,
         head_dim=head_dim,
-        norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_dims=rope_dims if spec.partial_rotary else head_dim,
+        norm_eps=float(meta(eps_key, 1e-5)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         tied_output="output" not in weights,
         rope_scaling=_rope_scaling(path, meta, n_ctx_train),
@@ -281,10 +311,15 @@ def load_gguf(path: str | os.PathLike) -> GGUFModel:
             raise ModelError(f"{path}: metadata {k} = {v} is out of range")
     if cfg.n_heads % cfg.n_kv_heads:
         raise ModelError(f"{path}: head_count {cfg.n_heads} is not a multiple of head_count_kv {cfg.n_kv_heads}")
-    for key, want, what in (("rope.dimension_count", cfg.head_dim, "partial rotary embeddings (only some dims of "
-                                                                   "each head rotate)"),
-                            ("attention.value_length", cfg.head_dim, "value heads of another size than the keys'"),
-                            ("vocab_size", vocab, "a vocabulary of another size than the embedding's rows")):
+    if spec.partial_rotary and not (0 < rope_dims <= head_dim and rope_dims % 2 == 0):
+        raise ModelError(f"{path}: metadata {arch}.rope.dimension_count = {rope_dims}: not an even number of "
+                         f"dimensions within a head of {head_dim}")
+    checks = [("attention.value_length", cfg.head_dim, "value heads of another size than the keys'"),
+              ("vocab_size", vocab, "a vocabulary of another size than the embedding's rows")]
+    if not spec.partial_rotary and spec.rope_style != "learned":
+        checks.insert(0, ("rope.dimension_count", cfg.head_dim, "partial rotary embeddings (only some dims of "
+                                                                "each head rotate)"))
+    for key, want, what in checks:
         got = meta(key)
         if got is not None and int(got) != want:
             raise ModelError(f"{path}: metadata {arch}.{key} = {int(got)}, not {want}: {what}; lmc does not "
@@ -296,5 +331,6 @@ def load_gguf(path: str | os.PathLike) -> GGUFModel:
     if eos is not None:
         cfg.eos_id = int(eos)
     cfg.stop_ids = (cfg.eos_id,)
+    weights = split_fused(cfg, weights, path)
     check_weights(cfg, weights, path)
     return GGUFModel(path, cfg, weights, md)

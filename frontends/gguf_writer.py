@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from .arch import ModelConfig, expected_shapes, optional_shapes
+from .arch import ModelConfig, file_shapes, optional_shapes
 from .quantize import quantize
 
 QTYPES = ("F32", "Q8_0", "Q4_0", "Q4_K")
@@ -72,18 +72,24 @@ def _add_value(w: Any, key: str, value: Any) -> None:
 def family_metadata(cfg: ModelConfig) -> dict[str, Any]:
     """The ``{arch}.*`` keys llama.cpp's converter writes for ``cfg``, so
     that lmc and llama.cpp read the same model from the file."""
-    a = cfg.arch
+    a, spec = cfg.arch, cfg.spec
+    eps = "layer_norm_epsilon" if spec.norm == "layer" else "layer_norm_rms_epsilon"
     md: dict[str, Any] = {
         f"{a}.context_length": int(cfg.seq_len), f"{a}.embedding_length": int(cfg.dim),
         f"{a}.block_count": int(cfg.n_layers), f"{a}.feed_forward_length": int(cfg.hidden_dim),
         f"{a}.attention.head_count": int(cfg.n_heads), f"{a}.attention.head_count_kv": int(cfg.n_kv_heads),
-        f"{a}.attention.layer_norm_rms_epsilon": float(cfg.norm_eps), f"{a}.rope.freq_base": float(cfg.rope_theta),
-        f"{a}.rope.dimension_count": int(cfg.head_dim),
+        f"{a}.attention.{eps}": float(cfg.norm_eps),
     }
+    if spec.rope_style != "learned":
+        md[f"{a}.rope.freq_base"] = float(cfg.rope_theta)
+        md[f"{a}.rope.dimension_count"] = int(cfg.rope_dims)
     if cfg.head_dim != cfg.dim // cfg.n_heads:
         md[f"{a}.attention.key_length"] = md[f"{a}.attention.value_length"] = int(cfg.head_dim)
-    if cfg.spec.swa_every:
-        md[f"{a}.attention.sliding_window"] = int(cfg.extra.get("sliding_window", 512))
+    if spec.swa_every:
+        md[f"{a}.attention.sliding_window"] = int(cfg.extra.get("sliding_window", spec.default_window))
+    if spec.softcap:
+        md[f"{a}.attn_logit_softcapping"] = float(cfg.extra.get("attn_softcap", 50.0))
+        md[f"{a}.final_logit_softcapping"] = float(cfg.extra.get("final_softcap", 30.0))
     rs = cfg.rope_scaling
     if rs.kind != "none":
         md[f"{a}.rope.scaling.type"] = rs.kind
@@ -100,7 +106,8 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig, tensor: Callable[[str]
                extra_tensors: Iterable[str] = (),
                vocab: tuple[list[bytes], list[float], list[int]] | None = None) -> None:
     """Write ``cfg``'s tensors (``tensor(name)`` gives each as float32) to a
-    GGUF of its family, with the family's metadata keys (``family_metadata``)
+    GGUF of its family as llama.cpp's converter lays it out (``file_shapes``:
+    fused tensors where the family fuses), with its metadata keys (``family_metadata``)
     and ``metadata`` on top; matrices in ``qtype``, vectors in F32.
     ``extra_tensors`` names optional tensors to include (``rope_freqs``,
     biases: ``frontends.arch.optional_shapes``). Atomic: a temp file is
@@ -127,7 +134,7 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig, tensor: Callable[[str]
         w.add_eos_token_id(2)
         w.add_unk_token_id(0)
         w.add_add_bos_token(True)
-        shapes = expected_shapes(cfg)
+        shapes = file_shapes(cfg)
         optional = optional_shapes(cfg)
         for n in extra_tensors:
             if n not in optional:

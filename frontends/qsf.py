@@ -33,6 +33,7 @@ from ir.types import TensorType
 from .arch import ARCHITECTURES, ModelConfig, ModelError, WeightInfo, check_weights
 from .cache_dir import cache_root
 from .qsf_format import (ALIGN, FLAG_EMBED_SCALE, FLAG_POST_NORMS, FLAG_QK_NORM, FLAG_QKV_BIAS, FLAG_TIED,
+                         QSF_NORMS, QSF_POSITIONS,
                          HEADER_SIZE, SECTION_HEAD, Header, LayerEntry, QSFError, TensorEntry,
                          group_header_size, index_size, unpack_group, unpack_index, unpack_section_head,
                          unpack_tokenizer)
@@ -227,10 +228,15 @@ def _config(h: Header, path: str) -> ModelConfig:
     for bit, on in want.items():
         if bool(h.flags & bit) != on:
             raise ModelError(f"{path}: header flags {h.flags:#x} disagree with the {h.arch} architecture")
-    pos = "rope_neox" if spec.rope_style == "neox" else "rope_interleaved"
-    if h.activation != spec.ffn_act or h.position != pos or h.swa_every != spec.swa_every:
-        raise ModelError(f"{path}: header says {h.activation}/{h.position}/swa every {h.swa_every}, "
-                         f"the {h.arch} architecture computes {spec.ffn_act}/{pos}/{spec.swa_every}")
+    pos, norm = QSF_POSITIONS[spec.rope_style], QSF_NORMS[spec.norm]
+    if (h.activation, h.position, h.norm, h.swa_every) != (spec.ffn_act, pos, norm, spec.swa_every):
+        raise ModelError(f"{path}: header says {h.activation}/{h.position}/{h.norm}/swa every {h.swa_every}, "
+                         f"the {h.arch} architecture computes {spec.ffn_act}/{pos}/{norm}/{spec.swa_every}")
+    if h.rope_dims and not (spec.partial_rotary and h.rope_dims <= h.head_dim and h.rope_dims % 2 == 0):
+        raise ModelError(f"{path}: header rotary dims {h.rope_dims} do not fit the {h.arch} architecture "
+                         f"(head dim {h.head_dim})")
+    if bool(h.attn_softcap or h.final_softcap) and not spec.softcap:
+        raise ModelError(f"{path}: header sets logit soft-capping, which the {h.arch} architecture does not have")
     for k in ("dim", "n_heads", "n_kv_heads", "vocab_size", "context", "ffn_dim", "head_dim"):
         v = getattr(h, k)
         if not 0 < v <= 1 << 24:
@@ -242,8 +248,11 @@ def _config(h: Header, path: str) -> ModelConfig:
         extra["sliding_window"] = int(h.sliding_window)
     if h.rope_local_theta:
         extra["rope_local_theta"] = float(h.rope_local_theta)
+    if spec.softcap:
+        extra.update(attn_softcap=float(h.attn_softcap), final_softcap=float(h.final_softcap))
     return ModelConfig(arch=h.arch, dim=h.dim, hidden_dim=h.ffn_dim, n_layers=h.n_layers, n_heads=h.n_heads,
                        n_kv_heads=h.n_kv_heads, vocab_size=h.vocab_size, seq_len=h.context, head_dim=h.head_dim,
+                       rope_dims=h.rope_dims,
                        norm_eps=float(h.norm_eps), rope_theta=float(h.rope_theta),
                        tied_output=bool(h.flags & FLAG_TIED), bos_id=h.bos_id, eos_id=h.eos_id,
                        stop_ids=(h.eos_id,), extra=extra)

@@ -25,13 +25,17 @@ class QSFError(ValueError):
 
 
 # --- enumerations (codes stored in the file) ----------------------------------------------
-ARCHS = {0: "llama", 1: "mistral", 2: "qwen2", 3: "gemma3"}
+ARCHS = {0: "llama", 1: "mistral", 2: "qwen2", 3: "gemma3", 5: "phi3", 6: "gpt2", 7: "starcoder2",
+         8: "phi2", 9: "gemma2"}
 QTYPES = {0: "F32", 1: "F16", 2: "QSF_Q8", 3: "QSF_Q4", 4: "QSF_Q2", 5: "QSF_Q2S", 6: "QSF_TERNARY"}
 #: the header's default quant type may also say "mixed" (per-tensor types vary)
 MIXED = 255
 ACTIVATIONS = {0: "silu", 1: "gelu_tanh"}
-NORMS = {0: "rmsnorm"}
-POSITIONS = {0: "rope_interleaved", 1: "rope_neox"}
+NORMS = {0: "rmsnorm", 1: "layernorm"}
+POSITIONS = {0: "rope_interleaved", 1: "rope_neox", 2: "learned"}
+#: the architecture table's norm and position names -> the header's
+QSF_NORMS = {"rms": "rmsnorm", "layer": "layernorm"}
+QSF_POSITIONS = {"interleaved": "rope_interleaved", "neox": "rope_neox", "learned": "learned"}
 COMPRESSIONS = {0: "none", 1: "lz4", 2: "zstd"}
 
 #: header flag bits
@@ -65,11 +69,12 @@ def crc32(data) -> int:
 
 
 # --- the header (128 bytes) -----------------------------------------------------------------
-# magic, version, header_size, arch, default qtype, activation, norm, position, flags,
+# magic, version, header_size, arch, default qtype, activation, norm, position, flags, rope_dims,
 # n_layers, dim, n_heads, n_kv_heads, vocab, context, ffn, head_dim, rope_theta, norm_eps,
 # rope_local_theta, sliding_window, swa_every, bos, eos, pad,
-# index_offset, embedding_offset, final_offset, tokenizer_offset, file_size, reserved, crc
-_HEADER = struct.Struct("<4sHHBBBBBB2x" "8I" "fff" "II" "iii" "5Q" "4x" "I")
+# index_offset, embedding_offset, final_offset, tokenizer_offset, file_size, attn_softcap, final_softcap, crc
+# (rope_dims and the soft-caps were reserved zero bytes in the first files: zero means none)
+_HEADER = struct.Struct("<4sHHBBBBBBH" "8I" "fff" "II" "iii" "5Q" "ee" "I")
 assert _HEADER.size == HEADER_SIZE, _HEADER.size
 
 
@@ -104,23 +109,30 @@ class Header:
     tokenizer_offset: int
     file_size: int
     crc: int = 0
+    rope_dims: int = 0         # dims of a head RoPE rotates; 0: all (less: partial rotary, Phi-2)
+    attn_softcap: float = 0.0  # attention-logit soft-cap (Gemma 2); 0: none; stored as f16
+    final_softcap: float = 0.0  # final-logit soft-cap; 0: none; stored as f16
 
     def __post_init__(self) -> None:
         # the file stores these as f32: hold exactly what will be read back
         for k in ("rope_theta", "norm_eps", "rope_local_theta"):
             setattr(self, k, struct.unpack("<f", struct.pack("<f", getattr(self, k)))[0])
+        for k in ("attn_softcap", "final_softcap"):
+            v = float(getattr(self, k))
+            if struct.unpack("<e", struct.pack("<e", v))[0] != v:
+                raise QSFError(f"header: {k} {v} is not exact in float16 (QSF stores it so)")
 
     def pack(self) -> bytes:
         """The 128 bytes, with the CRC32 of the first 124 filled in."""
         qt = MIXED if self.qtype == "mixed" else code_of(QTYPES, self.qtype, "quant type")
         vals = (MAGIC, self.version, HEADER_SIZE, code_of(ARCHS, self.arch, "architecture"), qt,
                 code_of(ACTIVATIONS, self.activation, "activation"), code_of(NORMS, self.norm, "norm"),
-                code_of(POSITIONS, self.position, "position encoding"), self.flags,
+                code_of(POSITIONS, self.position, "position encoding"), self.flags, self.rope_dims,
                 self.n_layers, self.dim, self.n_heads, self.n_kv_heads, self.vocab_size, self.context,
                 self.ffn_dim, self.head_dim, self.rope_theta, self.norm_eps, self.rope_local_theta,
                 self.sliding_window, self.swa_every, self.bos_id, self.eos_id, self.pad_id,
                 self.index_offset, self.embedding_offset, self.final_offset, self.tokenizer_offset,
-                self.file_size, 0)
+                self.file_size, self.attn_softcap, self.final_softcap, 0)
         body = _HEADER.pack(*vals)[:-4]
         self.crc = crc32(body)
         return body + struct.pack("<I", self.crc)
@@ -145,7 +157,8 @@ class Header:
         h = cls(v[1], name_of(ARCHS, v[3], "architecture"),
                 "mixed" if v[4] == MIXED else name_of(QTYPES, v[4], "quant type"),
                 name_of(ACTIVATIONS, v[5], "activation"), name_of(NORMS, v[6], "norm"),
-                name_of(POSITIONS, v[7], "position encoding"), flags, *v[9:30], crc=v[-1])
+                name_of(POSITIONS, v[7], "position encoding"), flags, *v[10:31], crc=v[-1], rope_dims=v[9],
+                attn_softcap=v[31], final_softcap=v[32])
         return h
 
     def as_dict(self) -> dict:

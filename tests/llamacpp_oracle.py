@@ -93,11 +93,21 @@ class Greedy:
 
 def llamacpp_greedy(model: Path | str, prompt_ids: list[int], n: int = 64, n_probs: int = 20,
                     n_ctx: int = 256) -> Greedy:
-    req = {"prompt": prompt_ids, "n_predict": n, "temperature": 0, "top_k": 1, "samplers": ["top_k"],
-           "n_probs": n_probs, "post_sampling_probs": False, "cache_prompt": False, "ignore_eos": True}
-    probs = llamacpp_requests(model, "/completion", [req], n_ctx)[0]["completion_probabilities"]
-    return Greedy([p["id"] for p in probs],
-                  [[(t["id"], t["logprob"]) for t in p["top_logprobs"]] for p in probs])
+    return llamacpp_greedy_many(model, [prompt_ids], n, n_probs, n_ctx)[0]
+
+
+def llamacpp_greedy_many(model: Path | str, prompts: list[list[int]], n: int = 64, n_probs: int = 20,
+                         n_ctx: int = 256) -> list[Greedy]:
+    """``llamacpp_greedy`` for several prompts through one server (one model load)."""
+    reqs = [{"prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1, "samplers": ["top_k"],
+             "n_probs": n_probs, "post_sampling_probs": False, "cache_prompt": False, "ignore_eos": True}
+            for ids in prompts]
+    out = []
+    for answer in llamacpp_requests(model, "/completion", reqs, n_ctx):
+        probs = answer["completion_probabilities"]
+        out.append(Greedy([p["id"] for p in probs], [[(t["id"], t["logprob"]) for t in p["top_logprobs"]]
+                                                     for p in probs]))
+    return out
 
 
 @dataclass
