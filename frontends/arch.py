@@ -52,6 +52,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": ArchSpec(rope_freqs=True),
     "mistral": ArchSpec(rope_freqs=True),
     "qwen2": ArchSpec(rope_style="neox", qkv_bias=True),
+    "qwen3": ArchSpec(rope_style="neox", qk_norm=True),
     "phi3": ArchSpec(rope_style="neox", fused_qkv=True, fused_gate_up=True),
     "gpt2": ArchSpec(**_GPT, rope_style="learned", fused_qkv=True, qkv_bias=True),
     "starcoder2": ArchSpec(**_GPT, rope_style="neox"),

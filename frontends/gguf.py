@@ -23,7 +23,7 @@ from .arch import (ARCHITECTURES, ROPE_SCALING_TYPES, ModelConfig, ModelError, R
 from .string_table import StringArray
 
 #: GGUF architectures we read -> our family row (``frontends.arch.ARCHITECTURES``)
-FAMILIES: dict[str, str] = {a: a for a in ("llama", "mistral", "qwen2", "phi2", "phi3", "gpt2",
+FAMILIES: dict[str, str] = {a: a for a in ("llama", "mistral", "qwen2", "qwen3", "phi2", "phi3", "gpt2",
                                              "starcoder2", "gemma2", "gemma3")}
 
 #: ``{arch}.*`` metadata keys lmc reads, for every family; values that

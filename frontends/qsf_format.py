@@ -25,7 +25,7 @@ class QSFError(ValueError):
 
 
 # --- enumerations (codes stored in the file) ----------------------------------------------
-ARCHS = {0: "llama", 1: "mistral", 2: "qwen2", 3: "gemma3", 5: "phi3", 6: "gpt2", 7: "starcoder2",
+ARCHS = {0: "llama", 1: "mistral", 2: "qwen2", 3: "gemma3", 4: "qwen3", 5: "phi3", 6: "gpt2", 7: "starcoder2",
          8: "phi2", 9: "gemma2"}
 QTYPES = {0: "F32", 1: "F16", 2: "QSF_Q8", 3: "QSF_Q4", 4: "QSF_Q2", 5: "QSF_Q2S", 6: "QSF_TERNARY"}
 #: the header's default quant type may also say "mixed" (per-tensor types vary)

@@ -48,6 +48,7 @@ FAMILIES: dict[str, tuple[ModelConfig, list[str]]] = {
     "llama": (config("llama"), []),
     "mistral": (config("mistral"), []),
     "qwen2": (config("qwen2", rope_theta=1e6), []),
+    "qwen3": (config("qwen3", rope_theta=1e6, head_dim=32), []),
     "phi3": (config("phi3", n_kv_heads=4), []),
     "gpt2": (config("gpt2", n_kv_heads=4, tied_output=True), []),
     "starcoder2": (config("starcoder2", rope_theta=1e5), []),
@@ -61,7 +62,7 @@ FAMILIES: dict[str, tuple[ModelConfig, list[str]]] = {
 #: per row, the change to it that a control reads the file with (the row's own
 #: feature switched off): llama.cpp must then disagree
 CONTROL = {"llama": dict(rope_style="neox"), "mistral": dict(rope_style="neox"),
-           "qwen2": dict(rope_style="interleaved"),
+           "qwen2": dict(rope_style="interleaved"), "qwen3": dict(qk_norm=False),
            "phi3": dict(rope_style="interleaved"), "gpt2": dict(norm="rms"), "starcoder2": dict(ffn_act="silu"),
            "phi2": dict(rope_style="interleaved"), "gemma2": dict(softcap=False), "gemma3": dict(qk_norm=False)}
 
