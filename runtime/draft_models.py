@@ -48,22 +48,28 @@ def same_vocabulary(a, b) -> str | None:
 
 
 def _draft_model(target: "Model", spec: Speculation) -> ModelDrafter:
-    from .model import Model, load
+    """A draft model file is read (not compiled) first: one of another
+    vocabulary is refused before any compile work."""
+    from compiler.driver import load_model
+
+    from .model import Model
 
     draft = spec.draft
-    if not isinstance(draft, Model):
+    loaded = draft.loaded if isinstance(draft, Model) else None
+    if loaded is None:
         name = os.fspath(draft)
         if not os.path.exists(name):
             raise SpeculationError(f"--draft {name}: no such file")
-        b = target._build
-        draft = load(name, spec.draft_tokenizer, backend=b["backend"], threads=b["threads"],
-                     use_cache=b["use_cache"], passes=b["passes"], status=b["status"],
-                     ctx=None)
-    why = same_vocabulary(target.tokenizer, draft.tokenizer)
-    if why is None and draft.config.vocab_size != target.config.vocab_size:
-        why = f"{draft.config.vocab_size} logits against the target's {target.config.vocab_size}"
+        loaded = load_model(name, spec.draft_tokenizer)
+    why = same_vocabulary(target.tokenizer, loaded.tokenizer)
+    if why is None and loaded.config.vocab_size != target.config.vocab_size:
+        why = f"{loaded.config.vocab_size} logits against the target's {target.config.vocab_size}"
     if why is not None:
-        raise SpeculationError(f"--draft {os.path.basename(draft.loaded.path)}: not the target's vocabulary ({why})")
+        raise SpeculationError(f"--draft {os.path.basename(loaded.path)}: not the target's vocabulary ({why})")
+    if not isinstance(draft, Model):
+        b = target._build
+        draft = Model(loaded, backend=b["backend"], threads=b["threads"], use_cache=b["use_cache"],
+                      passes=b["passes"], status=b["status"])
     return ModelDrafter(draft.executor, target.config.vocab_size, name="draft", owner=draft)
 
 

@@ -299,6 +299,7 @@ class Model:
         ex = self.executor
         st.extra.update(speculative=spec.kind, draft_max=spec.draft_max, drafted=0, accepted=0, verify_steps=0,
                         draft_s=0.0)
+        draft_s = 0.0
         if n == 0:
             comp.stop_reason = "length"
             return
@@ -333,7 +334,8 @@ class Model:
             drafter.sync(self._kv)
             draft = drafter.propose(history, k) if k > 0 else None
             t1 = time.perf_counter()
-            st.extra["draft_s"] += t1 - t0
+            draft_s += t1 - t0
+            st.extra["draft_s"] = round(draft_s, 6)
             if draft is None or not draft.tokens:
                 logits = ex.decode(tok, pos)
                 self._kv.append(tok)
