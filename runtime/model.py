@@ -329,7 +329,7 @@ class Model:
                     return
             tok = history[-1]
             pos = len(history) - 1
-            k = min(length.n, limit, n - st.generated_tokens - 1)
+            k = min(length.next(), limit, n - st.generated_tokens - 1)
             t0 = time.perf_counter()
             drafter.sync(self._kv)
             draft = drafter.propose(history, k) if k > 0 else None
