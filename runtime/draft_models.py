@@ -69,7 +69,7 @@ def _draft_model(target: "Model", spec: Speculation) -> ModelDrafter:
     if not isinstance(draft, Model):
         b = target._build
         draft = Model(loaded, backend=b["backend"], threads=b["threads"], use_cache=b["use_cache"],
-                      passes=b["passes"], status=b["status"])
+                      passes=b["passes"], status=b["status"], ctx=min(target.ctx, loaded.config.seq_len))
     return ModelDrafter(draft.executor, target.config.vocab_size, name="draft", owner=draft)
 
 

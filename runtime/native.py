@@ -263,12 +263,12 @@ class NativeExecutor(PagedBatch):
         """Logits after each of ``ids`` (at most a prefill chunk) at positions
         pos.., every row computed as ``decode`` computes it: speculative
         decoding checks drafted tokens with it. Without a ``verify`` entry
-        (compiled without ``NativeOptions.verify``), ``prefill_all``'s rows,
-        equal to decode's only up to the last float bits."""
+        (an artifact compiled without ``NativeOptions.verify``), decode
+        steps one by one: the same numbers, without the speed."""
         if len(ids) > self.chunk:
             raise ValueError(f"verify takes at most {self.chunk} tokens, got {len(ids)}")
         if "verify" not in self.entries:
-            return self.prefill(ids, pos, all_logits=True)
+            return np.stack([self.decode(t, pos + i).copy() for i, t in enumerate(ids)])
         self._check(ids, pos)
         self._tokens[: len(ids)] = ids
         return self._step("verify", pos, len(ids))

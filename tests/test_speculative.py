@@ -298,3 +298,16 @@ def test_greedy_identical_qwen(spec):
     s = Speculation(lookup=3) if spec == "lookup" else Speculation(draft_layers=12)
     st = _greedy_identical(path, s, CODE, 48)
     assert st["drafted"] > 0
+
+
+@needs_shared
+def test_an_artifact_without_the_verify_entry_verifies_by_decode_steps():
+    """``lmc compile`` artifacts have no verify entry: the drafts are then
+    checked one decode step each, still plain decoding's numbers."""
+    m = load_model(STORIES, TOK)
+    ex = NativeExecutor(compile_native(m, NativeOptions(ctx=128)).artifact, m.path, 2)
+    assert "verify" not in ex.entries
+    ids = [int(i) for i in np.random.default_rng(3).integers(3, m.config.vocab_size, 20)]
+    ex.prefill(ids[:12], 0)
+    want = np.stack([ex.decode(t, 12 + i).copy() for i, t in enumerate(ids[12:])])
+    np.testing.assert_array_equal(ex.verify(ids[12:], 12), want)
