@@ -55,6 +55,7 @@ class CompileOptions:
     kv_type: str = "f32"              # KV cache storage: f32, f16 or q8 (ir.types.KV_TYPES)
     split_rows: dict[str, int] | None = None  # weights streamed in row blocks (memory plan)
     batch: BatchOptions | None = None  # build the paged batch graphs instead of decode/prefill
+    verify: bool = False               # also the ``verify`` graph (speculative decoding)
 
 
 def pass_names(options: CompileOptions) -> tuple[str, ...]:
@@ -67,7 +68,9 @@ def model_graph(model: LoadedModel, mode: str, options: CompileOptions | None = 
                 decode_rows: bool = False) -> Graph:
     """One graph of ``model`` (decode, prefill or batch), after the pass pipeline.
     ``decode_rows``: a batch graph whose every row is a sequence's next token
-    (``batch_decode``), which passes may treat as decode steps (``int_dot``)."""
+    (``batch_decode``), which passes may treat as decode steps (``int_dot``);
+    a prefill graph (with ``all_logits``) whose every row is computed as the
+    decode step computes it (``verify``, see ``verify_graph``)."""
     options = options or CompileOptions()
     paged = {}
     if mode == "batch":
@@ -85,13 +88,36 @@ def model_graph(model: LoadedModel, mode: str, options: CompileOptions | None = 
     if mode == "batch":
         suffix = "_decode" if decode_rows else "" if all_logits else "_last"
     else:
-        suffix = "_all" if all_logits else ""
+        suffix = "_verify" if decode_rows else "_all" if all_logits else ""
     dump = os.path.join(options.dump_dir, g.name + suffix) if options.dump_dir else None
     names = pass_names(options)
     if options.split_rows:
         g.meta["split_rows"] = dict(options.split_rows)
         names = tuple(names) + ("split_rows",)
-    return run_pipeline(g, names, dump_dir=dump, stop_after=stop_after, dump_after=options.dump_after)
+    g = run_pipeline(g, names, dump_dir=dump, stop_after=stop_after, dump_after=options.dump_after)
+    if mode == "prefill" and decode_rows:
+        _rows_as_decode(g)
+    return g
+
+
+#: ``decode_rows`` of the float matmuls in a ``verify`` graph: a flag there
+#: (their kernels then tile tokens as decode rows), never a limit on T
+VERIFY_ROWS = 16
+
+
+def _rows_as_decode(g: Graph) -> None:
+    """Every matmul of a prefill graph computes each row with the decode
+    step's arithmetic (``k_matmul``: decode's accumulators and order, each
+    weight vector still shared by a tile of rows). The integer path
+    (``int_dot``) already gives prompt rows decode's numbers; the float
+    prefill tiles sum in another order, so their last bits differ from
+    decode's and a greedy verify could part from plain decoding at a near
+    tie. Attention, norms and elementwise kernels compute a row alike in
+    both modes."""
+    g.meta["decode_rows"] = True
+    for node in g.nodes:
+        if node.op in ("matmul", "qmatmul", "qmatmul_rows") and "decode_rows" not in node.attrs:
+            node.attrs = {**node.attrs, "decode_rows": VERIFY_ROWS}
 
 
 def build_graphs(model: LoadedModel, options: CompileOptions | None = None) -> dict[str, Graph]:
@@ -105,7 +131,10 @@ def build_graphs(model: LoadedModel, options: CompileOptions | None = None) -> d
     token (at most ``max_batch``), every matmul computing each row as the
     decode step does, integer path included, so a served sequence decodes
     to the single stream's numbers; prompt chunks stay on the float
-    ``batch``/``batch_last``."""
+    ``batch``/``batch_last``. With ``options.verify``, also ``verify``: a
+    prefill returning every row, each row computed as the decode step
+    computes it, so that speculative decoding's batched check of drafted
+    tokens gives plain decoding's logits bit for bit."""
     if options is not None and options.batch is not None:
         graphs = {
             "batch": model_graph(model, "batch", options, all_logits=True),
@@ -116,11 +145,14 @@ def build_graphs(model: LoadedModel, options: CompileOptions | None = None) -> d
             if any(n.attrs.get("act") for n in g.nodes):   # else it is ``batch`` again
                 graphs["batch_decode"] = g
         return graphs
-    return {
+    graphs = {
         "decode": model_graph(model, "decode", options),
         "prefill": model_graph(model, "prefill", options),
         "prefill_all": model_graph(model, "prefill", options, all_logits=True),
     }
+    if options is not None and options.verify:
+        graphs["verify"] = model_graph(model, "prefill", options, all_logits=True, decode_rows=True)
+    return graphs
 
 
 def load_tokenizer_file(path: str | os.PathLike, vocab_size: int | None = None):

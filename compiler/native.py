@@ -62,6 +62,7 @@ class NativeOptions:
     #: told what is happening on a cache miss (a terminal's status line); not part of the cache key
     progress: Callable[[str], None] | None = None
     batch: BatchOptions | None = None   # paged batch entries (batch, batch_last, batch_decode), not decode/prefill
+    verify: bool = False    # also the verify entry: prefill rows as decode computes them (speculative decoding)
 
 
 @dataclass
@@ -214,7 +215,8 @@ def plan_native(model: LoadedModel, o: NativeOptions) -> NativePlan:
     if batch is not None and (o.mem_budget is not None or o.stream):
         raise ValueError("batched serving (a paged KV pool) does not take a memory budget or streamed weights yet")
     graphs = build_graphs(model, CompileOptions(backend="llvm", ctx=ctx, dump_dir=o.dump_dir, passes=o.passes,
-                                                kv_type=o.kv_type, dump_after=o.dump_after, batch=batch))
+                                                kv_type=o.kv_type, dump_after=o.dump_after, batch=batch,
+                                                verify=o.verify and batch is None))
     # a batch step takes a decode row per sequence or one sequence's prompt chunk
     symbols = {"T": max(chunk, batch.max_batch) if batch is not None else chunk}
     plans = {name: plan_arena(g, symbols) for name, g in graphs.items()}
@@ -254,7 +256,7 @@ def _fit_budget(model: LoadedModel, o: NativeOptions, graphs: dict, plans: dict,
     if mp.ctx != ctx or mp.kv_type != cur_kv or split:
         graphs = build_graphs(model, CompileOptions(backend="llvm", ctx=mp.ctx, dump_dir=o.dump_dir,
                                                     passes=o.passes, kv_type=mp.kv_type, split_rows=split,
-                                                    dump_after=o.dump_after))
+                                                    dump_after=o.dump_after, verify=o.verify))
         plans = {name: plan_arena(g, symbols) for name, g in graphs.items()}
     sched = build_schedule(graphs, mp.stream_layers, mp.stream_head, o.stream_io) if mp.streaming else None
     if sched is not None:  # the exact buffer size, now that the segments are known

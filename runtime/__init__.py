@@ -2,5 +2,6 @@
 from compiler.driver import BatchOptions
 
 from .model import Model, RunError, load, load_tokenizer
+from .speculative import Speculation
 
-__all__ = ["BatchOptions", "Model", "RunError", "load", "load_tokenizer"]
+__all__ = ["BatchOptions", "Model", "RunError", "Speculation", "load", "load_tokenizer"]

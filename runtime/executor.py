@@ -47,6 +47,14 @@ class InterpExecutor(PagedBatch):
         out = run(g, {"tokens": np.asarray(ids, np.int32), "pos": np.int32(pos)}, self.state, self.weights)
         return out["logits"]
 
+    def verify(self, ids: list[int], pos: int) -> np.ndarray:
+        """As ``NativeExecutor.verify``: every row as decode computes it."""
+        if "verify" not in self.graphs:
+            return np.stack([np.array(self.decode(t, pos + i)) for i, t in enumerate(ids)])
+        out = run(self.graphs["verify"], {"tokens": np.asarray(ids, np.int32), "pos": np.int32(pos)}, self.state,
+                  self.weights)
+        return out["logits"]
+
     def decode(self, token: int, pos: int) -> np.ndarray:
         if "decode" not in self.graphs:
             raise single_stream_only("decode")

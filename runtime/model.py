@@ -15,6 +15,7 @@ from ir.types import KV_TYPES
 
 from .executor import InterpExecutor
 from .sampling import Sampler, SamplerConfig
+from .speculative import DraftLength, Speculation, SpeculationError, accept
 from .stop_strings import TextAssembler
 
 
@@ -72,7 +73,7 @@ class Model:
                  use_cache: bool = True, passes: tuple[str, ...] | None = None,
                  mem_budget: int | None = None, stream: str | None = None, kv_type: str | None = None,
                  stream_io: str = "pread", status: Callable[[str], None] | None = None,
-                 batch: BatchOptions | None = None) -> None:
+                 batch: BatchOptions | None = None, speculation: Speculation | None = None) -> None:
         """``passes``: the compiler's pass list; None for the backend's default
         (``compiler.pipeline.default_pipeline``). ``mem_budget``: bytes of
         peak resident memory for the whole process (llvm backend): weights
@@ -81,7 +82,9 @@ class Model:
         ``status(text)`` is told of slow steps (a terminal's status line).
         ``batch``: build for batched serving instead (a paged KV pool,
         ``executor.batch``/``copy_block``; see ``runtime.paged``): the
-        single-stream methods (generate, logits ...) are then unavailable."""
+        single-stream methods (generate, logits ...) are then unavailable.
+        ``speculation``: decode speculatively (``runtime.speculative``): a
+        drafter proposes tokens and one ``verify`` step checks them."""
         cfg = loaded.config
         if ctx is not None and not 0 < ctx <= cfg.seq_len:
             raise RunError(f"--ctx {ctx}: must be between 1 and the model's context {cfg.seq_len}")
@@ -91,6 +94,13 @@ class Model:
             raise RunError(f"--kv-type {kv_type}: unknown KV cache type (one of {', '.join(KV_TYPES)})")
         if batch is not None and (mem_budget is not None or stream):
             raise RunError("batched serving does not take a memory budget or streamed weights yet")
+        if speculation is not None:
+            if batch is not None:
+                raise RunError("speculative decoding runs a single stream, not batched serving")
+            try:
+                speculation.validate()
+            except SpeculationError as e:
+                raise RunError(str(e)) from None
         self.loaded = loaded
         self.config = cfg
         self.tokenizer = loaded.tokenizer
@@ -107,7 +117,8 @@ class Model:
             self.executor = InterpExecutor(build_graphs(loaded, CompileOptions(backend=backend, ctx=self.ctx,
                                                                                 passes=passes,
                                                                                 kv_type=kv_type or "f32",
-                                                                                batch=batch)),
+                                                                                batch=batch,
+                                                                                verify=speculation is not None)),
                                            max_rows=max(DEFAULT_PREFILL_CHUNK, batch.max_batch) if batch else None)
             self.kv_type = kv_type or "f32"
             self.kv_bytes = sum(int(a.nbytes) for a in self.executor.state.values())
@@ -117,7 +128,7 @@ class Model:
 
             if artifact is None:
                 opts = NativeOptions(ctx=self.ctx, use_cache=use_cache, passes=passes, kv_type=kv_type or "f32",
-                                     progress=status, batch=batch)
+                                     progress=status, batch=batch, verify=speculation is not None)
                 if mem_budget is not None or stream:
                     opts.mem_budget, opts.auto_ctx, opts.threads = mem_budget, ctx is None, threads
                     opts.auto_kv, opts.stream, opts.stream_io = True, stream, stream_io
@@ -144,6 +155,15 @@ class Model:
         self.last_stats = GenerationStats()
         self.last_completion: Completion | None = None
         self._kv: list[int] = []   # the ids whose K/V rows the cache holds, from position 0
+        self._build = dict(backend=backend, threads=threads, use_cache=use_cache, passes=passes, status=status)
+        #: how generate decodes: speculatively with this drafter, or plainly (None)
+        self.speculation: Speculation | None = None
+        self.drafter = None
+        if speculation is not None:
+            from .draft_models import build_drafter
+
+            self.drafter = build_drafter(self, speculation)
+            self.speculation = speculation
         if mem_budget is not None:
             _return_freed_memory()
 
@@ -202,6 +222,9 @@ class Model:
         n = min(max_new_tokens, self.ctx - len(ids) + 1)
         comp = self.last_completion = Completion(prompt_ids=ids)
         self.last_stats = comp.stats
+        if self.drafter is not None and self.speculation is not None:
+            self.drafter.begin(cfg)
+            return self._generate_speculative(ids, n, sampler, stop, reuse_cache, comp)
         return self._generate(ids, n, sampler, stop, reuse_cache, comp)
 
     def _prefill(self, ids: list[int], reuse: bool) -> np.ndarray:
@@ -261,6 +284,78 @@ class Model:
                 st.extra.update(decode_io_wait_s=round(wait, 6), decode_compute_s=round(st.decode_s - wait, 6),
                                 read_bytes=io["read_bytes"] - io0["read_bytes"],
                                 read_s=round(io["read_s"] - io0["read_s"], 6))
+
+    def _generate_speculative(self, ids: list[int], n: int, sampler: Sampler, stop: bool, reuse: bool,
+                              comp: "Completion") -> Iterator[int]:
+        """``_generate`` with a drafter: the first token comes from the
+        prefill as plain decoding's does; then each step drafts up to
+        ``draft_max`` tokens and runs the pending token and the drafts
+        through ``verify`` in one step (a plain decode step when nothing
+        was drafted), keeping the accepted drafts and the target's own next
+        token; the cache's rows past them are stale and get overwritten."""
+        st = comp.stats
+        spec = self.speculation
+        drafter = self.drafter
+        ex = self.executor
+        st.extra.update(speculative=spec.kind, draft_max=spec.draft_max, drafted=0, accepted=0, verify_steps=0,
+                        draft_s=0.0)
+        draft_s = 0.0
+        if n == 0:
+            comp.stop_reason = "length"
+            return
+        t0 = time.perf_counter()
+        logits = self._prefill(ids, reuse)
+        st.prefill_s = time.perf_counter() - t0
+        st.extra["cached_tokens"] = comp.cached_tokens
+        history = list(ids)
+        stops = set(self.config.stop_ids) if stop else set()
+        length = DraftLength(spec.draft_max)
+        limit = min(spec.draft_max, getattr(ex, "chunk", spec.draft_max + 1) - 1)
+        t0 = time.perf_counter()
+        tok = sampler.sample(logits, history)
+        st.sample_s += time.perf_counter() - t0
+        pending = [tok]   # tokens to yield, in order; the last one's K/V is not in the cache yet
+        while True:
+            for t in pending:
+                st.generated_tokens += 1
+                history.append(t)
+                comp.generated_ids.append(t)
+                if t in stops:
+                    comp.stop_reason = "eos"
+                elif st.generated_tokens == n:
+                    comp.stop_reason = "length"
+                yield t
+                if comp.stop_reason is not None:
+                    return
+            tok = history[-1]
+            pos = len(history) - 1
+            k = min(length.next(), limit, n - st.generated_tokens - 1)
+            t0 = time.perf_counter()
+            drafter.sync(self._kv)
+            draft = drafter.propose(history, k) if k > 0 else None
+            t1 = time.perf_counter()
+            draft_s += t1 - t0
+            st.extra["draft_s"] = round(draft_s, 6)
+            if draft is None or not draft.tokens:
+                logits = ex.decode(tok, pos)
+                self._kv.append(tok)
+                t2 = time.perf_counter()
+                pending = [sampler.sample(logits, history)]
+            else:
+                draft.tokens = draft.tokens[:k]
+                rows = ex.verify([tok] + draft.tokens, pos)
+                t2 = time.perf_counter()
+                a, nxt = accept(rows, draft, sampler, history)
+                self._kv = history[:pos] + [tok] + draft.tokens[:a]
+                st.extra["verify_steps"] += 1
+                st.extra["drafted"] += len(draft.tokens)
+                st.extra["accepted"] += a
+                length.update(len(draft.tokens), a)
+                pending = draft.tokens[:a] + [nxt]
+            st.decode_s += t2 - t0   # drafting and the target's step; choosing tokens is sampling
+            st.sample_s += time.perf_counter() - t2
+            d = st.extra["drafted"]
+            st.extra["acceptance_rate"] = round(st.extra["accepted"] / d, 4) if d else None
 
     # --- text in, text out -------------------------------------------------------
     def complete(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, stream: bool = False,
@@ -412,14 +507,18 @@ def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, ba
          passes: tuple[str, ...] | None = None, mem_budget: int | None = None,
          stream: str | None = None,
          kv_type: str | None = None, stream_io: str = "pread",
-         status: Callable[[str], None] | None = None, batch: BatchOptions | None = None) -> Model:
+         status: Callable[[str], None] | None = None, batch: BatchOptions | None = None,
+         speculation: Speculation | None = None) -> Model:
     """Load a model file (llama2.c .bin, GGUF, QSF) or a compiled artifact
     (``lmc compile``) and make it ready to run; native code comes from the
     compile cache when it can. ``status(text)`` hears about the slow steps
     of a cold start (``runtime.status.StatusLine`` draws them on a terminal).
     ``batch`` (``BatchOptions(block_size, n_blocks, max_batch)``) builds it
     for batched serving: a paged KV pool driven through
-    ``model.executor.batch(tokens, positions, tables)``."""
+    ``model.executor.batch(tokens, positions, tables)``. ``speculation``
+    (``Speculation(lookup=3)``, ``(draft="small.gguf")``, ``(draft_layers=6)``)
+    makes generate/complete/chat decode speculatively: greedy output is
+    plain decoding's, token for token."""
     if status is not None:
         status(_loading_text(os.fspath(path)))
     if is_artifact(path):
@@ -437,10 +536,10 @@ def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, ba
                            f"(recompile it with --kv-type {kv_type})")
         if batch is not None and not man.get("batch"):
             raise RunError(f"{path}: not compiled for batched serving")
-        return Model(loaded, "llvm", ctx=man["ctx"], threads=threads, artifact=art)
+        return Model(loaded, "llvm", ctx=man["ctx"], threads=threads, artifact=art, speculation=speculation)
     return Model(load_model(path, tokenizer), backend=backend, ctx=ctx, threads=threads, use_cache=use_cache,
                  passes=passes, mem_budget=mem_budget, stream=stream, kv_type=kv_type, stream_io=stream_io,
-                 status=status, batch=batch)
+                 status=status, batch=batch, speculation=speculation)
 
 
 def _loading_text(path: str) -> str:

@@ -70,7 +70,11 @@ class NativeExecutor(PagedBatch):
 
     name = "llvm"
 
-    def __init__(self, art: Artifact, model_path: str, threads: int | None = None) -> None:
+    def __init__(self, art: Artifact, model_path: str, threads: int | None = None,
+                 state: np.ndarray | None = None) -> None:
+        """``state``: run on another executor's KV cache (a self-speculative
+        draft of the first layers: its state layout must be a prefix of
+        that executor's, which the caller checks)."""
         m = art.manifest
         self.manifest = m
         self.threads = max(1, int(threads or os.cpu_count() or 1))
@@ -93,7 +97,9 @@ class NativeExecutor(PagedBatch):
             self._weights = np.frombuffer(self._map, np.uint8)
         self.chunk = int(m["prefill_chunk"])
         self.arena = _aligned(max(64, int(m["arena_bytes"])))
-        self.state = _aligned(max(64, int(m["state_bytes"])))
+        if state is not None and state.nbytes < int(m["state_bytes"]):
+            raise ValueError(f"a shared KV cache of {state.nbytes} bytes is smaller than {m['state_bytes']}")
+        self.state = _aligned(max(64, int(m["state_bytes"]))) if state is None else state
         stride = int(m["scratch_floats"]) * 4
         self.scratch = _aligned(stride * self.threads)
         # graph inputs at the offsets the manifest gives (the token ids at 0)
@@ -252,6 +258,20 @@ class NativeExecutor(PagedBatch):
             if all_logits:
                 rows.append(out.copy())
         return np.concatenate(rows) if all_logits else out
+
+    def verify(self, ids: list[int], pos: int) -> np.ndarray:
+        """Logits after each of ``ids`` (at most a prefill chunk) at positions
+        pos.., every row computed as ``decode`` computes it: speculative
+        decoding checks drafted tokens with it. Without a ``verify`` entry
+        (an artifact compiled without ``NativeOptions.verify``), decode
+        steps one by one: the same numbers, without the speed."""
+        if len(ids) > self.chunk:
+            raise ValueError(f"verify takes at most {self.chunk} tokens, got {len(ids)}")
+        if "verify" not in self.entries:
+            return np.stack([self.decode(t, pos + i).copy() for i, t in enumerate(ids)])
+        self._check(ids, pos)
+        self._tokens[: len(ids)] = ids
+        return self._step("verify", pos, len(ids))
 
     # --- batched serving (runtime.paged checked the inputs) ---------------------------
     def _batch_step(self, tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray,

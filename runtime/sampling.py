@@ -272,6 +272,51 @@ class Sampler:
         j = self._pick(probs, coin)
         return int(j if ids is None else ids[j])
 
+    def probs(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
+        """The distribution ``sample`` draws from, over the whole vocabulary
+        (float64, zeros where top-k, top-p or min-p cut; one-hot at the
+        argmax when greedy). Speculative decoding's acceptance rule compares
+        the target's and the draft's. Draws no coin."""
+        x = np.array(logits, dtype=np.float32)
+        if x.shape != (self.vocab_size,):
+            raise ValueError(f"logits must have shape ({self.vocab_size},), got {x.shape}")
+        if np.isnan(x).any() or np.isposinf(x).any():
+            raise ValueError("logits contain NaN or +inf")
+        if self._penalised and len(history) > 0:
+            self._penalise(x, history)
+        out = np.zeros(self.vocab_size, np.float64)
+        if self._temperature == 0.0:
+            out[int(np.argmax(x))] = 1.0
+            return out
+        ids = np.arange(self.vocab_size)
+        k = self.config.top_k
+        if 0 < k < self.vocab_size:
+            ids = _top_k_ids(x, k)
+            x = x[ids]
+        p = softmax_f32(x / self._temperature)
+        keep = np.arange(p.shape[0])
+        if 0.0 < self._top_p < 1.0:
+            keep = _top_p_nucleus(p, self._top_p)
+        if self._min_p > 0.0:
+            kp = p[keep]
+            keep = keep[kp >= self._min_p * kp.max()]
+        out[ids[keep]] = p[keep]
+        return out / out.sum()
+
+    def draw(self, probs: np.ndarray) -> int:
+        """One token from a distribution over the vocabulary (need not sum to
+        1), with one coin of this sampler's generator; never a zero entry."""
+        cdf = np.cumsum(np.asarray(probs, np.float64))
+        r = float(self.rng.random_f32()) * cdf[-1]
+        j = min(int(np.searchsorted(cdf, r, side="right")), len(cdf) - 1)
+        while probs[j] <= 0 and j > 0:   # r at the very top of the sum: the last non-zero entry
+            j -= 1
+        return j
+
+    def uniform(self) -> float:
+        """A coin in [0, 1) from this sampler's generator."""
+        return float(self.rng.random_f32())
+
     def _penalise(self, x: np.ndarray, history: Sequence[int]) -> None:
         n_last = self.config.repeat_last_n
         if n_last == 0:

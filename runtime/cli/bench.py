@@ -27,7 +27,7 @@ from compiler.driver import LoadedModel, load_model, model_graph
 from ir.types import KV_TYPES
 
 from ..model import Model, RunError
-from .common import CliError, _threads, memory_args, whole_number
+from .common import CliError, _threads, memory_args, speculation_args, speculation_of, whole_number
 from .serve_bench import stream_counts
 
 #: fields in the order the table prints them, with their labels and formats
@@ -43,6 +43,14 @@ _TABLE = [
     ("compile_s_warm", "compile, cached", "{:.4f} s"),
     ("prefill_tok_s", "prefill", "{:.1f} tok/s"),
     ("decode_tok_s", "decode", "{:.1f} tok/s"),
+    ("speculative", "speculative decoding", "{}"),
+    ("plain_loop_tok_s", "plain, decode + sampling", "{:.1f} tok/s"),
+    ("speculative_loop_tok_s", "speculative, same", "{:.1f} tok/s"),
+    ("speculative_speedup", "speed-up", "{:.2f}x"),
+    ("drafted", "drafted tokens", "{}"),
+    ("accepted", "accepted", "{}"),
+    ("acceptance_rate", "acceptance rate", "{:.1%}"),
+    ("speculative_identical", "greedy output identical", "{}"),
     ("peak_rss_mb", "peak RSS", "{:.1f} MB"),
     ("weight_bytes_per_token", "weights read per token", "{:,} B"),
     ("read_bandwidth_gb_s", "read bandwidth", "{:.1f} GB/s"),
@@ -89,11 +97,16 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
               gen_tokens: int = 128, runs: int = 5, backend: str = "llvm", probe_bytes: int = 1 << 30,
               probe_repeats: int = 5, seed: int = 0, kv_type: str | None = None,
               mem_budget: int | None = None, stream: str | None = None,
-              stream_io: str = "pread") -> dict[str, Any]:
+              stream_io: str = "pread", speculation=None, prompt_text: str | None = None) -> dict[str, Any]:
     """Measure one model; see the module docstring. Compilation uses a fresh
     temporary cache (the user's cache is neither read nor written). With
     ``backend="interp"`` there is nothing to compile and the compile fields
-    are None."""
+    are None. ``speculation`` (``runtime.speculative.Speculation``): also
+    decode speculatively, each run right after a plain one on the same
+    model, and report the drafts, the acceptance and the speed-up (decode
+    and sampling time of both: a verify step's choice of tokens is
+    sampling). ``prompt_text``: the prompt (control tokens recognised)
+    instead of random ids; prompt lookup needs a real one."""
     from compiler.codegen.probe import measure_read_bandwidth
 
     if threads < 1:
@@ -117,7 +130,7 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
             # cold: an empty cache, so LLVM runs (and the artifact is stored, as
             # on a user's first run); warm: the same call, now a cache hit
             opts = NativeOptions(kv_type=kv_type or "f32", mem_budget=mem_budget, stream=stream, threads=threads,
-                                 stream_io=stream_io,
+                                 stream_io=stream_io, verify=speculation is not None,
                                  auto_ctx=mem_budget is not None, auto_kv=mem_budget is not None and not kv_type)
             cold = compile_native(loaded, opts)
             if cold.cached:
@@ -127,16 +140,23 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
                 raise RuntimeError("the second compile missed the cache it had just filled")
             out["compile_s_cold"] = cold.seconds
             out["compile_s_warm"] = warm.seconds
-            model = Model(loaded, "llvm", threads=threads, artifact=warm.artifact)
+            model = Model(loaded, "llvm", threads=threads, artifact=warm.artifact, speculation=speculation)
         else:
             out["compile_s_cold"] = out["compile_s_warm"] = None
-            model = Model(loaded, backend, threads=threads, kv_type=kv_type)
+            model = Model(loaded, backend, threads=threads, kv_type=kv_type, speculation=speculation)
 
         out["kv_type"], out["kv_bytes"] = model.kv_type, model.kv_bytes
-        prompt, gen = _clip(model.ctx, prompt_tokens, gen_tokens)
+        if prompt_text is not None:
+            ids = model.encode(prompt_text, bos=True, special=True)
+            if len(ids) + gen_tokens > model.ctx:
+                raise RunError(f"the prompt ({len(ids)} tokens) and {gen_tokens} new ones exceed the context "
+                               f"({model.ctx})")
+            prompt, gen = len(ids), gen_tokens
+        else:
+            prompt, gen = _clip(model.ctx, prompt_tokens, gen_tokens)
+            rng = np.random.default_rng(seed)
+            ids = [int(i) for i in rng.integers(3, loaded.config.vocab_size, prompt)]
         out["prompt_tokens"], out["gen_tokens"], out["runs"] = prompt, gen, runs
-        rng = np.random.default_rng(seed)
-        ids = [int(i) for i in rng.integers(3, loaded.config.vocab_size, prompt)]
         ex = model.executor
 
         def prefill() -> None:
@@ -146,16 +166,36 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
         prefill()  # warm-up: first-touch of weights and arena
         out["prefill_tok_s"] = prompt / _median_time(prefill, runs)
 
-        decode_s, io_split = [], []
+        decode_s, io_split, plain_loop, spec_loop, spec_stats = [], [], [], [], []
+        identical = True
         for _ in range(runs):
+            model.speculation = None
             got = list(model.generate(ids, gen + 1, temperature=0.0, stop=False))
             st = model.last_stats
             if len(got) != gen + 1 or st.decode_s <= 0:
                 raise RuntimeError(f"generation stopped after {len(got)} of {gen + 1} tokens")
             decode_s.append(st.decode_s)  # exactly `gen` decode steps, sampling excluded
+            plain_loop.append(st.decode_s + st.sample_s)
             if "decode_io_wait_s" in st.extra:
                 io_split.append((st.extra["decode_io_wait_s"], st.extra["read_bytes"], st.extra["read_s"]))
+            if speculation is not None:
+                model.speculation = speculation
+                spec = list(model.generate(ids, gen + 1, temperature=0.0, stop=False))
+                identical = identical and spec == got
+                st = model.last_stats
+                spec_loop.append(st.decode_s + st.sample_s)
+                spec_stats.append(st.extra)
         out["decode_tok_s"] = gen / statistics.median(decode_s)
+        if speculation is not None:
+            last = spec_stats[-1]
+            out["speculative"] = f"{speculation.kind} (draft-max {speculation.draft_max})"
+            out["plain_loop_tok_s"] = gen / statistics.median(plain_loop)
+            out["speculative_loop_tok_s"] = gen / statistics.median(spec_loop)
+            out["speculative_speedup"] = statistics.median(plain_loop) / statistics.median(spec_loop)
+            out["drafted"], out["accepted"] = last["drafted"], last["accepted"]
+            out["acceptance_rate"] = last["acceptance_rate"]
+            out["verify_steps"] = last["verify_steps"]
+            out["speculative_identical"] = identical
         mem = (model.executor.manifest.get("memory") or {}) if hasattr(model.executor, "manifest") else {}
         if mem:
             out["memory_plan"] = {"describe": mem["describe"], "total": mem["total"], "budget": mem["budget"]}
@@ -188,8 +228,12 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
 
 def format_table(r: dict[str, Any]) -> str:
     rows = []
+    spec_rows = {"speculative", "plain_loop_tok_s", "speculative_loop_tok_s", "speculative_speedup", "drafted",
+                 "accepted", "acceptance_rate", "speculative_identical"}
     for key, label, fmt in _TABLE:
         v = r.get(key)
+        if key in spec_rows and r.get("speculative") is None:
+            continue
         rows.append((label, "-" if v is None else fmt.format(v)))
     w = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{w}}  {val}" for label, val in rows)
@@ -226,8 +270,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--parallel", type=whole_number("--parallel", 1), default=None, metavar="P",
                    help="with --serve: lmc serve --parallel, llama.cpp's slots (default: the largest of --streams)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--prompt-file", default=None, metavar="FILE",
+                   help="the prompt: this file's text (control tokens such as <|im_start|> recognised) instead of "
+                        "random token ids")
 
     memory_args(b)
+    speculation_args(b)
     return b
 
 
@@ -243,10 +291,15 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--streams", args.streams), ("--parallel", args.parallel)):
         if value is not None:
             raise CliError(f"{flag} is a flag of lmc bench --serve")
+    spec = speculation_of(args)
+    prompt_text = None
+    if args.prompt_file is not None:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            prompt_text = f.read()
     r = run_bench(args.model, args.tokenizer, args.threads, prompt_tokens=args.prompt_tokens or 128,
                   gen_tokens=args.gen_tokens or 128, runs=args.runs, backend=args.backend,
                   probe_bytes=args.probe_mb << 20, kv_type=args.kv_type, mem_budget=args.mem_budget,
-                  stream=args.stream, stream_io=args.stream_io)
+                  stream=args.stream, stream_io=args.stream_io, speculation=spec, prompt_text=prompt_text)
     if args.compare_llamacpp:
         from .llamacpp_bench import bench_llamacpp
 

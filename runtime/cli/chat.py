@@ -19,7 +19,7 @@ from ..model import RunError, load
 from ..sampling import SamplerConfig
 from ..status import StatusLine
 from .common import (CliError, _exec_args, _model_args, _positive_or_zero, _resolve_model, kv_type_arg, sampling_args,
-                     sampling_of)
+                     sampling_of, speculation_args, speculation_of)
 
 HELP = """commands:
   /system TEXT   set the system message (an empty TEXT removes it)
@@ -50,6 +50,7 @@ def add_parser(sub) -> None:
     kv_type_arg(c)
     _exec_args(c)
     c.add_argument("--json", action="store_true", help="with --messages: print one JSON object")
+    speculation_args(c)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,7 +74,7 @@ def _session(args: argparse.Namespace, status: StatusLine) -> ChatSession:
     model_path, tok_path = _resolve_model(args)
     messages = read_messages(args.messages) if args.messages is not None else None
     model = load(model_path, tok_path, backend=args.backend, ctx=args.ctx, threads=args.threads,
-                 use_cache=not args.no_cache, kv_type=args.kv_type, status=status)
+                 use_cache=not args.no_cache, kv_type=args.kv_type, status=status, speculation=speculation_of(args))
     tok = model.tokenizer
     if args.chat_template is not None:
         tok.chat_template = resolve_chat_template(args.chat_template, tok.model_chat_template,

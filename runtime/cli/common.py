@@ -127,3 +127,42 @@ def sampling_args(p: argparse.ArgumentParser, temp: float, top_p: float, top_k: 
 def sampling_of(args: argparse.Namespace) -> dict:
     return dict(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                 repeat_penalty=args.repeat_penalty, seed=args.seed)
+
+
+def speculation_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding's flags (``runtime.speculative``): one drafter and its length."""
+    from ..speculative import DEFAULT_DRAFT_MAX, MAX_DRAFT_MAX
+
+    g = p.add_argument_group("speculative decoding (greedy output stays plain decoding's, token for token)")
+    g.add_argument("--lookup", type=whole_number("--lookup", 1), default=None, metavar="N",
+                   help="draft by prompt lookup: continue the latest earlier match of the last N tokens or fewer "
+                        "in the prompt and output")
+    g.add_argument("--draft", default=None, metavar="MODEL",
+                   help="draft with a smaller model of the same vocabulary (its own KV cache)")
+    g.add_argument("--draft-tokenizer", default=None, metavar="FILE",
+                   help="with --draft: the draft's tokenizer file (llama2.c models)")
+    g.add_argument("--draft-layers", type=whole_number("--draft-layers", 1), default=None, metavar="K",
+                   help="draft with the model's own first K layers, final norm and head (sharing its weights and "
+                        "KV cache)")
+    g.add_argument("--draft-max", type=whole_number("--draft-max", 1), default=None, metavar="N",
+                   help=f"tokens drafted per step at most (default {DEFAULT_DRAFT_MAX}, at most {MAX_DRAFT_MAX}); "
+                        "fewer while drafts get rejected")
+
+
+def speculation_of(args: argparse.Namespace):
+    """The ``Speculation`` the flags ask for, or None (plain decoding)."""
+    from ..speculative import DEFAULT_DRAFT_MAX, Speculation
+
+    chosen = [f for f, v in (("--lookup", args.lookup), ("--draft", args.draft),
+                             ("--draft-layers", args.draft_layers)) if v is not None]
+    if not chosen:
+        for f, v in (("--draft-max", args.draft_max), ("--draft-tokenizer", args.draft_tokenizer)):
+            if v is not None:
+                raise CliError(f"{f} goes with a drafter: --lookup N, --draft MODEL or --draft-layers K")
+        return None
+    if len(chosen) > 1:
+        raise CliError(f"one drafter at a time: {' and '.join(chosen)}")
+    if args.draft_tokenizer is not None and args.draft is None:
+        raise CliError("--draft-tokenizer goes with --draft MODEL")
+    return Speculation(lookup=args.lookup or 0, draft=args.draft, draft_layers=args.draft_layers or 0,
+                       draft_max=args.draft_max or DEFAULT_DRAFT_MAX, draft_tokenizer=args.draft_tokenizer)

@@ -9,7 +9,7 @@ import sys
 from ..model import load
 from ..status import StatusLine
 from .common import (_exec_args, _model_args, _positive_or_zero, _resolve_model, kv_type_arg, memory_args,
-                     sampling_args, sampling_of)
+                     sampling_args, sampling_of, speculation_args, speculation_of)
 
 
 def add_parser(sub) -> None:
@@ -28,6 +28,7 @@ def add_parser(sub) -> None:
     r.add_argument("--special", action="store_true",
                    help="recognise control tokens written in the prompt (<|im_start|> becomes one token)")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    speculation_args(r)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,9 +41,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, status: StatusLine) -> int:
     model_path, tok_path = _resolve_model(args)
+    spec = speculation_of(args)
     model = load(model_path, tok_path, backend=args.backend, ctx=args.ctx, threads=args.threads,
                  use_cache=not args.no_cache, kv_type=args.kv_type, mem_budget=args.mem_budget,
-                 stream=args.stream, stream_io=args.stream_io, status=status)
+                 stream=args.stream, stream_io=args.stream_io, status=status, speculation=spec)
     prompt_ids = model.encode(args.prompt, bos=True, special=args.special)
     text = model.complete(prompt_ids, args.max_new_tokens, stream=True, stop=args.stop, reuse_cache=False,
                           **sampling_of(args))
@@ -77,6 +79,8 @@ def _run(args: argparse.Namespace, status: StatusLine) -> int:
     write("\n")
     st = model.last_stats.as_dict()
     if sys.stderr.isatty():
+        spec = (f", {st['accepted']} of {st['drafted']} drafted tokens accepted" if st.get("speculative")
+                else "")
         sys.stderr.write(f"[{st['prompt_tokens']} prompt tokens, {st['generated_tokens']} generated, "
-                         f"{st['decode_tok_s']} tok/s decode, stopped: {comp.stop_reason}]\n")
+                         f"{st['decode_tok_s']} tok/s decode{spec}, stopped: {comp.stop_reason}]\n")
     return 0
