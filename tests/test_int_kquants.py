@@ -1,0 +1,189 @@
+"""The K-quants' integer path of qmatmul (``act="q8k"``): activations
+quantized to Q8_K blocks of 256 with per-16 sums, integer sub-block dot
+products (``ir/int_kquants.py``, ``compiler/codegen/k_matmul_int_kquants.py``).
+
+The numpy reference is checked against a slow formula written with Python
+ints straight from the block bytes; the native kernel against the
+reference (VNNI and the portable path, widths 4/8/16, odd shapes, 1-3
+threads, decode rows bit for bit); the ``int_dot`` pass; and a synthetic
+K-quant GGUF model through the interpreter and through native code."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import passes.int_dot  # noqa: F401  (registers the pass)
+from ir import layouts
+from ir.int_kquants import KQ_INT_LAYOUTS, kquant_ints, quantize_q8k_rows
+from ir.ops import ShapeError, WeightData, get_op, int_act, qmatmul_ref
+from ir.types import TensorType
+from test_kquants import random_blocks
+
+layouts._load_block_layouts()
+
+KQ = list(KQ_INT_LAYOUTS)
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def kq_weight(rng: np.random.Generator, name: str, n: int, k: int, scales: str = "normal") -> WeightData:
+    raw = random_blocks(rng, name, n * k // 256, scales).reshape(-1)
+    return WeightData(raw, TensorType((n, k), "f32", name))
+
+
+# --- an independent slow formula ---------------------------------------------------------------
+def _f16(lo: int, hi: int) -> float:
+    return float(np.frombuffer(bytes([lo, hi]), "<f2")[0])
+
+
+def slow_block(name: str, b: bytes) -> tuple[float, float, list[int], list[int]]:
+    """(d, dmin, per-value scale, per-value min) x 256 and the quants of one
+    super-block, byte by byte: value v = d * scale[v] * q[v] - dmin * mins[v]."""
+    if name == "Q6_K":
+        q, sc = [0] * 256, []
+        for v in range(256):
+            h, r = divmod(v, 128)
+            i, l = divmod(r, 32)
+            lo = b[64 * h + 32 * (i % 2) + l]
+            lo = lo >> 4 if i >= 2 else lo & 15
+            hi = (b[128 + 32 * h + l] >> (2 * i)) & 3
+            q[v] = (lo | hi << 4) - 32
+            s = b[192 + v // 16]
+            sc.append(s - 256 if s >= 128 else s)
+        return _f16(b[208], b[209]), 0.0, sc, [0] * 256, q
+    p = b[4:16]
+
+    def scale_min(s: int) -> tuple[int, int]:
+        if s < 4:
+            return p[s] & 63, p[s + 4] & 63
+        return (p[s + 4] & 15) | (p[s - 4] >> 6) << 4, (p[s + 4] >> 4) | (p[s] >> 6) << 4
+
+    q, sc, mn = [], [], []
+    qs_at = 16 if name == "Q4_K" else 48
+    for v in range(256):
+        j, r = divmod(v, 64)
+        h, l = divmod(r, 32)
+        byte = b[qs_at + 32 * j + l]
+        val = byte >> 4 if h else byte & 15
+        if name == "Q5_K":
+            val |= ((b[16 + l] >> (v // 32)) & 1) << 4
+        q.append(val)
+        s, m = scale_min(v // 32)
+        sc.append(s)
+        mn.append(m)
+    return _f16(b[0], b[1]), _f16(b[2], b[3]), sc, mn, q
+
+
+def slow_quantize(xs: np.ndarray) -> tuple[float, list[int]]:
+    """quantize_row_q8_K for one block of 256, a value at a time (float32
+    arithmetic, Python's round half to even)."""
+    amax = np.float32(0)
+    for v in xs:
+        amax = max(amax, abs(np.float32(v)))
+    if amax == 0:
+        return 0.0, [0] * 256
+    iscale = np.float32(127) / amax
+    return float(np.float32(1) / iscale), [int(round(float(np.float32(v) * iscale))) for v in xs]
+
+
+def slow_matvec(x: np.ndarray, w: WeightData) -> tuple[np.ndarray, np.ndarray]:
+    """The integer-path result in float64 from Python ints, and the size of
+    its terms (sum of |d_w d_x sc q_w q_x| and |dmin_w d_x m q_x| per value)."""
+    name = w.type.layout
+    n, k = (int(s) for s in w.type.shape)
+    nb, bb = k // 256, BLOCK_BYTES[name]
+    raw = bytes(np.asarray(w.raw, np.uint8))
+    xq = [slow_quantize(x[i * 256:(i + 1) * 256]) for i in range(nb)]
+    out, size = [], []
+    for r in range(n):
+        total = mag = 0.0
+        for i in range(nb):
+            o = (r * nb + i) * bb
+            d, dmin, sc, mn, q = slow_block(name, raw[o:o + bb])
+            dx, qx = xq[i]
+            s1 = sum(sc[v] * q[v] * qx[v] for v in range(256))
+            s2 = sum(mn[v] * qx[v] for v in range(256))
+            total += d * dx * s1 - dmin * dx * s2
+            # the kernel's terms: Q6_K adds sc * (u q_x) and -32 sc q_x with u = q + 32
+            bias = 32 if name == "Q6_K" else 0
+            mag += abs(d * dx) * sum(abs(sc[v]) * (abs(q[v] + bias) + bias) * abs(qx[v]) for v in range(256))
+            mag += abs(dmin * dx) * sum(mn[v] * abs(qx[v]) for v in range(256))
+        out.append(total)
+        size.append(mag)
+    return np.array(out), np.array(size)
+
+
+# --- the reference ------------------------------------------------------------------------------
+def _x(rng: np.random.Generator, k: int) -> np.ndarray:
+    x = rng.standard_normal(k).astype(np.float32) * np.float32(3.0)
+    x[256:512] = 0.0                                                   # a zero block: d = 0, q = 0
+    x[512:768] = np.linspace(-1.0, 1.0, 256, dtype=np.float32) * np.float32(127 / 2)   # ties
+    return x
+
+
+@pytest.mark.parametrize("scales", ["normal", "extreme"])
+@pytest.mark.parametrize("name", KQ)
+def test_reference_matches_slow_formula(name, scales):
+    rng = np.random.default_rng(3)
+    w = kq_weight(rng, name, 4, 1024, scales)
+    x = _x(rng, 1024)
+    with np.errstate(all="ignore"):
+        got = qmatmul_ref(x, w, layout=name, act="q8k")
+        want, size = slow_matvec(x, w)
+    assert got.dtype == np.float32 and got.shape == (4,)
+    fin = np.isfinite(want)
+    assert np.array_equal(np.isfinite(got), fin)
+    # the float32 rounding of the result, and float64 rounding of the sum
+    assert np.all(np.abs(got[fin] - want[fin]) <= 6e-8 * np.abs(want[fin]) + 1e-13 * size[fin] + 1e-38)
+
+
+@pytest.mark.parametrize("name", KQ)
+def test_integers_give_the_dequantized_values(name):
+    """d * sc * q - dmin * m, rounded as the layout's dequantizer rounds, is its dequantization."""
+    w = kq_weight(np.random.default_rng(5), name, 3, 512, "extreme")
+    wi = kquant_ints(w)
+    sub = 256 // wi.sc.shape[2]
+    f = (wi.d[:, :, None] * np.repeat(wi.sc, sub, axis=2).astype(np.float32))
+    v = f * wi.q.astype(np.float32)
+    if wi.m is not None:
+        v = v - wi.dmin[:, :, None] * np.repeat(wi.m, sub, axis=2).astype(np.float32)
+    with np.errstate(all="ignore"):
+        np.testing.assert_array_equal(v.reshape(3, 512), w.to_f32())
+
+
+def test_quantizer_scales_sums_and_rounding():
+    x = np.zeros((1, 512), np.float32)
+    x[0, 0], x[0, 1], x[0, 2], x[0, 3], x[0, 17] = -127.0, 0.5, 1.5, -2.5, 3.0
+    d, q, bs = quantize_q8k_rows(x)
+    assert d[0, 0] == np.float32(1.0) and d[0, 1] == 0.0
+    assert list(q[0, 0, :4]) == [-127, 0, 2, -2]
+    assert list(bs[0, 0, :2]) == [-127, 3] and not bs[0, 1].any()
+    np.testing.assert_array_equal(bs, q.reshape(1, 2, 16, 16).sum(axis=3))
+
+
+def test_reference_rows_and_closeness_to_float():
+    rng = np.random.default_rng(4)
+    w = kq_weight(rng, "Q4_K", 7, 512)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    rows = qmatmul_ref(x, w, layout="Q4_K", act="q8k")
+    for t in range(3):
+        np.testing.assert_array_equal(rows[t], qmatmul_ref(x[t], w, layout="Q4_K", act="q8k"))
+    np.testing.assert_array_equal(qmatmul_ref(x, w, layout="Q4_K", act="q8k", decode_rows=2), rows)
+    flt = qmatmul_ref(x, w, layout="Q4_K")
+    assert np.abs(rows - flt).max() <= 0.02 * np.abs(flt).max()
+
+
+def test_shape_rule():
+    q = get_op("qmatmul")
+    for name in KQ:
+        wt = TensorType((8, 512), "f32", name)
+        assert q.infer([TensorType((512,)), wt], {"layout": name, "act": "q8k"}).shape == (8,)
+        assert int_act(name) == "q8k"
+        with pytest.raises(ShapeError):
+            q.infer([TensorType((512,)), wt], {"layout": name, "act": "q8"})
+    with pytest.raises(ShapeError):
+        q.infer([TensorType((64,)), TensorType((8, 64), "f32", "Q8_0")], {"layout": "Q8_0", "act": "q8k"})
+    with pytest.raises(ShapeError):   # Q2_K / Q3_K have no integer path (yet)
+        q.infer([TensorType((256,)), TensorType((8, 256), "f32", "Q3_K")], {"layout": "Q3_K", "act": "q8k"})
