@@ -187,3 +187,158 @@ def test_shape_rule():
         q.infer([TensorType((64,)), TensorType((8, 64), "f32", "Q8_0")], {"layout": "Q8_0", "act": "q8k"})
     with pytest.raises(ShapeError):   # Q2_K / Q3_K have no integer path (yet)
         q.infer([TensorType((256,)), TensorType((8, 256), "f32", "Q3_K")], {"layout": "Q3_K", "act": "q8k"})
+
+
+# --- the native kernel ----------------------------------------------------------------------------
+from compiler.codegen import k_matmul_int, k_matmul_int_kquants  # noqa: E402
+from compiler.codegen.harness import CompiledKernel, run_kernel_like_reference, sig_for  # noqa: E402
+
+_KERNELS: dict = {}
+
+
+def compiled(sig, vector_width=None, portable=False) -> CompiledKernel:
+    """One kernel per signature, width and path (``portable``: no x86 multiply-add instructions)."""
+    key = (sig, vector_width, portable)
+    if key not in _KERNELS:
+        saved = k_matmul_int_kquants._x86_names
+        if portable:
+            k_matmul_int_kquants._x86_names = lambda n: None
+        try:
+            _KERNELS[key] = CompiledKernel(sig, vector_width=vector_width)
+        finally:
+            k_matmul_int_kquants._x86_names = saved
+    return _KERNELS[key]
+
+
+def ref_size(x: np.ndarray, w: WeightData) -> np.ndarray:
+    """The size of the terms the kernel adds in float32, per output:
+    sum over super-blocks of |d_w d_x| sum |sc| (u |q_x|) (+ 32 |sc q_x| for
+    Q6_K, u = q + 32) and |dmin_w d_x| sum m |q_x|."""
+    k = int(w.type.shape[1])
+    dx, qx, _ = quantize_q8k_rows(np.asarray(x, np.float32).reshape(-1, k))
+    wi = kquant_ints(w)
+    sub = 256 // wi.sc.shape[2]
+    asc = np.abs(np.repeat(wi.sc, sub, axis=2)).astype(np.float64)
+    u = np.abs(wi.q.astype(np.float64) + (32 if wi.m is None else 0)) + (32 if wi.m is None else 0)
+    ax = np.abs(qx.astype(np.float64))
+    s = np.einsum("nbv,mbv->mnb", asc * u, ax)
+    s = np.einsum("mnb,nb,mb->mn", s, np.abs(wi.d.astype(np.float64)), np.abs(dx.astype(np.float64)))
+    if wi.m is not None:
+        sm = np.einsum("nbv,mbv->mnb", np.repeat(wi.m, sub, axis=2).astype(np.float64), ax)
+        s += np.einsum("mnb,nb,mb->mn", sm, np.abs(wi.dmin.astype(np.float64)), np.abs(dx.astype(np.float64)))
+    return s.reshape(np.shape(x)[:-1] + (int(w.type.shape[0]),))
+
+
+def check_close(got, want, x, w, rel=1e-5):
+    scale = ref_size(x, w)
+    assert got.shape == want.shape and np.all(np.isfinite(got))
+    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    bad = err > rel * scale + 1e-30
+    assert not bad.any(), (np.argwhere(bad)[:5], got[bad][:5], want[bad][:5])
+
+
+def run_kq(x, w, nt, vw=None, portable=False, decode_rows=None):
+    k = int(w.type.shape[1])
+    attrs = {"decode_rows": decode_rows} if decode_rows else {}
+    sig = sig_for("qmatmul", [TensorType((k,) if x.ndim == 1 else ("T", k)), w.type],
+                  layout=w.type.layout, act="q8k", **attrs)
+    sym = {"T": x.shape[0]} if x.ndim == 2 else None
+    got = run_kernel_like_reference(sig, [x, w], nthreads=nt, symbols=sym,
+                                    kernel=compiled(sig, vw, portable), scratch_floats=1 << 16)
+    assert k_matmul_int.scratch_floats(sig) <= 1 << 16
+    return got, qmatmul_ref(x, w, layout=w.type.layout, act="q8k")
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("vw", [4, 8, 16])
+@pytest.mark.parametrize("name", KQ)
+def test_kernel_every_layout_width_and_path(name, vw, portable):
+    """x86 multiply-adds and the portable path, widths 4/8/16; odd N; one
+    and several super-blocks; 1..3 threads; a zero block and ties in x."""
+    rng = np.random.default_rng(8)
+    for n, k in ((7, 256), (33, 1024), (5, 2304)):
+        w = kq_weight(rng, name, n, k, "normal")
+        x = _x(rng, k) if k >= 1024 else rng.standard_normal(k).astype(np.float32)
+        for nt in (1, 2, 3):
+            got, want = run_kq(x, w, nt, vw, portable)
+            check_close(got, want, x, w)
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(name=st.sampled_from(KQ), n=st.sampled_from([1, 3, 13]), nb=st.sampled_from([1, 2, 3, 5]),
+       nt=st.integers(1, 3), vw=st.sampled_from([None, 8]), scales=st.sampled_from(["normal", "extreme"]),
+       seed=st.integers(0, 2**31))
+def test_kernel_random(name, n, nb, nt, vw, scales, seed):
+    rng = np.random.default_rng(seed)
+    k = 256 * nb
+    w = kq_weight(rng, name, n, k, scales)
+    x = rng.standard_normal(k).astype(np.float32) * np.float32(10.0 ** rng.uniform(-3, 3))
+    got, want = run_kq(x, w, nt, vw)
+    check_close(got, want, x, w)
+
+
+@pytest.mark.parametrize("name", KQ)
+def test_kernel_long_rows(name):
+    """K >= 8192: tiles of several weight rows."""
+    rng = np.random.default_rng(12)
+    w = kq_weight(rng, name, 9, 8192)
+    x = rng.standard_normal(8192).astype(np.float32)
+    got, want = run_kq(x, w, 2)
+    check_close(got, want, x, w)
+
+
+def _call_with_guard(k: CompiledKernel, x, w, T: int, nt: int) -> np.ndarray:
+    """Run ``k`` on every thread id with a scratch of exactly the size its
+    rule asks for, followed by a guard zone that must stay untouched."""
+    need = k_matmul_int.scratch_floats(k.sig)
+    out = np.zeros((T, int(w.type.shape[0])) if x.ndim == 2 else int(w.type.shape[0]), np.float32)
+    for tid in range(nt):
+        scratch = np.full(need + 256, 12345.0, np.float32)
+        k(out, [x, w], T=T, tid=tid, nthreads=nt, scratch=scratch)
+        assert np.all(scratch[need:] == 12345.0), "the kernel wrote past its scratch"
+    return out
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("name", KQ)
+def test_decode_rows_equal_one_row_calls_bit_for_bit(name, portable):
+    """Prompt rows and batches of decode rows (``decode_rows``) give each row
+    exactly the one-row kernel's result; T below, at and above decode_rows;
+    the scratch holds decode_rows slots and no more."""
+    rng = np.random.default_rng(21)
+    for n, k in ((7, 256), (33, 896), (9, 8192)):
+        if k % 256:
+            k = 1024
+        w = kq_weight(rng, name, n, k, "normal")
+        one = compiled(sig_for("qmatmul", [TensorType((k,)), w.type], layout=name, act="q8k"), portable=portable)
+        for slots in (1, 3, 8):
+            sig = sig_for("qmatmul", [TensorType(("T", k)), w.type], layout=name, act="q8k", decode_rows=slots)
+            assert k_matmul_int.scratch_floats(sig) * 4 >= slots * k
+            rows = compiled(sig, portable=portable)
+            for T in (1, 3, 9, 13):
+                x = rng.standard_normal((T, k)).astype(np.float32)
+                for nt in (1, 3):
+                    got = _call_with_guard(rows, x, w, T, nt)
+                    want = np.stack([_call_with_guard(one, x[t], w, 1, nt) for t in range(T)])
+                    np.testing.assert_array_equal(got, want)
+                check_close(got, qmatmul_ref(x, w, layout=name, act="q8k"), x, w)
+
+
+@pytest.mark.parametrize("name", KQ)
+def test_multiply_adds_in_assembly(name):
+    """On AVX-512 BW hosts the chunk products are vpmaddubsw, and with VNNI
+    the scale multiply-add is vpdpwssd."""
+    import re
+
+    from compiler.codegen.jit import emit_assembly
+    from compiler.codegen.target import host_target
+
+    t = host_target()
+    if not (t.triple.startswith("x86_64") and t.has("avx512bw")):
+        pytest.skip(f"host {t.cpu} has no AVX-512 BW")
+    k = 2048
+    sig = sig_for("qmatmul", [TensorType((k,)), TensorType((64, k), "f32", name)], layout=name, act="q8k")
+    asm = emit_assembly(compiled(sig, 16).module)
+    assert re.findall(r"\bvpmaddubsw\s[^\n]*%zmm", asm), asm[:2000]
+    if t.has("avx512vnni"):
+        assert re.findall(r"\bvpdpwssd\s", asm)

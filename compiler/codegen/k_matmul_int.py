@@ -123,9 +123,15 @@ def slot_count(sig: KernelSig) -> int:
 
 def scratch_floats(sig: KernelSig) -> int:
     """Per-thread scratch (float32 elements) the kernel needs: a slot per
-    row quantized at once, plus 64 bytes slack."""
-    if sig.op == "qmatmul" and sig.attr.get("act") == "q8":
-        return slot_count(sig) * slot_bytes(int(sig.in_types[1].shape[1])) // 4 + 16
+    row quantized at once, plus 64 bytes slack (``act="q8k"``: the
+    K-quants' slots, ``k_matmul_int_kquants``)."""
+    act = sig.attr.get("act")
+    if sig.op in ("qmatmul", "qmatmul_rows") and act in ("q8", "q8k"):
+        k = int(sig.in_types[1].shape[1])
+        if act == "q8k":
+            from .k_matmul_int_kquants import slot_bytes as kq_slot_bytes
+            return slot_count(sig) * kq_slot_bytes(k) // 4 + 16
+        return slot_count(sig) * slot_bytes(k) // 4 + 16
     return 0
 
 
@@ -339,7 +345,11 @@ def emit_int_matvec(kb: KernelBuilder, sig: KernelSig) -> None:
     """qmatmul with ``act="q8"``: x [K] (decode), or [T, K] in groups of
     ``slot_count`` rows: quantize the group, then per weight tile every row,
     ``slots`` rows at a time sharing the unpacked weight blocks."""
-    kern = _IntKernel(kb, sig)
+    if sig.attr.get("act") == "q8k":
+        from .k_matmul_int_kquants import KQuantIntKernel
+        kern = KQuantIntKernel(kb, sig)
+    else:
+        kern = _IntKernel(kb, sig)
     b = kb.b
     lo, hi = kb.thread_share(kern.n)
     R = _tuned(kb, sig.attr, "rows", _ROWS if kern.k >= _LONG_ROW else 1)
