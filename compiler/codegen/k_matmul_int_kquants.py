@@ -33,8 +33,10 @@ minimums (Q4_K, Q5_K) are one ``vpmaddwd`` of the 16 activation partial sums
 by the mins (each twice), Q6_K's -32 bias one ``vpdpwssd`` of the same sums
 by -32 sc into the integer sum. Then
 the int32 lanes are converted once per super-block and multiplied into
-float accumulators with d_w d_x (and -dmin_w d_x); one horizontal sum per
-row at the end.
+float accumulators with d_w d_x (Q4_K, Q5_K: the sum's lanes folded to 8,
+beside the 8 lanes of the minimums' sum, so that one convert and one FMA
+with d_w d_x x8, -dmin_w d_x x8 do both); one horizontal sum per row at the
+end.
 
 Without the x86 instructions (other targets; tests force it) the same
 int16 and int32 lanes come from portable widening multiplies: exact, the
@@ -163,9 +165,8 @@ class _Weights(NamedTuple):
 
     u: list[ir.Value]          # per chunk <CH x i8>: unsigned quants
     sc: list[ir.Value]         # per chunk <CH/2 x i16>: the sub-block scale of each pair
-    bias: ir.Value             # <2L x i16>: mins (Q4_K, Q5_K: m[s] twice each) or -32 sc (Q6_K), zeros above 16
-    d: ir.Value                # float d_w
-    dmin: ir.Value | None      # float dmin_w (Q4_K, Q5_K)
+    bias: ir.Value             # mins (Q4_K, Q5_K: <16 x i16>, m[s] twice each) or -32 sc (Q6_K: <2L x i16>)
+    f: ir.Value                # float factors: <16 x float> d_w x8, -dmin_w x8 (Q4_K, Q5_K); <L x float> d_w (Q6_K)
 
 
 class KQuantIntKernel:
@@ -185,6 +186,8 @@ class KQuantIntKernel:
         self.runs = chunk_runs(self.layout, kb.vw)
         self.CH = RUN * len(self.runs[0])
         self.L = self.CH // 4                  # int32 lanes of a chunk's sums
+        self.minimums = self.layout != "Q6_K"  # Q4_K, Q5_K: value = d sc q - dmin m
+        self.A = 16 if self.minimums else self.L   # float accumulator lanes
         self.out, self.n_out = out_rows(kb, sig)
         self.U = _tuned(kb, sig.attr, "unroll", _UNROLL)
         self.ahead = int(sig.attr.get("prefetch", PREFETCH_BYTES))
@@ -269,9 +272,9 @@ class KQuantIntKernel:
         if self.layout == "Q6_K":
             sc = b.sext(self._bytes(bp, 192, 16), ir.VectorType(I16, 16))
             lanes = [[2 * r] * 8 + [2 * r + 1] * 8 for r in range(8)]
-            bias = b.mul(sc, _vc(I16, [-32] * 16))
+            bias = self._widen16(b.mul(sc, _vc(I16, [-32] * 16)))
             d = b.fpext(b.load(b.bitcast(kb.gep(bp, 208), ir.PointerType(HALF)), align=1), F32)
-            dmin = None
+            f = kb.splat(d, self.L)
         else:
             s = self._bytes(bp, 4, 16)   # 12 scale bytes + 4 quant bytes (still in the block)
             # s < 4: sc = b[s] & 63, m = b[s+4] & 63
@@ -286,9 +289,9 @@ class KQuantIntKernel:
             bias = _shuffle(b, sc, None, [8 + i // 2 for i in range(16)])
             dd = b.fpext(b.load(b.bitcast(bp, ir.PointerType(ir.VectorType(HALF, 2))), align=1),
                          ir.VectorType(F32, 2))
-            d, dmin = b.extract_element(dd, i64(0)), b.extract_element(dd, i64(1))
+            f = _shuffle(b, b.fmul(dd, _vc(F32, [1.0, -1.0])), None, [0] * 8 + [1] * 8)
         scs = [_shuffle(b, sc, None, [i for r in c for i in lanes[r]]) for c in self.runs]
-        return _Weights(u, scs, self._widen16(bias), d, dmin)
+        return _Weights(u, scs, bias, f)
 
     def _widen16(self, v: ir.Value) -> ir.Value:
         """<16 x i16> -> <2L x i16>, zeros above (one register like a chunk's products)."""
@@ -303,17 +306,18 @@ class KQuantIntKernel:
         izero = _vc(I32, [0] * L)
         out = []
         for sl, acc in zip(slots, accs):
-            bs = self._widen16(kb.vload(sl.bs, b.mul(j, i64(16)), 16))
+            bs = kb.vload(sl.bs, b.mul(j, i64(16)), 16)
             # Q6_K: -32 sc bsum belongs to the same integer sum; Q4_K / Q5_K: m bsum is its own
-            s = dpwssd(kb, izero, bs, wt.bias) if wt.dmin is None else izero
+            s = dpwssd(kb, izero, self._widen16(bs), wt.bias) if self.minimums is False else izero
             for c, (u, sc) in enumerate(zip(wt.u, wt.sc)):
                 xq = kb.vload(sl.q, b.add(b.mul(j, i64(QK_K)), i64(c * self.CH)), self.CH)
                 s = dpwssd(kb, s, maddubs(kb, u, xq), sc)
-            dx = kb.load(sl.dx, j)
-            acc = kb.fma(b.sitofp(s, ir.VectorType(F32, L)), kb.splat(b.fmul(wt.d, dx), L), acc)
-            if wt.dmin is not None:
-                t = maddwd(kb, bs, wt.bias)
-                acc = kb.fma(b.sitofp(t, ir.VectorType(F32, L)), kb.splat(b.fneg(b.fmul(wt.dmin, dx)), L), acc)
+            if self.minimums:   # 8 lanes of the sum beside the 8 of sum m bsum: one convert, one FMA
+                if L > 8:
+                    s = b.add(_shuffle(b, s, None, list(range(8))), _shuffle(b, s, None, list(range(8, 16))))
+                s = _shuffle(b, s, maddwd(kb, bs, wt.bias), list(range(16)))
+            n = s.type.count
+            acc = kb.fma(b.sitofp(s, ir.VectorType(F32, n)), b.fmul(wt.f, kb.splat(kb.load(sl.dx, j), n)), acc)
             out.append(acc)
         return out
 
@@ -324,7 +328,7 @@ class KQuantIntKernel:
         P = len(slots)
         nmain = self.nb - self.nb % U
         rows = [b.add(r0, i64(i)) for i in range(R)]
-        vz = ir.Constant(ir.VectorType(F32, self.L), [0.0] * self.L)
+        vz = ir.Constant(ir.VectorType(F32, self.A), [0.0] * self.A)
 
         def at(i: int, u: int, p: int) -> int:
             return (i * U + u) * P + p
