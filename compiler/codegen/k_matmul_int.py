@@ -55,6 +55,12 @@ turns into ``vpmaddwd`` on x86). It is correct but slower than the float
 kernels (about half their speed on znver4 forced to it), so the pass should
 only run where ``host_has_int_dot()``.
 
+The K-quants' integer path (``act="q8k"``: 256-value activation blocks,
+sub-block scales) is ``k_matmul_int_kquants.KQuantIntKernel``: its own
+quantization, slots and tiles, driven by the same ``emit_int_matvec``
+(threads' row shares, groups of ``decode_rows`` rows, slots sharing each
+unpacked weight block).
+
 Float accumulation is float32 in a different order than the reference's
 float64: results agree to ~1e-6 relative of the size of the terms,
 sum |d_w d_x q_w q_x| (+ |m_w d_x sum q_x|).
@@ -342,9 +348,10 @@ class _IntKernel:
 
 
 def emit_int_matvec(kb: KernelBuilder, sig: KernelSig) -> None:
-    """qmatmul with ``act="q8"``: x [K] (decode), or [T, K] in groups of
-    ``slot_count`` rows: quantize the group, then per weight tile every row,
-    ``slots`` rows at a time sharing the unpacked weight blocks."""
+    """qmatmul with ``act="q8"`` (or ``"q8k"``: the K-quants' kernel class):
+    x [K] (decode), or [T, K] in groups of ``slot_count`` rows: quantize the
+    group, then per weight tile every row, ``slots`` rows at a time sharing
+    the unpacked weight blocks."""
     if sig.attr.get("act") == "q8k":
         from .k_matmul_int_kquants import KQuantIntKernel
         kern = KQuantIntKernel(kb, sig)
