@@ -21,22 +21,21 @@ Per super-block and weight row (shared by the rows of a group):
   512-bit register), else 32. A chunk is a few runs of 32 values that the
   same byte operations produce (Q4_K: the low nibbles of 64 stored bytes
   are runs 0 and 2); the activation slot stores x's runs in that order, so
-  no weight byte is shuffled;
+  the nibbles need no shuffle (Q5_K's and Q6_K's high bits are two 32-byte
+  pieces, shifted apart, then joined);
 * the sub-block scales as 16-bit lanes, one per pair of values of the chunk.
 
 Per row of the group: ``vpmaddubsw`` (unsigned weight bytes times signed
 activation bytes, adjacent pairs summed to int16: at most 2 * 63 * 127,
 never saturating) then ``vpmaddwd`` by the scale lanes, added to an int32
-accumulator (one ``vpdpwssd`` on VNNI
-hosts, called directly): two instructions per 64 values. The sub-block
-minimums (Q4_K, Q5_K) are one ``vpmaddwd`` of the 16 activation partial sums
-by the mins (each twice), Q6_K's -32 bias one ``vpdpwssd`` of the same sums
-by -32 sc into the integer sum. Then
-the int32 lanes are converted once per super-block and multiplied into
-float accumulators with d_w d_x (Q4_K, Q5_K: the sum's lanes folded to 8,
-beside the 8 lanes of the minimums' sum, so that one convert and one FMA
-with d_w d_x x8, -dmin_w d_x x8 do both); one horizontal sum per row at the
-end.
+accumulator (``vpdpwssd`` on VNNI hosts): two or three instructions per 64
+values. The sub-block minimums (Q4_K, Q5_K) are one ``vpmaddwd`` of the 16
+activation partial sums by the mins (each twice); Q6_K's -32 bias is one
+``vpdpwssd`` of the same sums by -32 sc into the integer sum. Then the
+int32 lanes are converted once per super-block and multiplied into float
+accumulators with d_w d_x (Q4_K, Q5_K: the sum's lanes folded to 8, beside
+the 8 lanes of the minimums' sum, so that one convert and one FMA with
+d_w d_x x8, -dmin_w d_x x8 do both); one horizontal sum per row at the end.
 
 Without the x86 instructions (other targets; tests force it) the same
 int16 and int32 lanes come from portable widening multiplies: exact, the
@@ -144,7 +143,7 @@ def maddubs(kb: KernelBuilder, u: ir.Value, x: ir.Value) -> ir.Value:
 def maddwd(kb: KernelBuilder, a: ir.Value, s: ir.Value) -> ir.Value:
     """<2n x i16> a, s -> <n x i32>: a[2i] s[2i] + a[2i+1] s[2i+1]."""
     b, n = kb.b, a.type.count
-    names = _x86_names(2 * n) if n in (16, 32) else None
+    names = _x86_names(2 * n)
     if names:
         return _call(kb, names[1], ir.VectorType(I32, n // 2), [a, s])
     v32 = ir.VectorType(I32, n)
@@ -152,8 +151,8 @@ def maddwd(kb: KernelBuilder, a: ir.Value, s: ir.Value) -> ir.Value:
 
 
 def dpwssd(kb: KernelBuilder, acc: ir.Value, a: ir.Value, s: ir.Value) -> ir.Value:
-    """acc + maddwd(a, s): one ``vpdpwssd`` on VNNI hosts (called directly,
-    so that LLVM keeps the chain instead of re-associating the adds)."""
+    """acc + maddwd(a, s): ``vpdpwssd`` on VNNI hosts (LLVM may still split
+    one into ``vpmaddwd`` + ``vpaddd`` where that shortens a dependency chain)."""
     names = _x86_names(2 * a.type.count)
     if names and names[2]:
         return _call(kb, names[2], acc.type, [acc, a, s])
