@@ -363,3 +363,25 @@ def test_q4_k_model_interpreter_and_native_agree(tmp_path):
     nat = runtime.load(p, backend="llvm", threads=2, use_cache=False, passes=passes_)
     ids = [1, 5, 77, 260, 9, 42]
     assert list(ref.generate(ids, 8, temperature=0.0)) == list(nat.generate(ids, 8, temperature=0.0))
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_row_block_of_a_split_weight(name):
+    """``qmatmul_rows`` (a row block of a weight split for streaming, the
+    attributes of the split qmatmul kept): the block's rows land at row0 of
+    the full-width result, on the integer path too."""
+    from ir.ops import qmatmul_rows_ref
+
+    rng = np.random.default_rng(31)
+    n, k, row0, total = 5, 512, 3, 11
+    w = kq_weight(rng, name, n, k)
+    for x in (rng.standard_normal(k).astype(np.float32), rng.standard_normal((4, k)).astype(np.float32)):
+        xt = TensorType((k,) if x.ndim == 1 else ("T", k))
+        sig = sig_for("qmatmul_rows", [xt, w.type], layout=name, act="q8k", row0=row0, n_total=total,
+                      **({"decode_rows": 8} if x.ndim == 2 else {}))
+        assert k_matmul_int.scratch_floats(sig) > 0
+        got = run_kernel_like_reference(sig, [x, w], nthreads=2, symbols={"T": x.shape[0]} if x.ndim == 2 else None,
+                                        kernel=compiled(sig), scratch_floats=1 << 16)
+        want = qmatmul_rows_ref(x, w, layout=name, row0=row0, n_total=total, act="q8k")
+        part = (slice(None),) * (x.ndim - 1) + (slice(row0, row0 + n),)
+        check_close(got[part], want[part], x, w)
