@@ -15,6 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import passes.int_dot  # noqa: F401  (registers the pass)
+from compiler.codegen import k_matmul_int, k_matmul_int_kquants
+from compiler.codegen.harness import CompiledKernel, run_kernel_like_reference, sig_for
 from ir import layouts
 from ir.int_kquants import KQ_INT_LAYOUTS, kquant_ints, quantize_q8k_rows
 from ir.ops import ShapeError, WeightData, get_op, int_act, qmatmul_ref
@@ -190,9 +192,6 @@ def test_shape_rule():
 
 
 # --- the native kernel ----------------------------------------------------------------------------
-from compiler.codegen import k_matmul_int, k_matmul_int_kquants  # noqa: E402
-from compiler.codegen.harness import CompiledKernel, run_kernel_like_reference, sig_for  # noqa: E402
-
 _KERNELS: dict = {}
 
 
