@@ -17,8 +17,8 @@ DEFAULT_PIPELINE: tuple[str, ...] = ("fuse_dequant",)
 def default_pipeline(backend: str = "interp") -> tuple[str, ...]:
     """The passes for a backend on this host. Native code on a CPU with int8
     dot products (VNNI) also runs ``int_dot``: matmuls on 32-block weights
-    (decode and prompt rows) quantize x per block and use integer dot
-    products, as llama.cpp does. The interpreter stays on the float
+    and K-quants (decode and prompt rows) quantize x per block and use
+    integer dot products, as llama.cpp does. The interpreter stays on the float
     reference path unless given the passes."""
     if backend == "llvm":
         from .codegen.k_matmul_int import host_has_int_dot

@@ -17,7 +17,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .int_kquants import KQ_INT_LAYOUTS, qmatmul_q8k_ref
 from .layouts import get_layout
+from .layouts_kquants import QK_K
 from .types import Dim, TensorType
 
 
@@ -124,11 +126,11 @@ def _matmul(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
         _need(w.layout == attrs["layout"], f"qmatmul[{attrs['layout']}] on a {w.layout} weight")
     act = attrs.get("act")
     if act is not None:
-        _need(act == "q8", f"qmatmul: unknown activation quantization act={act!r}")
-        _need(w.layout in INT_DOT_LAYOUTS, f"qmatmul act=q8 needs a {'/'.join(INT_DOT_LAYOUTS)} weight, "
-                                           f"got {w.layout}")
-        _need(isinstance(w.shape[1], int) and w.shape[1] % QK8 == 0,
-              f"qmatmul act=q8: row length {w.shape[1]} is not a multiple of {QK8}")
+        _need(act in ACT_LAYOUTS, f"qmatmul: unknown activation quantization act={act!r}")
+        layouts, block = ACT_LAYOUTS[act], ACT_BLOCK[act]
+        _need(w.layout in layouts, f"qmatmul act={act} needs a {'/'.join(layouts)} weight, got {w.layout}")
+        _need(isinstance(w.shape[1], int) and w.shape[1] % block == 0,
+              f"qmatmul act={act}: row length {w.shape[1]} is not a multiple of {block}")
     if "decode_rows" in attrs:
         m = attrs["decode_rows"]
         _need(isinstance(m, int) and not isinstance(m, bool) and m >= 1,
@@ -280,6 +282,7 @@ def qmatmul_ref(x: np.ndarray, w: WeightData, *, layout: str, act: str | None = 
                 decode_rows: int | None = None) -> np.ndarray:
     """matmul with a stored (quantized) weight; the reference dequantizes.
 
+    ``act="q8k"`` is the K-quants' integer path (``ir.int_kquants``).
     With ``act="q8"`` (the integer path, as llama.cpp's ``ggml_vec_dot_q*_0_q8_0``
     and ``ggml_vec_dot_q*_1_q8_1``) x is first quantized per row in blocks of 32
     (:func:`quantize_q8_rows`) and out = sum over blocks of
@@ -291,6 +294,8 @@ def qmatmul_ref(x: np.ndarray, w: WeightData, *, layout: str, act: str | None = 
         return _decode_rows(x, lambda r: qmatmul_ref(r, w, layout=layout, act=act))
     if act is None:
         return np.asarray(x, np.float32) @ w.to_f32().T
+    if act == "q8k":
+        return qmatmul_q8k_ref(x, w)
     xf = np.asarray(x, np.float32)
     k = xf.shape[-1]
     dx, qx = quantize_q8_rows(xf.reshape(-1, k))                    # [M, nb], [M, nb, 32]
@@ -337,6 +342,15 @@ def qmatmul_rows_ref(x: np.ndarray, w: WeightData, acc: np.ndarray | None = None
 #: values per block of the integer path, and the weight layouts it reads
 QK8 = 32
 INT_DOT_LAYOUTS = ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1")
+#: activation quantization (``act``) -> the weight layouts it multiplies, and its block
+ACT_LAYOUTS = {"q8": INT_DOT_LAYOUTS, "q8k": KQ_INT_LAYOUTS}
+ACT_BLOCK = {"q8": QK8, "q8k": QK_K}
+
+
+def int_act(layout: str | None) -> str | None:
+    """The integer path's activation quantization for a weight layout
+    ("q8" for the 32-value blocks, "q8k" for the K-quants), None if none."""
+    return next((a for a, lays in ACT_LAYOUTS.items() if layout in lays), None)
 
 
 def quantize_q8_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,5 +1,7 @@
 """int_dot: decode-step ``qmatmul`` on 32-value block weights (Q8_0, Q4_0,
-Q5_0, Q4_1, Q5_1) takes the integer path (``act="q8"``).
+Q5_0, Q4_1, Q5_1) takes the integer path (``act="q8"``), and on the
+K-quants Q4_K, Q5_K, Q6_K the same with 256-value activation blocks and
+per-16 partial sums (``act="q8k"``, llama.cpp's Q8_K: ``ir.int_kquants``).
 
 A decode step is one matrix-vector product per weight: bandwidth-bound, and
 on x86 with VNNI an int8 dot product reads the weight bytes with fewer
@@ -26,7 +28,7 @@ integer path as in decode.
 from __future__ import annotations
 
 from ir.graph import Graph
-from ir.ops import INT_DOT_LAYOUTS, QK8
+from ir.ops import ACT_BLOCK, int_act
 
 from .registry import register_pass
 
@@ -39,8 +41,9 @@ PROMPT_ROWS = 8
 
 @register_pass("int_dot")
 def int_dot(graph: Graph) -> Graph:
-    """Quantize activations per block (q8) for qmatmuls on ``INT_DOT_LAYOUTS``
-    weights (Q8_0, Q4_0, Q5_0, Q4_1, Q5_1); in a graph of decode rows, also
+    """Quantize activations per block for qmatmuls on 32-value block weights
+    (``act="q8"``: Q8_0, Q4_0, Q5_0, Q4_1, Q5_1) and on K-quants
+    (``act="q8k"``: Q4_K, Q5_K, Q6_K); in a graph of decode rows, also
     compute every row as decode does."""
     mode = graph.meta.get("mode")
     rows: dict[str, int] = {}
@@ -53,10 +56,11 @@ def int_dot(graph: Graph) -> Graph:
     elif mode != "decode":
         return graph
     for node in graph.nodes:
-        if node.op != "qmatmul" or node.attrs.get("layout") not in INT_DOT_LAYOUTS:
+        act = int_act(node.attrs.get("layout")) if node.op == "qmatmul" else None
+        if act is None:
             continue
         k = node.inputs[1].type.shape[1]
-        if not isinstance(k, int) or k % QK8:
+        if not isinstance(k, int) or k % ACT_BLOCK[act]:
             continue
-        node.attrs = {**node.attrs, "act": "q8", **rows}
+        node.attrs = {**node.attrs, "act": act, **rows}
     return graph

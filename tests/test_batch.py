@@ -11,10 +11,11 @@ Gemma-3-shaped GGUFs (head_dim 64, so q8 KV too; Gemma's sliding window of
 5 is shorter than the sequences, and its sixth layer is global).
 
 Decode rows (``batch(..., decode=True)``) on models whose decode step takes
-the integer path (``int_dot``: Q8_0, Q4_0, Q5_0, Q4_1, Q5_1 weights) run through
+the integer path (``int_dot``: Q8_0, Q4_0, Q5_0, Q4_1, Q5_1 weights, and the
+K-quants Q4_K, Q5_K, Q6_K on rows of whole super-blocks) run through
 ``batch_decode`` and must equal each sequence's own decode step bit for bit:
-synthetic Q8_0, Q4_0 and Q5_0/Q4_K GGUFs, and SmolLM2-135M-Instruct when
-../shared can provide it.
+synthetic Q8_0, Q4_0, Q5_0/Q4_K and Gemma-3-shaped Q4_K GGUFs, and
+SmolLM2-135M-Instruct when ../shared can provide it.
 """
 from __future__ import annotations
 
@@ -48,11 +49,12 @@ SYNTH = {
     "gemma3": dict(arch="gemma3", dim=256, hidden_dim=512, n_layers=6, n_heads=4, n_kv_heads=1, tied_output=False,
                    rope_theta=1e6, extra={"sliding_window": 5, "rope_local_theta": 10000.0}),
     # 320-wide rows: Q4_K falls back to Q5_0 there, as llama.cpp's quantizer does (Qwen2.5-Coder's
-    # Q4_K_M layers), next to ffn_down's Q4_K rows of 512 (float kernels)
+    # Q4_K_M layers), next to ffn_down's Q4_K rows of 512 (the K-quants' integer path)
     "qwen2_320": dict(arch="qwen2", dim=320, hidden_dim=512, n_layers=2, n_heads=5, n_kv_heads=1, tied_output=False),
 }
 #: models whose decode takes the integer path, by name: (SYNTH config, qtype asked for)
-INT_MODELS = {"q8_0": ("qwen2", "Q8_0"), "q4_0": ("qwen2", "Q4_0"), "q5_0": ("qwen2_320", "Q4_K")}
+INT_MODELS = {"q8_0": ("qwen2", "Q8_0"), "q4_0": ("qwen2", "Q4_0"), "q5_0": ("qwen2_320", "Q4_K"),
+              "q4_k": ("gemma3", "Q4_K")}
 #: the pipeline with int_dot, on any host (without VNNI the kernel's portable path)
 INT_PASSES = ("fuse_dequant", "int_dot")
 
@@ -60,8 +62,8 @@ INT_PASSES = ("fuse_dequant", "int_dot")
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     """Model files by name: stories260K and the synthetic GGUFs (qwen2 F32
-    and gemma3 Q4_K weights: neither takes the integer decode path, see
-    int_dot; the INT_MODELS do)."""
+    and gemma3 Q4_K weights, compared with the interpreter on the float
+    path; the INT_MODELS on the integer path, see int_dot)."""
     out = {"stories": (str(DEFAULT_MODEL), str(DEFAULT_TOKENIZER))}
     for name, (arch, qtype) in {"qwen2": ("qwen2", "F32"), "gemma3": ("gemma3", "Q4_K"), **INT_MODELS}.items():
         cfg = ModelConfig(**SYNTH[arch], vocab_size=VOCAB, seq_len=CTX)
@@ -246,8 +248,13 @@ def test_interp_one_sequence_as_one_step_is_prefill(paths, name, kv):
 # --- native batch entries == the interpreter's ------------------------------------------------
 @pytest.mark.parametrize("name,kv", CASES)
 def test_native_batch_equals_interpreter(paths, name, kv):
-    want = run_schedule(interp_batch(paths, name, kv)).rows
-    got = run_schedule(native(paths, name, kv)).rows
+    """The float kernels against the interpreter, the same pipeline on both
+    sides (the integer path rounds activations to 8 bits: its batches are
+    checked against its own decode steps below)."""
+    from compiler.pipeline import DEFAULT_PIPELINE
+
+    want = run_schedule(interp_batch(paths, name, kv, passes=DEFAULT_PIPELINE)).rows
+    got = run_schedule(native(paths, name, kv, passes=DEFAULT_PIPELINE)).rows
     assert want.keys() == got.keys()
     for k in want:
         close(got[k], want[k], 1e-3 if kv == "q8" else 2e-4)
@@ -339,16 +346,20 @@ def test_decode_rows_equal_decode_steps(paths, name, backend):
     rng = np.random.default_rng(6)
     prompts = [[int(t) for t in rng.integers(3, VOCAB, n)] for n in (3, 9, 1, 6)]
     batch = build_graphs(loaded(paths, name), CompileOptions(ctx=CTX, passes=INT_PASSES, batch=BATCH))["batch"]
-    all_int = all(n.attrs.get("act") == "q8" for n in batch.nodes if n.op in ("matmul", "qmatmul"))
+    all_int = all(n.attrs.get("act") in ("q8", "q8k") for n in batch.nodes if n.op in ("matmul", "qmatmul"))
     # the interpreter's float matmuls are float64 sums, whatever the tiling: equal there too
     check_decode_rows(ex, [single() for _ in range(BATCH.max_batch)], prompts, 3, rng,
                       prompt_rows_equal=all_int or backend == "interp")
     if backend == "llvm":   # the step's inputs and scratch: a quantized row per decode row
         from compiler.codegen.k_matmul_int import slot_bytes
+        from compiler.codegen.k_matmul_int_kquants import slot_bytes as kq_slot_bytes
 
         e, m = ex.entries, ex.manifest
         assert e["batch_decode"]["inputs"] == e["batch"]["inputs"]
-        assert m["scratch_floats"] * 4 >= BATCH.max_batch * slot_bytes(loaded(paths, name).config.dim)
+        acts = {n.attrs.get("act") for n in batch.nodes}
+        dim = loaded(paths, name).config.dim
+        slot = max(slot_bytes(dim) if "q8" in acts else 0, kq_slot_bytes(dim) if "q8k" in acts else 0)
+        assert m["scratch_floats"] * 4 >= BATCH.max_batch * slot
 
 
 @pytest.mark.parametrize("name", list(INT_MODELS))

@@ -169,7 +169,7 @@ def test_reference_default_path_unchanged_and_prefill_rows():
     assert np.abs(rows - qmatmul_ref(x, w, layout="Q8_0")).max() <= 0.02 * np.abs(rows).max()
 
 
-@pytest.mark.parametrize("layout", ["Q4_K", "F32", "BF16"])
+@pytest.mark.parametrize("layout", ["Q4_K", "Q3_K", "F32", "BF16"])
 def test_shape_rule_refuses_other_layouts(layout):
     k = 256
     wt = TensorType((8, k), "f32", None if layout == "F32" else layout)
@@ -340,8 +340,9 @@ def _tiny_model(tmp_path, qtype):
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "F32"])
 def test_pass_marks_qmatmuls_on_32_blocks(tmp_path, qtype):
     """Decode: the integer path, one row. Prefill: the integer path,
-    PROMPT_ROWS rows quantized at once, each as decode computes it. Other
-    layouts keep the float kernels."""
+    PROMPT_ROWS rows quantized at once, each as decode computes it. 32-value
+    blocks get q8 activations, the K-quants q8k (rows a multiple of 256);
+    other layouts keep the float kernels."""
     from compiler.driver import model_graph
     from compiler.pipeline import run_pipeline
     from passes.int_dot import PROMPT_ROWS
@@ -351,13 +352,14 @@ def test_pass_marks_qmatmuls_on_32_blocks(tmp_path, qtype):
         g = run_pipeline(model_graph(m, mode, run_passes=False), ["fuse_dequant", "int_dot"])
         qm = [n for n in g.nodes if n.op == "qmatmul"]
         for n in qm:
-            if n.attrs["layout"] in INT_LAYOUTS:
-                want = ("q8", None if mode == "decode" else PROMPT_ROWS)
-            else:
-                want = (None, None)
+            act = {**dict.fromkeys(INT_LAYOUTS, "q8"), "Q4_K": "q8k", "Q5_K": "q8k", "Q6_K": "q8k"}.get(
+                n.attrs["layout"])
+            if act == "q8k" and n.inputs[1].type.shape[1] % 256:
+                act = None
+            want = (act, None if mode == "decode" or act is None else PROMPT_ROWS)
             assert (n.attrs.get("act"), n.attrs.get("decode_rows")) == want, (mode, n.attrs)
-        if qtype in INT_LAYOUTS:
-            assert any(n.attrs.get("act") == "q8" for n in qm)
+        if qtype != "F32":
+            assert any(n.attrs.get("act") for n in qm)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "F32"])

@@ -94,13 +94,16 @@ def test_threads_share_the_work(capsys):
 
 # --- parameters reach the emitters ---------------------------------------------------------------
 @pytest.mark.parametrize("argv,want", [
-    (["qmatvec", "--qtype", "Q4_K", "--unroll", "2", "--tile", "3", "--vector-width", "8"],
+    (["qmatvec", "--qtype", "Q4_K", "--unroll", "2", "--tile", "3", "--vector-width", "8", "--float-dot"],
      {"vector_width": 8, "rows": 3, "unroll": 2, "dot": "float"}),
+    (["qmatvec", "--qtype", "Q5_K", "--unroll", "2", "--tile", "3", "--vector-width", "8", "--int-dot"],
+     {"vector_width": 8, "rows": 3, "unroll": 2, "dot": "int"}),
     (["qmatvec", "--qtype", "Q4_0", "--unroll", "1", "--tile", "2", "--float-dot"],
      {"vector_width": HOST_VW, "rows": 2, "unroll": 1, "dot": "float"}),
     (["qmatvec", "--qtype", "Q8_0", "--unroll", "3", "--tile", "4", "--int-dot", "--vector-width", "8"],
      {"vector_width": 8, "rows": 4, "unroll": 3, "dot": "int"}),
-    (["qmatmul", "--qtype", "Q6_K", "--batch", "5", "--tile", "2x3", "--unroll", "2", "--vector-width", "4"],
+    (["qmatmul", "--qtype", "Q6_K", "--batch", "5", "--tile", "2x3", "--unroll", "2", "--vector-width", "4",
+      "--float-dot"],
      {"vector_width": 4, "rows": 2, "tile_tokens": 3, "unroll": 2, "dot": "float"}),
     (["matvec", "--unroll", "5", "--tile", "4"], {"vector_width": HOST_VW, "rows": 4, "unroll": 5}),
 ])
@@ -120,7 +123,7 @@ def test_other_kinds_take_their_parameters(capsys):
 
 
 def test_options_change_the_generated_code(capsys):
-    base = ["qmatvec", "--qtype", "Q4_K", "--rows", "64", "--cols", "512"]
+    base = ["qmatvec", "--qtype", "Q4_K", "--rows", "64", "--cols", "512", "--float-dot"]
     default = show_ir(capsys, *base)
     assert "define" in default
     assert show_ir(capsys, *base, "--unroll", "2", "--tile", "4") != default
@@ -129,8 +132,9 @@ def test_options_change_the_generated_code(capsys):
     assert show_ir(capsys, *base, "--unroll", "8", "--tile", "1", "--vector-width", str(HOST_VW)) == default
     q8 = ["qmatvec", "--qtype", "Q8_0", "--rows", "64", "--cols", "512"]
     assert show_ir(capsys, *q8, "--int-dot") != show_ir(capsys, *q8, "--float-dot")
+    assert show_ir(capsys, *base[:-1], "--int-dot") != default
     # decode matvecs on quantized weights prefetch ahead of their rows; --prefetch 0 turns it off
-    for q in (["qmatvec", "--qtype", "Q4_K", "--rows", "64", "--cols", "512"], [*q8, "--int-dot"]):
+    for q in (base, [*base[:-1], "--int-dot"], [*q8, "--int-dot"]):
         on = show_ir(capsys, *q)
         assert "llvm.prefetch" in on and "llvm.prefetch" not in show_ir(capsys, *q, "--prefetch", "0")
         assert show_ir(capsys, *q, "--prefetch", "2048") == on
@@ -215,7 +219,7 @@ def test_sweep_json(capsys):
     ["softmax", "--rows", "8", "--cols", "256", "--tile", "4"],             # tiles are for matrices
     ["rope", "--rows", "8", "--cols", "256", "--unroll", "2"],              # rope has no unroll
     ["matvec", "--rows", "8", "--cols", "256", "--int-dot"],
-    ["qmatvec", "--qtype", "Q4_K", "--rows", "8", "--cols", "256", "--int-dot"],
+    ["qmatvec", "--qtype", "F16", "--rows", "8", "--cols", "256", "--int-dot"],
     ["qmatvec", "--qtype", "L2C_Q8G64", "--rows", "8", "--cols", "96", "--unroll", "2"],  # row-wise path
     ["qmatvec", "--qtype", "Q8_0", "--rows", "8", "--cols", "256", "--vector-width", "12"],
     ["matvec", "--rows", "8", "--cols", "256", "--batch", "4"],

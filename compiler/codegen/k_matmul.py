@@ -450,7 +450,7 @@ def out_rows(kb: KernelBuilder, sig: KernelSig) -> tuple[ir.Value, int]:
 
 @kernel("matmul", "qmatmul", "qmatmul_rows")
 def emit_matmul(kb: KernelBuilder, sig: KernelSig) -> None:
-    if sig.attr.get("act") == "q8":  # integer path: x quantized per block, int8 dot products
+    if sig.attr.get("act") in ("q8", "q8k"):  # integer path: x quantized per block, int8 dot products
         from .k_matmul_int import emit_int_matvec
         return emit_int_matvec(kb, sig)
     xt, wt = sig.in_types[:2]

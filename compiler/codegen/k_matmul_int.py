@@ -55,6 +55,12 @@ turns into ``vpmaddwd`` on x86). It is correct but slower than the float
 kernels (about half their speed on znver4 forced to it), so the pass should
 only run where ``host_has_int_dot()``.
 
+The K-quants' integer path (``act="q8k"``: 256-value activation blocks,
+sub-block scales) is ``k_matmul_int_kquants.KQuantIntKernel``: its own
+quantization, slots and tiles, driven by the same ``emit_int_matvec``
+(threads' row shares, groups of ``decode_rows`` rows, slots sharing each
+unpacked weight block).
+
 Float accumulation is float32 in a different order than the reference's
 float64: results agree to ~1e-6 relative of the size of the terms,
 sum |d_w d_x q_w q_x| (+ |m_w d_x sum q_x|).
@@ -123,9 +129,15 @@ def slot_count(sig: KernelSig) -> int:
 
 def scratch_floats(sig: KernelSig) -> int:
     """Per-thread scratch (float32 elements) the kernel needs: a slot per
-    row quantized at once, plus 64 bytes slack."""
-    if sig.op == "qmatmul" and sig.attr.get("act") == "q8":
-        return slot_count(sig) * slot_bytes(int(sig.in_types[1].shape[1])) // 4 + 16
+    row quantized at once, plus 64 bytes slack (``act="q8k"``: the
+    K-quants' slots, ``k_matmul_int_kquants``)."""
+    act = sig.attr.get("act")
+    if sig.op in ("qmatmul", "qmatmul_rows") and act in ("q8", "q8k"):
+        k = int(sig.in_types[1].shape[1])
+        if act == "q8k":
+            from .k_matmul_int_kquants import slot_bytes as kq_slot_bytes
+            return slot_count(sig) * kq_slot_bytes(k) // 4 + 16
+        return slot_count(sig) * slot_bytes(k) // 4 + 16
     return 0
 
 
@@ -336,10 +348,15 @@ class _IntKernel:
 
 
 def emit_int_matvec(kb: KernelBuilder, sig: KernelSig) -> None:
-    """qmatmul with ``act="q8"``: x [K] (decode), or [T, K] in groups of
-    ``slot_count`` rows: quantize the group, then per weight tile every row,
-    ``slots`` rows at a time sharing the unpacked weight blocks."""
-    kern = _IntKernel(kb, sig)
+    """qmatmul with ``act="q8"`` (or ``"q8k"``: the K-quants' kernel class):
+    x [K] (decode), or [T, K] in groups of ``slot_count`` rows: quantize the
+    group, then per weight tile every row, ``slots`` rows at a time sharing
+    the unpacked weight blocks."""
+    if sig.attr.get("act") == "q8k":
+        from .k_matmul_int_kquants import KQuantIntKernel
+        kern = KQuantIntKernel(kb, sig)
+    else:
+        kern = _IntKernel(kb, sig)
     b = kb.b
     lo, hi = kb.thread_share(kern.n)
     R = _tuned(kb, sig.attr, "rows", _ROWS if kern.k >= _LONG_ROW else 1)

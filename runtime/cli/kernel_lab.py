@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ir.ops import INT_DOT_LAYOUTS, QK8, WeightData
+from ir.ops import ACT_BLOCK, ACT_LAYOUTS, WeightData, int_act
 from ir.types import TensorType, f32, i32
 
 KINDS = ("matvec", "matmul", "qmatvec", "qmatmul", "rmsnorm", "rope", "attention", "softmax")
@@ -79,7 +79,7 @@ class Params:
     unroll: int | None = None
     rows: int | None = None          # rows per tile
     tile_tokens: int | None = None   # tokens per tile (matmul on a batch)
-    int_dot: bool | None = None      # integer dot path (act="q8")
+    int_dot: bool | None = None      # integer dot path (act="q8", or "q8k" on K-quants)
     prefetch: int | None = None      # bytes of weights asked for ahead (integer path; 0: none)
 
     def attrs(self) -> dict[str, int]:
@@ -169,10 +169,11 @@ def _layout(name: str):
 def default_int_dot(p: Problem) -> bool:
     """What the compiler does: the ``int_dot`` pass (in the default native
     pipeline where the host has VNNI) gives qmatmuls on 32-value block
-    weights the integer path, decode and prompt rows alike."""
+    weights and K-quants the integer path, decode and prompt rows alike."""
     from compiler.pipeline import default_pipeline
 
-    return (p.kind in Q_KINDS and p.qtype in INT_DOT_LAYOUTS and p.cols % QK8 == 0
+    act = int_act(p.qtype)
+    return (p.kind in Q_KINDS and act is not None and p.cols % ACT_BLOCK[act] == 0
             and "int_dot" in default_pipeline("llvm"))
 
 
@@ -235,8 +236,12 @@ def validate(p: Problem, prm: Params) -> None:
     if prm.int_dot is not None:
         if kind not in Q_KINDS:
             raise KernelLabError(f"--int-dot/--float-dot are for qmatvec/qmatmul, not {kind}")
-        if prm.int_dot and p.qtype not in INT_DOT_LAYOUTS:
-            raise KernelLabError(f"--int-dot needs a {'/'.join(INT_DOT_LAYOUTS)} weight, not {p.qtype}")
+        act = int_act(p.qtype)
+        if prm.int_dot and act is None:
+            names = "/".join(lay for lays in ACT_LAYOUTS.values() for lay in lays)
+            raise KernelLabError(f"--int-dot needs a {names} weight, not {p.qtype}")
+        if prm.int_dot and p.cols % ACT_BLOCK[act]:
+            raise KernelLabError(f"--int-dot on {p.qtype} needs columns a multiple of {ACT_BLOCK[act]}")
     if prm.tile_tokens is not None and use_int_dot(p, prm):
         raise KernelLabError("--tile ROWSxTOKENS does not apply to the integer dot path (one token at a time)")
     nbytes = _operand_bytes(p)
@@ -370,7 +375,7 @@ def build_case(p: Problem, int_dot: bool) -> Case:
         else:
             op, attrs = "qmatmul", {"layout": layout}
             if int_dot:
-                attrs["act"] = "q8"
+                attrs["act"] = int_act(layout)
                 if kind == "qmatmul":   # prompt rows, as passes/int_dot marks them
                     from passes.int_dot import PROMPT_ROWS
 
@@ -625,7 +630,7 @@ def sweep_grid(p: Problem, prm: Params) -> list[Params]:
     dots: list[bool | None] = [None]
     if p.kind in Q_KINDS:
         dots = [prm.int_dot] if prm.int_dot is not None else (
-            [False, True] if p.qtype in INT_DOT_LAYOUTS else [None])
+            [False, True] if int_act(p.qtype) else [None])
     grid = [Params()]  # the compiler's own choice first
     for vw in widths:
         for dot in dots:
@@ -717,7 +722,7 @@ def _flags(v: Variant, case: Case) -> str:
         f.append(f"--unroll {t['unroll']}")
     if "rows" in t:
         f.append(f"--tile {t['rows']}" + (f"x{t['tile_tokens']}" if "tile_tokens" in t else ""))
-    if case.attrs.get("layout") in INT_DOT_LAYOUTS:
+    if int_act(case.attrs.get("layout")):
         f.append("--int-dot" if v.int_dot else "--float-dot")
     return " ".join(f)
 
