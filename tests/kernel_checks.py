@@ -18,6 +18,41 @@ def check_dot(got: np.ndarray, want: np.ndarray, x: np.ndarray, w: WeightData, f
     assert not bad.any(), (np.argwhere(bad)[:5], got[bad][:5], want[bad][:5], scale[bad][:5])
 
 
+def check_within(got: np.ndarray, want: np.ndarray, scale: np.ndarray, rel: float = 1e-5) -> None:
+    """Equal up to ``rel`` of each element's term scale (an integer-path
+    kernel's products are exact, only the float epilogue rounds)."""
+    assert got.shape == want.shape and np.all(np.isfinite(got))
+    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    bad = err > rel * scale + 1e-30
+    assert not bad.any(), (np.argwhere(bad)[:5], got[bad][:5], want[bad][:5])
+
+
+def call_with_guard(k, x: np.ndarray, w: WeightData, T: int, nt: int) -> np.ndarray:
+    """Run an integer matmul kernel ``k`` on every thread id with a scratch of
+    exactly the size its rule asks for, followed by a guard zone that must
+    stay untouched."""
+    from compiler.codegen import k_matmul_int
+
+    need = k_matmul_int.scratch_floats(k.sig)
+    out = np.zeros((T, int(w.type.shape[0])) if x.ndim == 2 else int(w.type.shape[0]), np.float32)
+    for tid in range(nt):
+        scratch = np.full(need + 256, 12345.0, np.float32)
+        k(out, [x, w], T=T, tid=tid, nthreads=nt, scratch=scratch)
+        assert np.all(scratch[need:] == 12345.0), "the kernel wrote past its scratch"
+    return out
+
+
+def same_tokens_interp_and_native(path, passes: tuple[str, ...]) -> None:
+    """A model's greedy tokens through the interpreter (the numpy references)
+    and through native code under the same passes, the prompt prefilled."""
+    import runtime
+
+    ref = runtime.load(path, backend="interp", passes=passes)
+    nat = runtime.load(path, backend="llvm", threads=2, use_cache=False, passes=passes)
+    ids = [1, 5, 77, 260, 9, 42]
+    assert list(ref.generate(ids, 8, temperature=0.0)) == list(nat.generate(ids, 8, temperature=0.0))
+
+
 # --- compiled kernels shared by the layout test files ------------------------------------------
 _KERNELS: dict = {}
 

@@ -21,6 +21,7 @@ from compiler.codegen.jit import emit_assembly
 from compiler.codegen.target import host_target
 from ir.ops import ShapeError, WeightData, get_op, int_blocks, qmatmul_ref, quantize_q8_rows
 from ir.types import TensorType
+from kernel_checks import call_with_guard, check_within, same_tokens_interp_and_native
 from test_gguf_layouts import gguf_weight
 
 INT_LAYOUTS = ["Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1"]
@@ -112,11 +113,7 @@ def int_scale(x: np.ndarray, w: WeightData) -> np.ndarray:
 
 
 def check_close(got, want, x, w, rel=1e-5):
-    scale = int_scale(x, w)
-    assert got.shape == want.shape and np.all(np.isfinite(got))
-    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
-    bad = err > rel * scale + 1e-30
-    assert not bad.any(), (np.argwhere(bad)[:5], got[bad][:5], want[bad][:5])
+    check_within(got, want, int_scale(x, w), rel)
 
 
 # --- the reference ------------------------------------------------------------------------------
@@ -256,18 +253,6 @@ def test_int_matmul_prefill_rows(name):
         check_close(got, want, x, w)
 
 
-def _call_with_guard(k: CompiledKernel, x, w, T: int, nt: int) -> np.ndarray:
-    """Run ``k`` on every thread id with a scratch of exactly the size its
-    rule asks for, followed by a guard zone that must stay untouched."""
-    need = k_matmul_int.scratch_floats(k.sig)
-    out = np.zeros((T, int(w.type.shape[0])) if x.ndim == 2 else int(w.type.shape[0]), np.float32)
-    for tid in range(nt):
-        scratch = np.full(need + 256, 12345.0, np.float32)
-        k(out, [x, w], T=T, tid=tid, nthreads=nt, scratch=scratch)
-        assert np.all(scratch[need:] == 12345.0), "the kernel wrote past its scratch"
-    return out
-
-
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("name", INT_LAYOUTS)
 def test_decode_rows_equal_one_row_calls_bit_for_bit(name, portable):
@@ -288,8 +273,8 @@ def test_decode_rows_equal_one_row_calls_bit_for_bit(name, portable):
             for T in (1, 3, 4, 9, 13):
                 x = rng.standard_normal((T, k)).astype(np.float32)
                 for nt in (1, 3):
-                    got = _call_with_guard(rows, x, w, T, nt)
-                    want = np.stack([_call_with_guard(one, x[t], w, 1, nt) for t in range(T)])
+                    got = call_with_guard(rows, x, w, T, nt)
+                    want = np.stack([call_with_guard(one, x[t], w, 1, nt) for t in range(T)])
                     np.testing.assert_array_equal(got, want)
                 check_close(got, qmatmul_ref(x, w, layout=name, act="q8"), x, w)
 
@@ -393,7 +378,6 @@ def test_q8_0_model_interpreter_and_native_agree(tmp_path):
     through native code (the integer kernel, VNNI or the portable widening
     multiply) gives the same tokens."""
     import compiler.driver
-    import runtime
     from test_gguf_frontend import tiny
 
     passes_ = ("fuse_dequant", "int_dot")
@@ -401,10 +385,7 @@ def test_q8_0_model_interpreter_and_native_agree(tmp_path):
     g = compiler.driver.model_graph(compiler.driver.load_model(p), "decode",
                                     compiler.driver.CompileOptions(passes=passes_))
     assert sum(n.attrs.get("act") == "q8" for n in g.nodes) >= 7 * 2
-    ref = runtime.load(p, backend="interp", passes=passes_)
-    nat = runtime.load(p, backend="llvm", threads=2, use_cache=False, passes=passes_)
-    ids = [1, 5, 77, 260, 9, 42]
-    assert list(ref.generate(ids, 8, temperature=0.0)) == list(nat.generate(ids, 8, temperature=0.0))
+    same_tokens_interp_and_native(p, passes_)
 
 
 def test_default_pipeline_takes_the_integer_path_only_where_it_pays():

@@ -21,6 +21,7 @@ from ir import layouts
 from ir.int_kquants import KQ_INT_LAYOUTS, kquant_ints, quantize_q8k_rows
 from ir.ops import ShapeError, WeightData, get_op, int_act, qmatmul_ref
 from ir.types import TensorType
+from kernel_checks import call_with_guard, check_within, same_tokens_interp_and_native
 from test_kquants import random_blocks
 
 layouts._load_block_layouts()
@@ -229,11 +230,7 @@ def ref_size(x: np.ndarray, w: WeightData) -> np.ndarray:
 
 
 def check_close(got, want, x, w, rel=1e-5):
-    scale = ref_size(x, w)
-    assert got.shape == want.shape and np.all(np.isfinite(got))
-    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
-    bad = err > rel * scale + 1e-30
-    assert not bad.any(), (np.argwhere(bad)[:5], got[bad][:5], want[bad][:5])
+    check_within(got, want, ref_size(x, w), rel)
 
 
 def run_kq(x, w, nt, vw=None, portable=False, decode_rows=None):
@@ -286,18 +283,6 @@ def test_kernel_long_rows(name):
     check_close(got, want, x, w)
 
 
-def _call_with_guard(k: CompiledKernel, x, w, T: int, nt: int) -> np.ndarray:
-    """Run ``k`` on every thread id with a scratch of exactly the size its
-    rule asks for, followed by a guard zone that must stay untouched."""
-    need = k_matmul_int.scratch_floats(k.sig)
-    out = np.zeros((T, int(w.type.shape[0])) if x.ndim == 2 else int(w.type.shape[0]), np.float32)
-    for tid in range(nt):
-        scratch = np.full(need + 256, 12345.0, np.float32)
-        k(out, [x, w], T=T, tid=tid, nthreads=nt, scratch=scratch)
-        assert np.all(scratch[need:] == 12345.0), "the kernel wrote past its scratch"
-    return out
-
-
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("name", KQ)
 def test_decode_rows_equal_one_row_calls_bit_for_bit(name, portable):
@@ -317,8 +302,8 @@ def test_decode_rows_equal_one_row_calls_bit_for_bit(name, portable):
             for T in (1, 3, 9, 13):
                 x = rng.standard_normal((T, k)).astype(np.float32)
                 for nt in (1, 3):
-                    got = _call_with_guard(rows, x, w, T, nt)
-                    want = np.stack([_call_with_guard(one, x[t], w, 1, nt) for t in range(T)])
+                    got = call_with_guard(rows, x, w, T, nt)
+                    want = np.stack([call_with_guard(one, x[t], w, 1, nt) for t in range(T)])
                     np.testing.assert_array_equal(got, want)
                 check_close(got, qmatmul_ref(x, w, layout=name, act="q8k"), x, w)
 
@@ -350,7 +335,6 @@ def test_q4_k_model_interpreter_and_native_agree(tmp_path):
     (the numpy reference) and through native code, the prompt through
     prefill (prompt rows), gives the same tokens."""
     import compiler.driver
-    import runtime
     from test_gguf_frontend import tiny
 
     passes_ = ("fuse_dequant", "int_dot")
@@ -358,10 +342,7 @@ def test_q4_k_model_interpreter_and_native_agree(tmp_path):
     g = compiler.driver.model_graph(compiler.driver.load_model(p), "decode",
                                     compiler.driver.CompileOptions(passes=passes_))
     assert any(n.attrs.get("act") == "q8k" for n in g.nodes)
-    ref = runtime.load(p, backend="interp", passes=passes_)
-    nat = runtime.load(p, backend="llvm", threads=2, use_cache=False, passes=passes_)
-    ids = [1, 5, 77, 260, 9, 42]
-    assert list(ref.generate(ids, 8, temperature=0.0)) == list(nat.generate(ids, 8, temperature=0.0))
+    same_tokens_interp_and_native(p, passes_)
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
