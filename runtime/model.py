@@ -15,7 +15,7 @@ from ir.types import KV_TYPES
 
 from .executor import InterpExecutor
 from .sampling import Sampler, SamplerConfig
-from .speculative import DraftLength, Speculation, SpeculationError, accept
+from .speculative import DraftLength, Speculation, SpeculationError, accept, common_prefix
 from .stop_strings import TextAssembler
 
 
@@ -232,7 +232,7 @@ class Model:
         ``reuse`` (at least the last token, whose logits are needed)."""
         start = 0
         if reuse:
-            start = min(_common_prefix(ids, self._kv), len(ids) - 1)
+            start = min(common_prefix(ids, self._kv), len(ids) - 1)
         if start == 0:
             self.executor.reset()
         self._kv = ids[:start]   # rows past start are overwritten from here on
@@ -410,14 +410,6 @@ class Model:
                 yield out
         finally:
             tokens.close()
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass

@@ -251,8 +251,9 @@ class Sampler:
         self._penalised = (config.repeat_penalty != 1.0 or config.presence_penalty != 0.0
                            or config.frequency_penalty != 0.0)
 
-    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
-        """Return the next token id. ``logits`` is copied, never modified."""
+    def _penalised_copy(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """A float32 copy of checked logits with the repetition penalties
+        applied: what ``sample`` and ``probs`` both start from."""
         x = np.array(logits, dtype=np.float32)  # always a copy
         if x.shape != (self.vocab_size,):
             raise ValueError(f"logits must have shape ({self.vocab_size},), got {x.shape}")
@@ -260,6 +261,11 @@ class Sampler:
             raise ValueError("logits contain NaN or +inf")
         if self._penalised and len(history) > 0:
             self._penalise(x, history)
+        return x
+
+    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        """Return the next token id. ``logits`` is copied, never modified."""
+        x = self._penalised_copy(logits, history)
         if self._temperature == 0.0:
             return int(np.argmax(x))  # first index on ties, like run.c's `>`
         ids: np.ndarray | None = None
@@ -277,13 +283,7 @@ class Sampler:
         (float64, zeros where top-k, top-p or min-p cut; one-hot at the
         argmax when greedy). Speculative decoding's acceptance rule compares
         the target's and the draft's. Draws no coin."""
-        x = np.array(logits, dtype=np.float32)
-        if x.shape != (self.vocab_size,):
-            raise ValueError(f"logits must have shape ({self.vocab_size},), got {x.shape}")
-        if np.isnan(x).any() or np.isposinf(x).any():
-            raise ValueError("logits contain NaN or +inf")
-        if self._penalised and len(history) > 0:
-            self._penalise(x, history)
+        x = self._penalised_copy(logits, history)
         out = np.zeros(self.vocab_size, np.float64)
         if self._temperature == 0.0:
             out[int(np.argmax(x))] = 1.0

@@ -173,7 +173,7 @@ class ModelDrafter:
         ex = self.executor
         if n < 1 or len(hist) >= ex.ctx:   # no room in the draft's context
             return Draft()
-        start = _common_prefix(hist, self._kv)
+        start = common_prefix(hist, self._kv)
         start = min(start, len(hist) - 1)
         if len(hist) - start == 1:
             logits = ex.decode(hist[-1], start)
@@ -207,7 +207,8 @@ class ModelDrafter:
             close()
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b share (the KV rows still valid)."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
