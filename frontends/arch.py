@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ir.graph import Graph, Value, WeightRef
+from ir.layouts import get_layout
 from ir.types import KV_TYPES, TensorType, kv_cache_type
 
 
@@ -215,7 +216,7 @@ def _fusions(cfg: ModelConfig) -> list[tuple[str, list[str]]]:
     return out
 
 
-def file_shapes(cfg: ModelConfig, bias_too: bool = True) -> dict[str, tuple[int, ...]]:
+def file_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The tensors a file of the family holds, as llama.cpp's converter
     writes them (fused where the family fuses), with their shapes."""
     shapes = expected_shapes(cfg)
@@ -224,7 +225,8 @@ def file_shapes(cfg: ModelConfig, bias_too: bool = True) -> dict[str, tuple[int,
         cols = shapes[parts[0]][1]
         has_bias = all(p + ".bias" in shapes for p in parts)
         pos = list(shapes).index(parts[0])
-        items = [(k, v) for k, v in shapes.items() if k not in parts and (k[:-5] not in parts or not has_bias)]
+        drop = set(parts) | ({p + ".bias" for p in parts} if has_bias else set())
+        items = [(k, v) for k, v in shapes.items() if k not in drop]
         items.insert(min(pos, len(items)), (fused, (rows, cols)))
         if has_bias:
             items.insert(min(pos + 1, len(items)), (fused + ".bias", (rows,)))
@@ -237,8 +239,6 @@ def split_fused(cfg: ModelConfig, weights: dict[str, WeightInfo], path: str) -> 
     as the graph's separate ones: row ranges of the same bytes (every layout
     stores whole rows), nothing copied. Files with the parts separate pass
     through."""
-    from ir.layouts import get_layout
-
     need = expected_shapes(cfg)
     out = dict(weights)
     for fused, parts in _fusions(cfg):

@@ -141,6 +141,24 @@ def compare(logits_of: Callable[[list[int]], np.ndarray], prompt_ids: list[int],
     return Agreement(len(ref.top), equal, worst, margin)
 
 
+def assert_agrees_f32(path: Path | str, prompt_ids: list[int], ref: Greedy, name: str, n: int = 64,
+                     ctx: int = 128) -> None:
+    """An F32 model against llama.cpp's greedy run ``ref``: the argmax equal
+    at all ``n`` positions and the largest centred top-20 difference within
+    1e-2, through the native prefill, the native decode steps and the
+    interpreter."""
+    import runtime
+
+    native = runtime.load(path, threads=2, ctx=ctx)
+    rows = {"prefill": compare(native.logits, prompt_ids, ref),
+            "decode": compare(lambda seq: decode_logits(native, seq, len(prompt_ids)), prompt_ids, ref),
+            "interp": compare(runtime.load(path, backend="interp", ctx=ctx).logits, prompt_ids, ref)}
+    for how, a in rows.items():
+        print(a.row(f"{name} {how}"))
+        assert a.argmax_equal == a.positions == n, a.row(how)
+        assert a.worst_centred <= 1e-2, a.row(how)
+
+
 def printable_vocab(n: int) -> tuple[list[bytes], list[float], list[int]]:
     """An SPM vocabulary whose every token prints as valid UTF-8 on its own:
     llama.cpp's server drops the probabilities of tokens that end inside a
@@ -188,6 +206,33 @@ def random_tensor(shapes: dict[str, tuple[int, ...]], seed: int, factors: dict[s
         return (a * scale / np.sqrt(shape[-1])).astype(np.float32)
 
     return tensor
+
+
+def write_tensors_gguf(path: Path, arch: str, metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]],
+                       vocab_size: int) -> Path:
+    """A GGUF of ``arch`` holding exactly ``shapes``' tensors (F32, random)
+    and ``metadata``: for files ``frontends.gguf_writer`` would not write
+    (a tensor outside the family, one missing, an unknown architecture)."""
+    import gguf
+
+    from frontends.gguf_writer import _add_value
+
+    w = gguf.GGUFWriter(str(path), arch)
+    for k, v in metadata.items():
+        _add_value(w, k, v)
+    toks, scores, types = printable_vocab(vocab_size)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(toks)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    tensor = random_tensor(shapes, 0)
+    for n in shapes:
+        w.add_tensor(n if n.endswith(".bias") else n + ".weight", tensor(n))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
 
 
 def model_with_vocab(vocab_path: Path, dst: Path, chat_template: str | None = None) -> Path:

@@ -29,7 +29,8 @@ import runtime
 from frontends.arch import ARCHITECTURES, ModelConfig, file_shapes, optional_shapes
 from frontends.gguf import load_gguf
 from frontends.gguf_writer import write_gguf
-from llamacpp_oracle import compare, decode_logits, have_llamacpp, llamacpp_greedy, printable_vocab, random_tensor
+from llamacpp_oracle import (assert_agrees_f32, compare, decode_logits, have_llamacpp, llamacpp_greedy,
+                             printable_vocab, random_tensor, write_tensors_gguf)
 
 PROMPT = [1, 45, 260, 7, 99, 150, 33, 210]
 VOCAB = 300
@@ -108,14 +109,7 @@ def test_f32_agrees_with_llama_cpp(family, tmp_path_factory):
     want, _ = FAMILIES[family]
     assert (cfg.arch, cfg.n_kv_heads, cfg.rope_dims, cfg.extra) == (want.arch, want.n_kv_heads, want.rope_dims,
                                                                    want.extra)
-    native = runtime.load(path, threads=2, ctx=128)
-    rows = {"prefill": compare(native.logits, PROMPT, ref),
-            "decode": compare(lambda seq: decode_logits(native, seq, len(PROMPT)), PROMPT, ref),
-            "interp": compare(runtime.load(path, backend="interp", ctx=128).logits, PROMPT, ref)}
-    for how, a in rows.items():
-        print(a.row(f"{family} F32 {how}"))
-        assert a.argmax_equal == a.positions == N, a.row(how)
-        assert a.worst_centred <= 1e-2, a.row(how)
+    assert_agrees_f32(path, PROMPT, ref, f"{family} F32", N)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
@@ -183,28 +177,12 @@ def test_qsf_keeps_the_family(family, tmp_path_factory, tmp_path):
 
 def _write_raw(path: Path, arch: str, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
                metadata: dict | None = None) -> Path:
-    """A GGUF with exactly ``shapes``' tensors (F32) and ``cfg``'s keys under ``arch``."""
-    import gguf
+    """A GGUF with exactly ``shapes``' tensors and ``cfg``'s keys under ``arch``."""
+    from frontends.gguf_writer import family_metadata
 
-    from frontends.gguf_writer import _add_value, family_metadata
-
-    w = gguf.GGUFWriter(str(path), arch)
-    for k, v in {**family_metadata(dataclasses.replace(cfg, arch=arch) if arch in ARCHITECTURES else cfg),
-                 **(metadata or {})}.items():
-        _add_value(w, k.replace(f"{cfg.arch}.", f"{arch}."), v)
-    toks, scores, types = printable_vocab(VOCAB)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(toks)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    tensor = random_tensor(shapes, 0)
-    for n in shapes:
-        w.add_tensor(n if n.endswith(".bias") else n + ".weight", tensor(n))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    keys = family_metadata(dataclasses.replace(cfg, arch=arch) if arch in ARCHITECTURES else cfg)
+    keys = {k.replace(f"{cfg.arch}.", f"{arch}."): v for k, v in {**keys, **(metadata or {})}.items()}
+    return write_tensors_gguf(path, arch, keys, shapes, VOCAB)
 
 
 def _bad_files(tmp: Path) -> dict[str, tuple[Path, str]]:

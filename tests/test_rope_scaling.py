@@ -28,7 +28,8 @@ from frontends import arch as arch_table
 from frontends.arch import ModelConfig, ModelError, RopeScaling, expected_shapes, optional_shapes
 from frontends.gguf import load_gguf
 from frontends.gguf_writer import write_gguf
-from llamacpp_oracle import compare, decode_logits, have_llamacpp, llamacpp_greedy, printable_vocab, random_tensor
+from llamacpp_oracle import (assert_agrees_f32, compare, have_llamacpp, llamacpp_greedy, printable_vocab,
+                             random_tensor, write_tensors_gguf)
 
 PROMPT = [1, 45, 260, 7, 99, 150, 33, 210]
 VOCAB = 300
@@ -73,14 +74,7 @@ def test_scaling_agrees_with_llama_cpp(name, tmp_path):
     assert load_gguf(path).config.rope_scaling == cfg.rope_scaling
     ref = llamacpp_greedy(path, PROMPT, 64)
     assert len(ref.top) == 64
-    native = runtime.load(path, threads=2, ctx=128)
-    rows = {"prefill": compare(native.logits, PROMPT, ref),
-            "decode": compare(lambda seq: decode_logits(native, seq, len(PROMPT)), PROMPT, ref),
-            "interp": compare(runtime.load(path, backend="interp", ctx=128).logits, PROMPT, ref)}
-    for how, a in rows.items():
-        print(a.row(f"{name} {how}"))
-        assert a.argmax_equal == a.positions == 64, a.row(how)
-        assert a.worst_centred <= 1e-2, a.row(how)
+    assert_agrees_f32(path, PROMPT, ref, name)
     # the same weights without the scaling are a different model: the test can fail
     plain = runtime.load(write(tmp_path / "plain.gguf", cfg, tensors, keep_scaling=False), threads=2, ctx=128)
     off = compare(plain.logits, PROMPT, ref)
@@ -174,28 +168,11 @@ def test_computation_changing_key_is_refused(name, tmp_path):
 def test_tensor_outside_the_family_is_refused(arch, tensor, shape, tmp_path):
     """A tensor the family does not use (llama.cpp would use it, or refuse
     the file) is an error naming it, not ignored."""
-    import gguf
+    from frontends.gguf_writer import family_metadata
 
     cfg = config(arch, RopeScaling())
-    path = tmp_path / "m.gguf"
-    shapes = expected_shapes(cfg)
-    w = gguf.GGUFWriter(str(path), arch)
-    from frontends.gguf_writer import family_metadata, _add_value
-
-    for k, v in family_metadata(cfg).items():
-        _add_value(w, k, v)
-    toks, scores, types = printable_vocab(VOCAB)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(toks)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    weights = random_tensor({**shapes, tensor: shape}, 0)
-    for n in [*shapes, tensor]:
-        w.add_tensor(n if n.endswith(".bias") else n + ".weight", weights(n))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = write_tensors_gguf(tmp_path / "m.gguf", arch, family_metadata(cfg), {**expected_shapes(cfg), tensor: shape},
+                              VOCAB)
     with pytest.raises(ModelError, match=f"tensor {tensor} is not part of lmc's {arch} family"):
         load_gguf(path)
 
