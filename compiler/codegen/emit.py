@@ -168,12 +168,22 @@ class KernelBuilder:
         return self.b.fdiv(a, b, flags=FAST)
 
     def tanh(self, u: ir.Value) -> ir.Value:
-        """tanh(u) = 1 - 2 / (exp(2u) + 1), for a float or a vector: safe for
-        large |u| (exp saturates and the quotient goes to 0). The inline
-        ``exp_poly`` keeps loops over it vectorised."""
+        """tanh(u) for a float or a vector, inline so loops over it stay
+        vectorised (Cephes' tanhf): for |u| < 0.625 an odd polynomial, where
+        1 - 2 / (exp(2u) + 1) would lose the small result to cancellation;
+        beyond, that formula, safe for large |u| (exp saturates and the
+        quotient goes to 0)."""
         w = u.type.count if isinstance(u.type, ir.VectorType) else None
-        e2 = exp_poly(self, self.fmul(fconst(2.0, w), u))
-        return self.fsub(fconst(1.0, w), self.fdiv(fconst(2.0, w), self.fadd(e2, fconst(1.0, w))))
+        c = lambda v: fconst(v, w)  # noqa: E731
+        z = self.fmul(u, u)
+        p = c(-5.70498872745e-3)
+        for k in (2.06390887954e-2, -5.37397155531e-2, 1.33314422036e-1, -3.33332819422e-1):
+            p = fmuladd(self, p, z, c(k))
+        small = fmuladd(self, self.fmul(p, z), u, u)
+        e2 = exp_poly(self, self.fmul(c(2.0), u))
+        big = self.fsub(c(1.0), self.fdiv(c(2.0), self.fadd(e2, c(1.0))))
+        near0 = self.b.fcmp_ordered("<", self.intrinsic("llvm.fabs", [u]), c(0.625))
+        return self.b.select(near0, small, big)
 
     def sqrt(self, x: ir.Value) -> ir.Value:
         return self.intrinsic("llvm.sqrt", [x])
