@@ -62,13 +62,20 @@ def inplace_roots(graph: Graph) -> dict[str, str]:
 
 
 def liveness(graph: Graph, symbols: dict[str, int]) -> list[Interval]:
-    """One interval per buffer (values updated in place share their root's)."""
+    """One interval per buffer (values updated in place share their root's).
+    A value lives to the end of the group of ops its last reader belongs to
+    (``passes.barriers.dependency_groups``): those ops run with no barrier
+    between them, so none may reuse its bytes while a slower thread reads it."""
+    from .barriers import dependency_groups
+
+    groups = dependency_groups(graph)
+    group_end = {g: i for i, g in enumerate(groups)}
     index = {id(n.output): i for i, n in enumerate(graph.nodes)}
     last: dict[int, int] = {}
     for i, n in enumerate(graph.nodes):
         for v in n.inputs:
             if id(v) in index:
-                last[id(v)] = i
+                last[id(v)] = group_end[groups[i]]
     end_of_graph = len(graph.nodes)
     outs = {id(v) for v in graph.outputs}
     roots = inplace_roots(graph)

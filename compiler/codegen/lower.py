@@ -3,7 +3,8 @@
 For each graph (decode, prefill ...) a ``step_<name>(ctl, tid)`` function calls
 one specialised kernel per node with constant operand addresses (weights at
 file offsets, intermediates at arena offsets, the KV cache at state offsets)
-and meets the other threads at a barrier after each op. Python calls
+and meets the other threads at a barrier before each op that touches memory
+the ops since the last barrier touch (``passes.barriers``). Python calls
 ``lmc_run(ctl)`` once per step; worker threads sit in ``lmc_worker(ctl, tid)``
 (started once per process) and run the same step with their own thread id.
 
@@ -18,6 +19,7 @@ import llvmlite.ir as ir
 
 from ir.graph import Graph, Value
 from ir.ops import get_op
+from passes.barriers import barrier_before
 from passes.plan_arena import ArenaPlan
 from passes.stream_schedule import StreamSchedule, node_segments
 
@@ -221,10 +223,16 @@ class _Lowering:
             ptr[id(v)] = b.gep(state, [i64(state_offsets[sname])], inbounds=True)
         if self.profile:
             self._profile_mark(b, ctl, tid, start=name)
-        for node, seg in zip(graph.nodes, segs):
+        # profiling times each op on its own, so it keeps a barrier after every one
+        wait = barrier_before(graph, plan) if not self.profile else [True] * len(graph.nodes)
+        for i, (node, seg) in enumerate(zip(graph.nodes, segs)):
             if seg is not None and seg > cur_seg:
+                if i:   # a new segment starts once every op of the last one has finished
+                    b.call(self.barrier, [ctl])
                 self.stream.advance(b, ctl, tid, sbase, seg)
                 cur_seg = seg
+            elif i and wait[i]:
+                b.call(self.barrier, [ctl])
             if get_op(node.op).updates_state:
                 out = ptr[id(node.inputs[0])]
             else:
@@ -232,9 +240,11 @@ class _Lowering:
             ptr[id(node.output)] = out
             args = [ptr[id(v)] for v in node.inputs] + [null] * (N_INPUTS - len(node.inputs))
             b.call(self.kernel(KernelSig.of(node)), [out, *args, pos, T, tid, nt, scratch])
-            b.call(self.barrier, [ctl])
             if self.profile:
+                b.call(self.barrier, [ctl])
                 self._profile_mark(b, ctl, tid)
+        if not self.profile:
+            b.call(self.barrier, [ctl])   # the step's results are complete before anyone reads them
         if self.stream:
             self.stream.finish(b, ctl, tid, sbase)
         if self.profile:
