@@ -256,8 +256,11 @@ def test_native_batch_equals_interpreter(paths, name, kv):
     want = run_schedule(interp_batch(paths, name, kv, passes=DEFAULT_PIPELINE)).rows
     got = run_schedule(native(paths, name, kv, passes=DEFAULT_PIPELINE)).rows
     assert want.keys() == got.keys()
+    # q8 KV rounds each K/V row to 8 bits: a last-bit difference in a value
+    # (native tanh/exp against numpy's) can move it one int8 step, about 1e-3
+    # of the logits' scale on gemma3 (its f16-KV case agrees to 2e-4)
     for k in want:
-        close(got[k], want[k], 1e-3 if kv == "q8" else 2e-4)
+        close(got[k], want[k], 2e-3 if kv == "q8" else 2e-4)
 
 
 # --- native greedy: B sequences batched == each decoded alone ------------------------------------
