@@ -10,8 +10,8 @@ from ir.graph import Graph
 from ir.printer import print_graph
 from ir.verify import verify
 
-#: Passes run by default, in order.
-DEFAULT_PIPELINE: tuple[str, ...] = ("fuse_dequant",)
+#: Passes run by default, in order (``schedule`` last: it orders what the others made).
+DEFAULT_PIPELINE: tuple[str, ...] = ("fuse_dequant", "fuse_elementwise", "schedule")
 
 
 def default_pipeline(backend: str = "interp") -> tuple[str, ...]:
@@ -23,7 +23,7 @@ def default_pipeline(backend: str = "interp") -> tuple[str, ...]:
     if backend == "llvm":
         from .codegen.k_matmul_int import host_has_int_dot
         if host_has_int_dot():
-            return DEFAULT_PIPELINE + ("int_dot",)
+            return DEFAULT_PIPELINE[:-1] + ("int_dot",) + DEFAULT_PIPELINE[-1:]
     return DEFAULT_PIPELINE
 
 

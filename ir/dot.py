@@ -120,6 +120,8 @@ def op_label(node: Node) -> str:
     head = node.op + (f"[{node.attrs['layout']}]" if "layout" in node.attrs else "")
     if node.attrs.get("act"):
         head += f" act={node.attrs['act']}"
+    if node.op == "glu":
+        head += f" {node.attrs['activation']}"
     lines = [head, str(node.output.type)]
     if node.op in ("attention", "attention_paged") and node.attrs.get("window"):
         lines.append(f"sliding window {node.attrs['window']}")

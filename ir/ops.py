@@ -706,6 +706,24 @@ def gelu_tanh_ref(x: np.ndarray) -> np.ndarray:
             ).astype(np.float32)
 
 
+#: the activations ``glu`` applies to its gate (its ``activation`` attribute;
+#: not ``act``, which names a matmul's integer path)
+GLU_ACTS = {"silu": silu_ref, "gelu_tanh": gelu_tanh_ref}
+
+
+def _glu(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    a = attrs.get("activation")
+    _need(a in GLU_ACTS, f"glu: activation must be one of {sorted(GLU_ACTS)}, got {a!r}")
+    return _binary(ts, attrs)
+
+
+@register("glu", 2, _glu, elementwise=True)
+def glu_ref(gate: np.ndarray, up: Any, *, activation: str) -> np.ndarray:
+    """act(gate) * up: a gated FFN's two elementwise ops as one
+    (``passes.fuse_elementwise``), the same float32 operations in order."""
+    return mul_ref(GLU_ACTS[activation](gate), up)
+
+
 @register("scale", 1, _same_as_first, elementwise=True)
 def scale_ref(x: np.ndarray, *, factor: float) -> np.ndarray:
     return (np.asarray(x, np.float32) * np.float32(factor)).astype(np.float32)

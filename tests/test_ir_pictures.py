@@ -108,7 +108,8 @@ def test_overview_of_stories260K_matches_its_config(capsys):
     assert label(pic["clusters"]["cluster_block"])[0] == f"x {n} layers"
     assert not fused(pic)  # F32 weights: nothing to dequantize, nothing fused
     ops = [label(pic["nodes"][m])[0] for m in pic["clusters"]["cluster_block"]["members"] if m.startswith("node ")]
-    assert sorted(set(ops)) == ["add", "attention", "kv_write", "matmul", "mul", "rmsnorm", "rope", "silu"]
+    # silu(gate) * up is one glu (passes/fuse_elementwise)
+    assert sorted(set(ops)) == ["add", "attention", "glu silu", "kv_write", "matmul", "rmsnorm", "rope"]
     assert ops.count("matmul") == 7
     assert "legend" in pic["nodes"] and "cluster_legend" in pic["clusters"]
 
@@ -219,6 +220,25 @@ def test_bad_flags_are_one_line_errors(capsys, tmp_path, q4k):
     one_line_error(capsys, "ir", q4k, "--after", "fuse_dequant", "--no-passes")
     one_line_error(capsys, "ir", q4k, "--layer", "1")  # text is the whole graph
     assert not out.exists()
+
+
+def test_stats_count_kernels_and_barriers_per_step(capsys):
+    """``lmc ir --stats``: a kernel call per op; barriers only where an op
+    depends on the ops since the last one, so fewer than calls; fusion shows
+    as fewer calls than the frontend's graph."""
+    from compiler.driver import CompileOptions, model_graph
+
+    rc, text, _ = lmc(capsys, "ir", STORIES, "-z", STORIES_TOK, "--stats")
+    assert rc == 0
+    g = model_graph(load_model(STORIES, STORIES_TOK), "decode", CompileOptions(backend="llvm"))
+    stats = dict(line.split("  ", 1) for line in text.splitlines()[1:])
+    calls = int(stats["kernel calls per step"])
+    barriers = int(stats["barriers per step"].split()[0])
+    assert calls == len(g.nodes) and barriers < calls
+    assert f"glu {load_model(STORIES, STORIES_TOK).config.n_layers}" in stats["ops by kind"]
+    rc, raw, _ = lmc(capsys, "ir", STORIES, "-z", STORIES_TOK, "--stats", "--no-passes")
+    assert int(dict(line.split("  ", 1) for line in raw.splitlines()[1:])["kernel calls per step"]) > calls
+    assert "--stats" in one_line_error(capsys, "ir", STORIES, "-z", STORIES_TOK, "--stats", "--format", "dot")
 
 
 def test_missing_dot_program_is_one_line_error(capsys, tmp_path, monkeypatch, q4k):

@@ -1,4 +1,5 @@
-"""Elementwise kernels: add, mul, scale, silu, gelu_tanh, softcap.
+"""Elementwise kernels: add, mul, scale, silu, gelu_tanh, softcap, glu
+(act(gate) * up).
 
 Each thread takes a contiguous share of the elements; the body is a plain
 loop over float32 that LLVM vectorizes (fast-math flags allow it). exp is
@@ -19,13 +20,26 @@ def _numel(kb: KernelBuilder, sig: KernelSig):
     return kb.b.mul(kb.rows_of(shape), i64(int(shape[-1])))
 
 
-@kernel("add", "mul", "scale", "silu", "gelu_tanh", "softcap")
+def _activation(kb: KernelBuilder, act: str, x: ir.Value) -> ir.Value:
+    b = kb.b
+    if act == "silu":
+        e = exp_poly(kb, b.fsub(f32c(0.0), x, flags=FAST))
+        return b.fdiv(x, b.fadd(f32c(1.0), e, flags=FAST), flags=FAST)
+    # gelu_tanh: 0.5 x (1 + tanh(c (x + 0.044715 x^3)))
+    inner = b.fmul(f32c(math.sqrt(2.0 / math.pi)),
+                   b.fadd(x, b.fmul(f32c(0.044715), b.fmul(x, b.fmul(x, x, flags=FAST), flags=FAST),
+                                    flags=FAST), flags=FAST), flags=FAST)
+    th = kb.tanh(inner)
+    return b.fmul(b.fmul(f32c(0.5), x, flags=FAST), b.fadd(f32c(1.0), th, flags=FAST), flags=FAST)
+
+
+@kernel("add", "mul", "scale", "silu", "gelu_tanh", "softcap", "glu")
 def emit_elementwise(kb: KernelBuilder, sig: KernelSig) -> None:
     b = kb.b
     lo, hi = kb.thread_share(_numel(kb, sig))
     out = kb.out_f32()
     a = kb.in_f32(0)
-    other = kb.in_f32(1) if sig.op in ("add", "mul") else None
+    other = kb.in_f32(1) if sig.op in ("add", "mul", "glu") else None
     with kb.loop(lo, hi) as i:
         x = kb.load(a, i)
         if sig.op == "add":
@@ -34,18 +48,13 @@ def emit_elementwise(kb: KernelBuilder, sig: KernelSig) -> None:
             y = b.fmul(x, kb.load(other, i), flags=FAST)
         elif sig.op == "scale":
             y = b.fmul(x, f32c(sig.attr["factor"]), flags=FAST)
-        elif sig.op == "silu":
-            e = exp_poly(kb, b.fsub(f32c(0.0), x, flags=FAST))
-            y = b.fdiv(x, b.fadd(f32c(1.0), e, flags=FAST), flags=FAST)
         elif sig.op == "softcap":  # cap * tanh(x / cap)
             cap = float(sig.attr["cap"])
             y = b.fmul(kb.tanh(b.fmul(x, f32c(1.0 / cap), flags=FAST)), f32c(cap), flags=FAST)
-        else:  # gelu_tanh: 0.5 x (1 + tanh(c (x + 0.044715 x^3)))
-            inner = b.fmul(f32c(math.sqrt(2.0 / math.pi)),
-                           b.fadd(x, b.fmul(f32c(0.044715), b.fmul(x, b.fmul(x, x, flags=FAST), flags=FAST),
-                                            flags=FAST), flags=FAST), flags=FAST)
-            th = kb.tanh(inner)
-            y = b.fmul(b.fmul(f32c(0.5), x, flags=FAST), b.fadd(f32c(1.0), th, flags=FAST), flags=FAST)
+        elif sig.op == "glu":   # no fast-math on the product: act(x) is rounded first, as the two ops it replaces
+            y = b.fmul(_activation(kb, sig.attr["activation"], x), kb.load(other, i))
+        else:
+            y = _activation(kb, sig.op, x)
         kb.store(y, out, i)
 
 

@@ -38,6 +38,8 @@ def add_parser(sub) -> None:
                    help="KV cache length drawn (default: the model's, at most 4096, as compile)")
     kv_type_arg(i)
     i.add_argument("-o", "--output", default=None, help="write to this file (required for png)")
+    i.add_argument("--stats", action="store_true",
+                   help="instead of the graph: kernel calls and barriers per step, ops by kind, arena size")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
     from ..model import DEFAULT_CTX
     from . import ir_render
 
+    if args.stats and (args.format != "text" or args.layer is not None or args.overview):
+        raise CliError("--stats prints a text summary: it takes no --format, --layer or --overview")
     if args.format == "png" and not args.output:
         raise CliError("--format png writes binary data: give -o FILE")
     if args.format == "text" and (args.layer is not None or args.overview):
@@ -72,11 +76,13 @@ def run(args: argparse.Namespace) -> int:
     opts = CompileOptions(backend=args.backend, ctx=args.ctx or min(m.config.seq_len, DEFAULT_CTX),
                           kv_type=args.kv_type or "f32")
     g = model_graph(m, args.mode, opts, stop_after=args.after, run_passes=not args.no_passes)
-    if args.format == "text":
+    ran = () if args.no_passes else names[:names.index(args.after) + 1] if args.after else names
+    stage = f"after {', '.join(ran)} ({args.backend} pipeline)" if ran else "as the frontend built it, no passes"
+    if args.stats:
+        data = graph_stats(g, f"{g.name}, {stage}").encode()
+    elif args.format == "text":
         data = print_graph(g).encode()
     else:
-        ran = () if args.no_passes else names[:names.index(args.after) + 1] if args.after else names
-        stage = f"after {', '.join(ran)} ({args.backend} pipeline)" if ran else "as the frontend built it, no passes"
         if isinstance(args.layer, int):
             view, where = "layer", f"layer {args.layer} of {n}"
         else:
@@ -88,3 +94,25 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(data.decode())
     return 0
+
+
+def graph_stats(g, title: str) -> str:
+    """What one step of ``g`` costs in calls: a kernel per op, a barrier
+    before each op that touches what the ops since the last one touched
+    (``passes.barriers``) and one at the end; ops by kind; the arena (a
+    prefill chunk at the native default length)."""
+    from collections import Counter
+
+    from compiler.native import DEFAULT_PREFILL_CHUNK
+    from passes.barriers import barrier_count
+    from passes.plan_arena import plan_arena
+
+    symbols = {"T": DEFAULT_PREFILL_CHUNK}
+    plan = plan_arena(g, symbols)
+    kinds = Counter(n.op + (f"[{n.attrs['layout']}]" if n.attrs.get("layout") else "") for n in g.nodes)
+    lines = [title,
+             f"kernel calls per step  {len(g.nodes)}",
+             f"barriers per step      {barrier_count(g, plan)}  (one after every op: {len(g.nodes)})",
+             f"arena                  {plan.size / 2**20:.2f} MiB" + (" (T = %d)" % symbols["T"] if g.meta.get("mode") != "decode" else ""),
+             "ops by kind            " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))]
+    return "\n".join(lines) + "\n"
