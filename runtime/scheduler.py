@@ -8,7 +8,11 @@ thread owns everything else. Each step it
 2. runs one chunk of the oldest unfinished prompt (``prefill_chunk``
    tokens), so a long prompt never stalls the others' tokens for long,
 3. runs one native step for every sequence that is generating: B rows,
-   one token each, every weight read once for all of them,
+   one token each, every weight read once for all of them; a request with
+   prompt lookup (``Request.lookup``) adds the tokens its history proposes
+   (``runtime.speculative``) as rows of its own while the step has room,
+   and keeps those the model agrees with (greedy: its output is the one
+   plain decoding gives, token for token),
 4. samples each sequence's next token with its own sampler, turns tokens
    into text (stop strings held back), and retires finished sequences.
 
@@ -32,6 +36,7 @@ import numpy as np
 
 from .block_manager import BlockManager, OutOfBlocks
 from .sampling import Sampler, SamplerConfig
+from .speculative import MAX_DRAFT_MAX, Draft, DraftLength, accept, lookup_continuation
 from .stop_strings import TextAssembler
 
 
@@ -65,6 +70,8 @@ class Request:
     logprobs: int | None = None      # None: off; k: the chosen token's and the k most likely
     id: str = ""
     ignore_eos: bool = False         # run to max_tokens (benchmarks; llama.cpp's and vLLM's field)
+    lookup: int = 0                  # prompt lookup: n-gram length of the drafts (0: no speculation)
+    draft_max: int = 8               # with lookup: tokens drafted per step at most
 
 
 class _Seq:
@@ -84,6 +91,7 @@ class _Seq:
         self.stop_ids = set() if req.ignore_eos else stop_ids
         self.cancelled = False
         self.t_arrival = time.perf_counter()
+        self.draft_len = DraftLength(req.draft_max) if req.lookup else None
 
 
 class EngineError(ValueError):
@@ -149,6 +157,9 @@ class Engine:
         """Queue a request; raises EngineError (it can never run here) or
         EngineBusy (not now)."""
         self.check(req.prompt_ids, req.max_tokens)
+        if req.lookup < 0 or not 1 <= req.draft_max <= MAX_DRAFT_MAX:
+            raise EngineError(f"lookup must be 0 (off) or an n-gram length, and draft_max between 1 and "
+                              f"{MAX_DRAFT_MAX} (got {req.lookup}, {req.draft_max})")
         req.sampling.validate()
         with self._lock:
             if self.draining:
@@ -266,15 +277,63 @@ class Engine:
     def _decode(self, seqs: list["_Seq"]) -> None:
         """One native call for every generating sequence: a row each, with
         the arithmetic of the single-stream decode step (``decode=True``),
-        so a request's tokens do not depend on who else is being served."""
-        logits = self.ex.batch([s.tokens[-1] for s in seqs], [len(s.tokens) - 1 for s in seqs],
-                               _padded([self.blocks.table(s.key) for s in seqs]), decode=True)
+        so a request's tokens do not depend on who else is being served;
+        drafted tokens add rows of their sequence, checked in the same call."""
+        drafts = self._drafts(seqs)
+        tokens: list[int] = []
+        positions: list[int] = []
+        tables: list[list[int]] = []
+        for s, d in zip(seqs, drafts):
+            p = len(s.tokens) - 1
+            tokens += [s.tokens[-1], *d]
+            positions += range(p, p + 1 + len(d))
+            tables += [self.blocks.table(s.key)] * (1 + len(d))
+        logits = self.ex.batch(tokens, positions, _padded(tables), decode=True)
         if self.metrics:
             self.metrics.batch_size.observe(len(seqs))
-        for s, row in zip(seqs, logits):
-            s.computed = len(s.tokens)
-            self.blocks.commit(s.key, s.tokens[: s.computed])
-            self._sampled(s, row)
+        r = 0
+        for s, d in zip(seqs, drafts):
+            rows = logits[r: r + 1 + len(d)]
+            r += 1 + len(d)
+            if not d:
+                s.computed = len(s.tokens)
+                self.blocks.commit(s.key, s.tokens[: s.computed])
+                self._sampled(s, rows[0])
+                continue
+            n_ok, nxt = accept(rows, Draft(list(d)), s.sampler, s.tokens)
+            s.draft_len.update(len(d), n_ok)
+            if self.metrics:
+                self.metrics.draft_tokens.inc(len(d))
+                self.metrics.accepted_tokens.inc(n_ok)
+            # the KV rows of the accepted drafts stay; a rejected one's row is written again later
+            s.computed = len(s.tokens) + n_ok
+            self.blocks.commit(s.key, s.tokens + list(d[:n_ok]))
+            for i, tok in enumerate([*d[:n_ok], nxt]):
+                if not self._emit_token(s, tok, rows[i]):
+                    break
+
+    def _drafts(self, seqs: list["_Seq"]) -> list[list[int]]:
+        """Per sequence, the tokens prompt lookup proposes this step, while
+        the step's rows (``executor.max_batch``) and free blocks allow: a
+        draft never preempts anyone."""
+        room = (self.ex.max_batch or self.max_batch) - len(seqs)
+        out: list[list[int]] = []
+        for s in seqs:
+            d: list[int] = []
+            if s.draft_len is not None and room > 0:
+                n = min(s.draft_len.next(), room, s.req.max_tokens - s.generated - 1,
+                        self.ctx - len(s.tokens))
+                d = lookup_continuation(s.tokens, s.req.lookup, n) if n > 0 else []
+                p = len(s.tokens)
+                try:
+                    for q in range(p, p + len(d)):
+                        for src, dst in self.blocks.ensure(s.key, q):
+                            self.ex.copy_block(src, dst)
+                except OutOfBlocks:
+                    d = []
+                room -= len(d)
+            out.append(d)
+        return out
 
     def _prefill(self, s: "_Seq", chunk: range) -> None:
         """The next chunk of one prompt, with the arithmetic of the
@@ -344,7 +403,11 @@ class Engine:
 
     def _sampled(self, s: _Seq, logits: np.ndarray) -> None:
         """Sample ``s``'s next token from ``logits`` and tell its request."""
-        tok = s.sampler.sample(logits, s.tokens)
+        self._emit_token(s, s.sampler.sample(logits, s.tokens), logits)
+
+    def _emit_token(self, s: _Seq, tok: int, logits: np.ndarray) -> bool:
+        """Append ``tok`` (chosen from ``logits``) to ``s`` and tell its
+        request; False once ``s`` has finished."""
         s.tokens.append(tok)
         s.generated += 1
         if self.metrics:
@@ -363,10 +426,11 @@ class Engine:
             finish = "length"
         if finish is None:
             s.req.emit(ev)
-            return
+            return True
         if not s.text.stopped:   # the end: what was held back (a partial character, a stop string's start) shows
             ev.text += s.text.finish()[0]
         self._finish(s, finish, ev)
+        return False
 
     def _finish(self, s: _Seq, reason: str | None, ev: Event | None = None, error: str | None = None) -> None:
         if s in self.running:

@@ -122,6 +122,46 @@ def test_batched_equals_solo_and_single_stream(pooled, single):
     assert eng.blocks.used == 0
 
 
+def test_prompt_lookup_keeps_greedy_output_and_drafts_in_the_step(pooled, single):
+    """Requests with prompt lookup, alone and batched with plain ones: the
+    same tokens as without it (each drafted token is kept only where the
+    model's own choice agrees), and drafts really were checked and kept."""
+    ps = prompts(single, 6, seed=3)
+    ps[0] = single.tokenizer.encode("Lily had a red ball. Lily had a red ball. Lily had a red", True)
+    lengths = [40, 30, 12, 50, 25, 33]
+    plain = []
+    for p, n in zip(ps, lengths):
+        r, c = request(p, n)
+        run_all(engine_for(pooled), [r])
+        plain.append(c.ids)
+    eng = engine_for(pooled)
+    pairs = [request(p, n) for p, n in zip(ps, lengths)]
+    for i, (r, _) in enumerate(pairs):
+        r.lookup, r.draft_max = (2, 4) if i % 2 == 0 else (0, 8)
+    run_all(eng, [r for r, _ in pairs])
+    assert [c.ids for _, c in pairs] == plain
+    drafted, kept = eng.metrics.draft_tokens._value.get(), eng.metrics.accepted_tokens._value.get()
+    assert 0 < kept <= drafted, (kept, drafted)
+    alone = engine_for(pooled)
+    r, c = request(ps[0], 40)
+    r.lookup = 3
+    run_all(alone, [r])
+    assert c.ids == plain[0] and alone.metrics.accepted_tokens._value.get() > 0
+    # fewer steps than tokens: several tokens came out of one step
+    assert alone.steps < len(c.ids) + 1
+    for _, c in pairs:
+        assert c.last.usage["completion_tokens"] == len(c.ids)
+    sampled, cs = request(ps[0], 30, temperature=0.8, seed=5)
+    sampled.lookup = 2
+    run_all(alone, [sampled])
+    assert cs.last.finish_reason in ("stop", "length") and cs.last.usage["completion_tokens"] == len(cs.ids)
+    assert eng.blocks.used == 0 and alone.blocks.used == 0
+    with pytest.raises(EngineError, match="draft_max"):
+        bad, _ = request(ps[0], 4)
+        bad.lookup, bad.draft_max = 2, 0
+        eng.submit(bad)
+
+
 def test_shared_prefix_is_prefilled_once(pooled):
     eng = engine_for(pooled)
     system = pooled.tokenizer.encode("Lily and Tom went to the park. " * 6, True)

@@ -263,6 +263,24 @@ def test_metrics_count_requests_and_tokens(server, client):
     assert metric(server.url, "lmc_kv_blocks_total") == 4 * 256 // 16
 
 
+def test_prompt_lookup_per_request(server, client):
+    """The ``lookup`` field turns prompt lookup on for one request (the
+    openai client sends it through ``extra_body``): the same greedy text as
+    without it, drafted tokens checked and kept (metrics)."""
+    prompt = "Lily had a red ball. Lily had a red ball. Lily had a red ball. Lily had a"
+    plain = client.completions.create(model="stories260K", prompt=prompt, max_tokens=40, temperature=0)
+    drafted = metric(server.url, "lmc_draft_tokens_total")
+    kept = metric(server.url, "lmc_draft_accepted_tokens_total")
+    fast = client.completions.create(model="stories260K", prompt=prompt, max_tokens=40, temperature=0,
+                                     extra_body={"lookup": 3, "draft_max": 3})
+    assert fast.choices[0].text == plain.choices[0].text
+    assert fast.usage.completion_tokens == plain.usage.completion_tokens
+    assert metric(server.url, "lmc_draft_accepted_tokens_total") > kept
+    assert metric(server.url, "lmc_draft_tokens_total") > drafted
+    bad = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "lookup": -1})
+    assert bad.status_code == 400 and "lookup" in bad.text
+
+
 # --- a server of its own -----------------------------------------------------------------------
 def test_api_key():
     with serve(str(DEFAULT_MODEL), *ARGS, "--api-key", "sesame") as s:

@@ -18,6 +18,7 @@ import sys
 from compiler.driver import BatchOptions
 
 from ..model import load
+from ..speculative import DEFAULT_DRAFT_MAX
 from ..status import StatusLine
 from .common import CliError, _exec_args, _model_args, _resolve_model, _size, kv_type_arg, whole_number
 
@@ -56,6 +57,13 @@ def add_parser(sub) -> None:
     s.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on Ctrl-C/SIGTERM, seconds running requests may take to finish (default 30)")
     s.add_argument("--log-requests", action="store_true", help="log every HTTP request to stderr")
+    s.add_argument("--lookup", type=whole_number("--lookup", 0), default=0, metavar="N",
+                   help="prompt lookup decoding for every request (n-gram length N; 0: off, the default; a "
+                        "request's own 'lookup' field wins): tokens its history proposes are checked as rows of "
+                        "the step while the step has room; greedy output is unchanged")
+    s.add_argument("--draft-max", type=whole_number("--draft-max", 1), default=DEFAULT_DRAFT_MAX, metavar="N",
+                   help=f"with lookup: tokens drafted per step at most (default {DEFAULT_DRAFT_MAX}); the step is "
+                        f"compiled for --parallel plus this many rows")
     kv_type_arg(s)
     _exec_args(s)
 
@@ -94,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--kv-pool {n_blocks * args.block_size}: smaller than one request of the context ({ctx})")
         model = load(model_path, tok_path, backend=args.backend, ctx=ctx, threads=args.threads,
                      use_cache=not args.no_cache, kv_type=kv, status=status,
-                     batch=BatchOptions(args.block_size, n_blocks, args.parallel))
+                     batch=BatchOptions(args.block_size, n_blocks,
+                                        args.parallel + (args.draft_max if args.lookup else 0)))
     finally:
         status.clear()
     tok = model.tokenizer
@@ -109,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
     model_id = args.alias or os.path.splitext(os.path.basename(model_path))[0]
     app = create_app(engine, tok, model_id, model.ctx, api_key=args.api_key, metrics=metrics,
                      model_meta={"n_ctx": model.ctx, "n_parallel": args.parallel, "kv_blocks": n_blocks,
-                                 "block_size": args.block_size, "kv_type": kv, "backend": args.backend})
+                                 "block_size": args.block_size, "kv_type": kv, "backend": args.backend},
+                     lookup=args.lookup, draft_max=args.draft_max)
     engine.start()
     host, port = sock.getsockname()[:2]
     print(f"lmc serve: {model_id} on http://{_url_host(host)}:{port} (parallel {args.parallel}, context "

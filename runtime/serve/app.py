@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 
 from ..sampling import SamplerConfig
 from ..scheduler import Engine, EngineBusy, EngineError, Event, Request
+from ..speculative import DEFAULT_DRAFT_MAX
 from ..stop_strings import StopStringError, check_stops
 from . import schemas as S
 from .metrics import ServerMetrics
@@ -50,8 +51,10 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
 
 
 def create_app(engine: Engine, tokenizer: Any, model_id: str, ctx: int, api_key: str | None = None,
-               metrics: ServerMetrics | None = None, model_meta: dict | None = None) -> FastAPI:
-    """The API for ``engine``'s model, named ``model_id`` on /v1/models."""
+               metrics: ServerMetrics | None = None, model_meta: dict | None = None,
+               lookup: int = 0, draft_max: int = DEFAULT_DRAFT_MAX) -> FastAPI:
+    """The API for ``engine``'s model, named ``model_id`` on /v1/models;
+    ``lookup``/``draft_max``: prompt lookup for requests that do not say."""
     app = FastAPI(title="lmc", docs_url=None, redoc_url=None)
     created = int(time.time())
     metrics = metrics or ServerMetrics()
@@ -140,7 +143,9 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, ctx: int, api_key:
         # without max_tokens a reply may run to the end of the context
         n = max_tokens if max_tokens is not None else max(1, ctx - len(ids))
         req = Request(ids, n, sampling_of(body), lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                      stops_of(body), logprobs, rid, ignore_eos=body.ignore_eos)
+                      stops_of(body), logprobs, rid, ignore_eos=body.ignore_eos,
+                      lookup=lookup if body.lookup is None else body.lookup,
+                      draft_max=draft_max if body.draft_max is None else body.draft_max)
         try:
             engine.submit(req)
         except EngineBusy as e:

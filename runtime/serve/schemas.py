@@ -33,6 +33,9 @@ class Sampling(_Body):
     n: int = Field(default=1, ge=1, le=1)
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False   # llama.cpp's and vLLM's extension: generate max_tokens whatever comes
+    # lmc's extension: prompt lookup for this request (n-gram length, 0 off; default: the server's --lookup)
+    lookup: int | None = Field(default=None, ge=0, le=64)
+    draft_max: int | None = Field(default=None, ge=1, le=64)   # tokens drafted per step at most
 
 
 class ChatMessage(_Body):
