@@ -2,7 +2,9 @@
 
 One file: magic ``LMCART1\\0``, the manifest (JSON) and the object code, each
 with its length, and a SHA-256 of everything before it, so a truncated or
-altered file is refused before anything in it is trusted.
+altered file is refused before anything in it is trusted. The object code
+is one blob: since format 2 a pack of objects (``objpack``: the glue and
+one object per kernel), before it a single object.
 """
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ from typing import Any
 from ir.digest import sha256
 
 MAGIC = b"LMCART1\0"
-FORMAT_VERSION = 1
+#: 2: the object code is a pack of objects (``objpack``: glue and kernels);
+#: format 1 (one object) still reads
+FORMAT_VERSION = 2
+READS_VERSIONS = (1, 2)
 
 
 class ArtifactError(ValueError):
@@ -66,7 +71,7 @@ class Artifact:
         p += 8
         if p + olen != len(body):
             raise ArtifactError(f"{name}: corrupt artifact (object code length)")
-        if manifest.get("format_version") != FORMAT_VERSION:
+        if manifest.get("format_version") not in READS_VERSIONS:
             raise ArtifactError(f"{name}: artifact format {manifest.get('format_version')} "
                                 f"(this lmc reads {FORMAT_VERSION})")
         return cls(manifest, body[p:])

@@ -29,10 +29,11 @@ from passes.plan_arena import plan_arena
 
 from . import cache
 from .artifact import FORMAT_VERSION, Artifact, ArtifactError, file_fingerprint
-from .codegen.jit import emit_object
 from .codegen.lower import PROFILE_HEADER, lower_graphs
 from .codegen.target import Target, host_target
+from .kernel_build import KernelBuild, KernelStats
 from .memory import plan_manifest
+from .objpack import pack
 from .driver import BatchOptions, CompileOptions, build_graphs, max_blocks_per_seq
 
 LMC_VERSION = "0.1.0"
@@ -59,6 +60,7 @@ class NativeOptions:
     auto_ctx: bool = False          # with a budget: the planner may shorten the context
     auto_kv: bool = False           # with a budget: the planner picks the KV cache dtype
     threads: int | None = None      # for the budget's scratch estimate (default: the cores)
+    jobs: int | None = None         # processes compiling kernels (default: the cores; 1 under a budget)
     #: told what is happening on a cache miss (a terminal's status line); not part of the cache key
     progress: Callable[[str], None] | None = None
     batch: BatchOptions | None = None   # paged batch entries (batch, batch_last, batch_decode), not decode/prefill
@@ -72,6 +74,7 @@ class CompileResult:
     seconds: float
     cache_path: str | None = None
     graphs: dict | None = None   # the planned graphs, by entry name
+    kernels: KernelStats | None = None   # what a compile found in the kernel cache and compiled
 
 
 def _scratch_floats(graphs: dict, ctx: int) -> int:
@@ -138,15 +141,19 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
             return CompileResult(hit, True, time.perf_counter() - t0, cache.cache_path(key), graphs)
     if o.lookup_only:
         return None
-    if o.progress is not None:
-        from .codegen.kernels import KernelSig
+    fingerprint = _in_background(file_fingerprint, model.path)   # hashing the model file overlaps LLVM
+    from .codegen.kernels import KernelSig
+    from .codegen.objects import glue_object
 
-        n = len({KernelSig.of(node) for g in graphs.values() for node in g.nodes})
-        o.progress(f"compiling for this CPU, once: {n} kernels")
+    sigs = list(dict.fromkeys(KernelSig.of(node) for g in graphs.values() for node in g.nodes))
+    kernels = KernelBuild(sigs, target, o.vector_width or target.vector_width, o.opt_level, codegen_fingerprint(),
+                          use_cache=o.use_cache, jobs=o.jobs, progress=o.progress)
     module, entries, state_offsets, state_bytes = lower_graphs(graphs, plans, target, o.vector_width,
                                                                profile=o.profile, stream=sched,
-                                                               symbols=planned.symbols)
-    obj = emit_object(module, target, o.opt_level)
+                                                               symbols=planned.symbols, external_kernels=True)
+    glue = glue_object(module, [s.name for s in sigs], target, o.opt_level)
+    objects = kernels.finish()
+    obj = pack([glue, *objects.values()])
     import llvmlite.binding as llvm
 
     manifest = {
@@ -156,7 +163,7 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
         "target": _target_info(target),
         "vector_width": o.vector_width or target.vector_width,
         "cache_key": key,
-        "model": {"path": os.path.abspath(model.path), "format": model.format, **file_fingerprint(model.path)},
+        "model": {"path": os.path.abspath(model.path), "format": model.format, **fingerprint()},
         "tokenizer": getattr(model.tokenizer, "path", None),
         "config": dataclasses.asdict(model.config),
         "ctx": ctx,
@@ -188,7 +195,32 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
                              "regions": [dataclasses.asdict(r) for r in regions]}
     art = Artifact(manifest, obj)
     path = cache.store(key, art) if o.use_cache else None
-    return CompileResult(art, False, time.perf_counter() - t0, path, graphs)
+    return CompileResult(art, False, time.perf_counter() - t0, path, graphs, kernels.stats)
+
+
+def _in_background(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    """Run ``fn(*args)`` on a thread now; the returned call waits for its
+    result (or raises its exception)."""
+    import threading
+
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:   # re-raised in the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="lmc-fingerprint", daemon=True)
+    t.start()
+
+    def result() -> Any:
+        t.join()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    return result
 
 
 @dataclass

@@ -138,6 +138,9 @@ class Model:
                     else compile_native(loaded, opts)
                 artifact = res.artifact
                 self.compile_info = {"compile_s": round(res.seconds, 4), "cache_hit": res.cached}
+                if res.kernels is not None:
+                    self.compile_info.update(kernels_compiled=res.kernels.compiled,
+                                             kernels_cached=res.kernels.cached)
                 if status is not None and not res.cached:
                     status(f"compiled for this CPU in {res.seconds:.1f} s (cached for next time)")
             self.ctx = int(artifact.manifest["ctx"])
@@ -466,9 +469,9 @@ def _compile_child(path: str, tokenizer: str | None, opts) -> None:
 
 
 def _compile_within_budget(loaded: LoadedModel, opts):
-    """With a memory budget, LLVM (hundreds of MB for a large model) runs in
-    a child process that fills the compile cache; this process then loads
-    the artifact, so its own peak stays within the budget."""
+    """With a memory budget, LLVM runs in a child process that fills the
+    compile cache, one kernel module at a time (``jobs=1``); this process
+    then loads the artifact, so its own peak stays within the budget."""
     import dataclasses
     import multiprocessing
 
@@ -483,7 +486,8 @@ def _compile_within_budget(loaded: LoadedModel, opts):
     child = multiprocessing.get_context("spawn").Process(
         target=_compile_child, args=(loaded.path, _separate_tokenizer(loaded.path, getattr(loaded.tokenizer, "path",
                                                                                            None)),
-                                     dataclasses.replace(opts, progress=None)),   # a callback does not pickle
+                                     # a callback does not pickle; one kernel module in memory at a time
+                                     dataclasses.replace(opts, progress=None, jobs=1)),
         name="lmc-compile")
     child.start()
     child.join()

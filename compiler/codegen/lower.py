@@ -21,7 +21,7 @@ from ir.ops import get_op
 from passes.plan_arena import ArenaPlan
 from passes.stream_schedule import StreamSchedule, node_segments
 
-from .emit import I8, I8P, I32, I64, N_INPUTS, VOID, i64
+from .emit import I8, I8P, I32, I64, KERNEL_TYPE, N_INPUTS, VOID, i64
 from .kernels import KernelSig, emit_kernel
 from .lower_stream import StreamLowering, StreamSlots
 from .target import Target
@@ -98,8 +98,11 @@ def io_layout(graph: Graph, symbols: dict[str, int]) -> tuple[dict[str, int], in
 
 
 class _Lowering:
-    def __init__(self, target: Target, vector_width: int, profile: bool = False) -> None:
+    def __init__(self, target: Target, vector_width: int, profile: bool = False,
+                 external_kernels: bool = False) -> None:
         self.target = target
+        #: declare kernels only (compiled apart: ``objects.kernel_object``)
+        self.external_kernels = external_kernels
         self.vw = vector_width
         self.profile = profile
         self.profile_regions: dict[str, tuple[int, int]] = {}
@@ -114,7 +117,10 @@ class _Lowering:
     def kernel(self, sig: KernelSig) -> ir.Function:
         fn = self.kernels.get(sig)
         if fn is None:
-            fn = emit_kernel(self.module, sig, self.vw)
+            if self.external_kernels:
+                fn = ir.Function(self.module, KERNEL_TYPE, sig.name)
+            else:
+                fn = emit_kernel(self.module, sig, self.vw)
             self.kernels[sig] = fn
         return fn
 
@@ -137,6 +143,9 @@ class _Lowering:
         (pausing, then yielding the core) until the generation moves."""
         fn = ir.Function(self.module, ir.FunctionType(VOID, [I64P]), "lmc_barrier")
         fn.linkage = "internal"
+        # a call per op, never inlined: inlined ~1000 times per step, it made
+        # the step functions megabytes of IR and seconds of code generation
+        fn.attributes.add("noinline")
         ctl, = fn.args
         b = ir.IRBuilder(fn.append_basic_block("entry"))
         nt = b.load(self._slot(b, ctl, Ctl.NTHREADS))
@@ -432,14 +441,17 @@ PROFILE_HEADER = 4   # a step's profile region: last mark, steps, dispatch, exit
 def lower_graphs(graphs: dict[str, Graph], plans: dict[str, ArenaPlan], target: Target,
                  vector_width: int | None = None, profile: bool = False,
                  stream: StreamSchedule | None = None, symbols: dict[str, int] | None = None,
+                 external_kernels: bool = False,
                  ) -> tuple[ir.Module, dict[str, EntryInfo], dict[str, int], int]:
     """One module with a step per graph. Returns the module, entry infos,
     state offsets and the state's total size in bytes. ``profile`` builds
     time every op (see ``_Lowering._profile_mark``). ``symbols``: the
-    planned size of symbolic dims (``T``), for the IO area's layout."""
+    planned size of symbolic dims (``T``), for the IO area's layout.
+    ``external_kernels``: the module only declares the kernels (named
+    ``KernelSig.name``), which are compiled apart."""
     if profile and "linux" not in target.triple:
         raise NotImplementedError(f"profiling builds need Linux (clock_gettime), not {target.triple}")
-    low = _Lowering(target, vector_width or target.vector_width, profile)
+    low = _Lowering(target, vector_width or target.vector_width, profile, external_kernels)
     if stream is not None and stream.segments:
         if "linux" not in target.triple:
             raise NotImplementedError(f"layer streaming needs Linux (pread, futex), not {target.triple}")
