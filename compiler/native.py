@@ -75,6 +75,7 @@ class CompileResult:
     cache_path: str | None = None
     graphs: dict | None = None   # the planned graphs, by entry name
     kernels: KernelStats | None = None   # what a compile found in the kernel cache and compiled
+    child_peak: int | None = None        # compiled in a child process (a budget): its peak resident bytes
 
 
 def _scratch_floats(graphs: dict, ctx: int) -> int:

@@ -141,6 +141,8 @@ class Model:
                 if res.kernels is not None:
                     self.compile_info.update(kernels_compiled=res.kernels.compiled,
                                              kernels_cached=res.kernels.cached)
+                if res.child_peak:
+                    self.compile_info["compile_child_peak_bytes"] = res.child_peak
                 if status is not None and not res.cached:
                     status(f"compiled for this CPU in {res.seconds:.1f} s (cached for next time)")
             self.ctx = int(artifact.manifest["ctx"])
@@ -495,7 +497,19 @@ def _compile_within_budget(loaded: LoadedModel, opts):
     if res is None:  # the child failed: compile here after all, and say so in the stats
         res = compile_native(loaded, opts)
     res.cached, res.seconds = False, time.perf_counter() - t0
+    res.child_peak = _largest_child_rss()
     return res
+
+
+def _largest_child_rss() -> int | None:
+    """Peak resident bytes of the largest child process waited for (Linux
+    reports KiB): the compile child's peak, for the stats."""
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 or None
+    except (ImportError, OSError):
+        return None
 
 
 def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, backend: str = "llvm",
