@@ -17,7 +17,7 @@ import functools
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import llvmlite   # the package only: llvmlite.binding (LLVM itself) loads when code is generated
 
@@ -27,14 +27,16 @@ from ir.ops import get_op
 from ir.printer import print_graph
 from passes.plan_arena import plan_arena
 
-from . import cache
+from . import cache, key_memo
 from .artifact import FORMAT_VERSION, Artifact, ArtifactError, file_fingerprint
-from .codegen.lower import PROFILE_HEADER, lower_graphs
+from .codegen.ctl import PROFILE_HEADER
 from .codegen.target import Target, host_target
-from .kernel_build import KernelBuild, KernelStats
 from .memory import plan_manifest
 from .objpack import pack
 from .driver import BatchOptions, CompileOptions, build_graphs, max_blocks_per_seq
+
+if TYPE_CHECKING:
+    from .kernel_build import KernelStats
 
 LMC_VERSION = "0.1.0"
 DEFAULT_PREFILL_CHUNK = 128
@@ -73,8 +75,8 @@ class CompileResult:
     cached: bool
     seconds: float
     cache_path: str | None = None
-    graphs: dict | None = None   # the planned graphs, by entry name
-    kernels: KernelStats | None = None   # what a compile found in the kernel cache and compiled
+    graphs: dict | None = None   # the planned graphs, by entry name (None: a warm start that skipped planning)
+    kernels: "KernelStats | None" = None   # what a compile found in the kernel cache and compiled
     child_peak: int | None = None        # compiled in a child process (a budget): its peak resident bytes
 
 
@@ -120,6 +122,16 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
     o = options or NativeOptions()
     t0 = time.perf_counter()
     target = host_target()
+    versions = {"target": _target_info(target), "lmc": LMC_VERSION, "format": FORMAT_VERSION,
+                "codegen": codegen_fingerprint(), "llvmlite": llvmlite.__version__}
+    # a warm start skips planning when it compiled these inputs before (the
+    # planned graphs are then not returned: dumps and profiles plan anyway)
+    memo = key_memo.memo_key(model, o, versions) if o.use_cache and not (o.dump_dir or o.profile) else None
+    known = key_memo.recall(memo) if memo else None
+    if known is not None:
+        hit = _cached(known, model)
+        if hit is not None:
+            return CompileResult(hit, True, time.perf_counter() - t0, cache.cache_path(known))
     planned = plan_native(model, o)
     graphs, plans, memory, sched = planned.graphs, planned.plans, planned.memory, planned.schedule
     ctx, chunk = planned.ctx, planned.chunk
@@ -127,24 +139,24 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
         "graphs": {n: print_graph(g) for n, g in graphs.items()},
         "chunk": chunk, "vw": o.vector_width, "opt": o.opt_level, "profile": o.profile,
         "memory": plan_manifest(memory, sched) if memory else None,
-        "target": _target_info(target), "lmc": LMC_VERSION, "format": FORMAT_VERSION,
-        "codegen": codegen_fingerprint(),
-        "llvmlite": llvmlite.__version__,   # pins the LLVM version; asking LLVM would load it
+        **versions,   # llvmlite's version pins LLVM's; asking LLVM would load it
     }
     if planned.batch is not None:   # only then: other artifacts keep their keys
         what["batch"] = dataclasses.asdict(planned.batch)
     key = cache.cache_key(what)
     if o.use_cache:
-        hit = cache.lookup(key)
-        if hit is not None and hit.manifest.get("model", {}).get("size") == os.path.getsize(model.path):
-            hit.manifest["model"]["path"] = os.path.abspath(model.path)
-            hit.manifest["tokenizer"] = getattr(model.tokenizer, "path", None)
+        hit = _cached(key, model)
+        if hit is not None:
+            if memo:
+                key_memo.remember(memo, key)
             return CompileResult(hit, True, time.perf_counter() - t0, cache.cache_path(key), graphs)
     if o.lookup_only:
         return None
     fingerprint = _in_background(file_fingerprint, model.path)   # hashing the model file overlaps LLVM
     from .codegen.kernels import KernelSig
+    from .codegen.lower import lower_graphs
     from .codegen.objects import glue_object
+    from .kernel_build import KernelBuild
 
     sigs = list(dict.fromkeys(KernelSig.of(node) for g in graphs.values() for node in g.nodes))
     kernels = KernelBuild(sigs, target, o.vector_width or target.vector_width, o.opt_level, codegen_fingerprint(),
@@ -196,7 +208,19 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
                              "regions": [dataclasses.asdict(r) for r in regions]}
     art = Artifact(manifest, obj)
     path = cache.store(key, art) if o.use_cache else None
+    if path and memo:
+        key_memo.remember(memo, key)
     return CompileResult(art, False, time.perf_counter() - t0, path, graphs, kernels.stats)
+
+
+def _cached(key: str, model: LoadedModel) -> Artifact | None:
+    """The cached artifact ``key``, if it was built from a file of this size."""
+    hit = cache.lookup(key)
+    if hit is None or hit.manifest.get("model", {}).get("size") != os.path.getsize(model.path):
+        return None
+    hit.manifest["model"]["path"] = os.path.abspath(model.path)
+    hit.manifest["tokenizer"] = getattr(model.tokenizer, "path", None)
+    return hit
 
 
 def _in_background(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:

@@ -22,8 +22,6 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING
 
-import llvmlite.ir as ir
-
 from ir.digest import sha256
 
 from ..objpack import unpack
@@ -31,6 +29,7 @@ from .target import Target, host_target
 
 if TYPE_CHECKING:
     import llvmlite.binding as llvm
+    import llvmlite.ir as ir
 
 #: set LMC_LINKER=mcjit to always link in memory with LLVM (as without a linker)
 LINKER_ENV = "LMC_LINKER"
@@ -49,7 +48,7 @@ def optimize(mod: "llvm.ModuleRef", target: Target, level: int = 3) -> None:
     pm.run(mod, pb)
 
 
-def compile_ir(module: ir.Module, target: Target | None = None, level: int = 3) -> "llvm.ModuleRef":
+def compile_ir(module: "ir.Module", target: Target | None = None, level: int = 3) -> "llvm.ModuleRef":
     import llvmlite.binding as llvm
 
     target = target or host_target()
@@ -60,13 +59,13 @@ def compile_ir(module: ir.Module, target: Target | None = None, level: int = 3) 
     return mod
 
 
-def emit_object(module: ir.Module, target: Target | None = None, level: int = 3) -> bytes:
+def emit_object(module: "ir.Module", target: Target | None = None, level: int = 3) -> bytes:
     target = target or host_target()
     mod = compile_ir(module, target, level)
     return target.machine(level).emit_object(mod)
 
 
-def emit_assembly(module: ir.Module, target: Target | None = None, level: int = 3) -> str:
+def emit_assembly(module: "ir.Module", target: Target | None = None, level: int = 3) -> str:
     target = target or host_target()
     mod = compile_ir(module, target, level)
     return target.machine(level).emit_assembly(mod)

@@ -23,31 +23,9 @@ from passes.stream_schedule import StreamSchedule, node_segments
 
 from .emit import I8, I8P, I32, I64, KERNEL_TYPE, N_INPUTS, VOID, i64
 from .kernels import KernelSig, emit_kernel
-from .lower_stream import StreamLowering, StreamSlots
+from .ctl import PROFILE_HEADER, Ctl, StreamSlots  # noqa: F401 (the layout, re-exported)
+from .lower_stream import StreamLowering
 from .target import Target
-
-
-class Ctl:
-    """Slot numbers in the control block (i64 each)."""
-
-    GENERATION = 0
-    QUIT = 1
-    ENTRY = 2
-    POS = 3
-    T = 4
-    NTHREADS = 5
-    WEIGHTS = 6
-    ARENA = 7
-    STATE = 8
-    IO = 9
-    SCRATCH = 10
-    SCRATCH_STRIDE = 11
-    SLEEPERS = 12        # workers blocked in futex_wait on GENERATION's low 32 bits
-    BARRIER_COUNT = 16
-    BARRIER_GEN = 24
-    PROFILE = 28         # profiling builds: address of the i64 time accumulators (ns)
-    PROFILE_T0 = 29      # profiling builds: when lmc_run began (ns)
-    SLOTS = 64          # 32.. : streaming (see lower_stream.StreamSlots)
 
 
 I64P = ir.PointerType(I64)
@@ -435,7 +413,6 @@ _FUTEX_SYSCALL = {"x86_64": 202, "aarch64": 98}
 _FUTEX_WAIT, _FUTEX_WAKE = 128, 129  # the _PRIVATE variants
 _SPIN_LIMIT = 1 << 14
 _CLOCK_MONOTONIC = 1  # Linux's clock id
-PROFILE_HEADER = 4   # a step's profile region: last mark, steps, dispatch, exit, then the nodes
 
 
 def lower_graphs(graphs: dict[str, Graph], plans: dict[str, ArenaPlan], target: Target,
