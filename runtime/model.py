@@ -464,9 +464,15 @@ def _separate_tokenizer(model_path: str, tokenizer: str | None) -> str | None:
     return tokenizer
 
 
-def _compile_child(path: str, tokenizer: str | None, opts) -> None:
+def _compile_child(path: str, tokenizer: str | None, opts, said=None) -> None:
+    """``said``: a queue the child's progress lines go to (the parent's status line)."""
     from compiler.native import compile_native
 
+    if said is not None:
+        import dataclasses
+
+        opts = dataclasses.replace(opts, progress=lambda text: said.put(f"{text} (in a child process, to stay "
+                                                                        f"within the budget)"))
     compile_native(load_model(path, tokenizer), opts)
 
 
@@ -485,14 +491,22 @@ def _compile_within_budget(loaded: LoadedModel, opts):
         return res
     if opts.progress is not None:
         opts.progress("compiling for this CPU, once (in a child process, to stay within the budget)")
-    child = multiprocessing.get_context("spawn").Process(
+    mp = multiprocessing.get_context("spawn")
+    said = mp.SimpleQueue() if opts.progress is not None else None
+    child = mp.Process(
         target=_compile_child, args=(loaded.path, _separate_tokenizer(loaded.path, getattr(loaded.tokenizer, "path",
                                                                                            None)),
                                      # a callback does not pickle; one kernel module in memory at a time
-                                     dataclasses.replace(opts, progress=None, jobs=1)),
+                                     dataclasses.replace(opts, progress=None, jobs=1), said),
         name="lmc-compile")
     child.start()
-    child.join()
+    while True:
+        child.join(0.1)
+        while said is not None and not said.empty():
+            text = said.get()
+            (getattr(opts.progress, "update", None) or opts.progress)(text)
+        if child.exitcode is not None:
+            break
     res = compile_native(loaded, dataclasses.replace(opts, lookup_only=True))
     if res is None:  # the child failed: compile here after all, and say so in the stats
         res = compile_native(loaded, opts)

@@ -51,3 +51,18 @@ def test_plan_estimates_the_compile_peak():
     d = json.loads(r.stdout)
     assert d["compile_peak_estimate"] > LLVM_COMPILE_BYTES
     assert any("one-time compile" in n for n in d["notes"])   # LLVM alone does not fit 100 MB
+
+
+def test_budget_compile_reports_the_childs_kernels(tmp_path, monkeypatch):
+    """Under a budget the compile runs in a child process; its kernel
+    progress still reaches the status line, and the stats give its peak."""
+    import runtime
+
+    monkeypatch.setenv("LMC_CACHE_DIR", str(tmp_path))
+    said: list[str] = []
+    m = runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, mem_budget=80 << 20, status=said.append)
+    kernels = [s for s in said if "kernel " in s]
+    assert kernels and all("child process" in s for s in kernels)
+    n = kernels[-1].split("kernel ")[1].split("/")[1].split()[0]
+    assert kernels[-1].split("kernel ")[1].startswith(f"{n}/{n}")
+    assert not m.compile_info["cache_hit"] and m.compile_info["compile_child_peak_bytes"] > 0

@@ -169,3 +169,29 @@ def test_pack_round_trip_and_damage():
     assert objpack.unpack(b"\x7fELF plain") == [b"\x7fELF plain"]   # one object (artifact format 1)
     with pytest.raises(objpack.PackError):
         objpack.unpack(blob[:-3])
+
+
+def test_format_1_artifacts_still_load_and_run(tmp_path, private_cache):
+    """An artifact from before kernels were compiled apart (format 1: one
+    object with every kernel inside) still reads, links and computes what
+    the packed one does."""
+    from compiler.artifact import Artifact
+    from compiler.codegen.jit import emit_object
+    from compiler.codegen.lower import lower_graphs
+    from compiler.codegen.target import host_target
+    from compiler.native import plan_native
+    from runtime.native import NativeExecutor
+
+    path = _model(tmp_path, "a.gguf")
+    m = load_model(path)
+    new = compile_native(m, NativeOptions(ctx=32)).artifact
+    assert objpack.is_pack(new.obj) and new.manifest["format_version"] == 2
+    planned = plan_native(m, NativeOptions(ctx=32))
+    module, *_ = lower_graphs(planned.graphs, planned.plans, host_target(), symbols=planned.symbols)
+    old = Artifact({**new.manifest, "format_version": 1}, emit_object(module))
+    assert not objpack.is_pack(old.obj)
+    old.write(tmp_path / "old.lmca")
+    back = Artifact.read(tmp_path / "old.lmca")
+    ids = [1, 7, 42]
+    a, b = NativeExecutor(back, path, 1), NativeExecutor(new, path, 1)
+    assert np.array_equal(a.prefill(ids, 0), b.prefill(ids, 0))
