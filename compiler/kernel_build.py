@@ -104,7 +104,7 @@ class KernelBuild:
             for s in self.missing:
                 self._futures[self._pool.submit(timed_kernel_object, s, self.target, self.vw, self.level)] = s
         except (OSError, RuntimeError):
-            self._close()
+            self.close()
 
     def _say(self) -> None:
         if self.progress is None:
@@ -140,13 +140,14 @@ class KernelBuild:
                     break   # a worker died (out of memory?): the rest compile here
                 self._got(sig, obj, seconds)
         finally:
-            self._close()
+            self.close()
         for s in self.missing:
             if s not in self.objects:
                 self._got(s, *timed_kernel_object(s, self.target, self.vw, self.level))
         return {s: self.objects[s] for s in self.sigs}
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """Stop the workers (after ``finish``, or when the caller failed)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None

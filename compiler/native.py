@@ -152,20 +152,25 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
             return CompileResult(hit, True, time.perf_counter() - t0, cache.cache_path(key), graphs)
     if o.lookup_only:
         return None
-    fingerprint = _in_background(file_fingerprint, model.path)   # hashing the model file overlaps LLVM
     from .codegen.kernels import KernelSig
     from .codegen.lower import lower_graphs
     from .codegen.objects import glue_object
     from .kernel_build import KernelBuild
 
     sigs = list(dict.fromkeys(KernelSig.of(node) for g in graphs.values() for node in g.nodes))
+    # workers fork first, then this process lowers and compiles the glue (and
+    # hashes the model file on a thread) while they compile kernels
     kernels = KernelBuild(sigs, target, o.vector_width or target.vector_width, o.opt_level, codegen_fingerprint(),
                           use_cache=o.use_cache, jobs=o.jobs, progress=o.progress)
-    module, entries, state_offsets, state_bytes = lower_graphs(graphs, plans, target, o.vector_width,
-                                                               profile=o.profile, stream=sched,
-                                                               symbols=planned.symbols, external_kernels=True)
-    glue = glue_object(module, [s.name for s in sigs], target, o.opt_level)
-    objects = kernels.finish()
+    try:
+        fingerprint = _in_background(file_fingerprint, model.path)
+        module, entries, state_offsets, state_bytes = lower_graphs(graphs, plans, target, o.vector_width,
+                                                                   profile=o.profile, stream=sched,
+                                                                   symbols=planned.symbols, external_kernels=True)
+        glue = glue_object(module, [s.name for s in sigs], target, o.opt_level)
+        objects = kernels.finish()
+    finally:
+        kernels.close()
     obj = pack([glue, *objects.values()])
     import llvmlite.binding as llvm
 
