@@ -186,4 +186,7 @@ def parse_gguf(path: str) -> tuple[dict[str, Any], list[tuple[str, str, tuple[in
             tensors.append((name, qt.name, dims, start + off, nbytes))
         return meta, tensors
     finally:
-        mm.close()
+        try:
+            mm.close()
+        except BufferError:   # a view still held by an exception's frames: closed when collected
+            pass
