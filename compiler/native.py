@@ -28,7 +28,7 @@ from ir.printer import print_graph
 from passes.plan_arena import plan_arena
 
 from . import cache, key_memo
-from .artifact import FORMAT_VERSION, Artifact, ArtifactError, file_fingerprint
+from .artifact import FORMAT_VERSION, KINDS, Artifact, ArtifactError, file_fingerprint
 from .codegen.ctl import PROFILE_HEADER
 from .codegen.target import Target, host_target
 from .memory import plan_manifest
@@ -338,6 +338,6 @@ def check_artifact(art: Artifact, name: str, model_path: str | None = None) -> N
     path = model_path or m.get("path")
     if not path or not os.path.exists(path):
         raise ArtifactError(f"{name}: its model file {path} is missing")
-    fp = file_fingerprint(path)
+    fp = file_fingerprint(path, next((k for k in KINDS if k in m), None))   # the kind it recorded
     if any(fp.get(k) != m.get(k) for k in fp):
         raise ArtifactError(f"{name}: built for another model file than {path} (size or hash differ)")
