@@ -144,7 +144,7 @@ class Model:
                 if res.child_peak:
                     self.compile_info["compile_child_peak_bytes"] = res.child_peak
                 if status is not None and not res.cached:
-                    status(f"compiled for this CPU in {res.seconds:.1f} s (cached for next time)")
+                    status(f"compiled for this CPU in {res.seconds:.1f} s" + (" (cached for next time)" if use_cache else ""))
             self.ctx = int(artifact.manifest["ctx"])
             if artifact.manifest.get("batch"):
                 b = artifact.manifest["batch"]
