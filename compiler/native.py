@@ -154,7 +154,7 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
         return None
     from .codegen.kernels import KernelSig
     from .codegen.lower import lower_graphs
-    from .codegen.objects import glue_object
+    from .codegen.objects import barrier_object, glue_object
     from .kernel_build import KernelBuild
 
     sigs = list(dict.fromkeys(KernelSig.of(node) for g in graphs.values() for node in g.nodes))
@@ -168,10 +168,11 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
                                                                    profile=o.profile, stream=sched,
                                                                    symbols=planned.symbols, external_kernels=True)
         glue = glue_object(module, [s.name for s in sigs], target, o.opt_level)
+        barrier = barrier_object(target, o.opt_level)
         objects = kernels.finish()
     finally:
         kernels.close()
-    obj = pack([glue, *objects.values()])
+    obj = pack([glue, barrier, *objects.values()])
     import llvmlite.binding as llvm
 
     manifest = {

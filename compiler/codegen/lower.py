@@ -29,6 +29,7 @@ from .target import Target
 
 
 I64P = ir.PointerType(I64)
+BARRIER = "lmc_barrier"
 USE_PAUSE = False
 STEP_TYPE = ir.FunctionType(VOID, [I64P, I64])
 
@@ -90,7 +91,9 @@ class _Lowering:
         self.module.triple = target.triple
         self.kernels: dict[KernelSig, ir.Function] = {}
         self.stream: StreamLowering | None = None   # set by lower_graphs when weights stream
-        self.barrier = self._emit_barrier()
+        # compiled apart, the barrier is only declared here (``barrier_module``)
+        self.barrier = ir.Function(self.module, ir.FunctionType(VOID, [I64P]), BARRIER) if external_kernels \
+            else self._emit_barrier()
 
     def kernel(self, sig: KernelSig) -> ir.Function:
         fn = self.kernels.get(sig)
@@ -119,7 +122,7 @@ class _Lowering:
         """Central counter barrier with a generation number: the last thread
         to arrive resets the counter and bumps the generation; the others spin
         (pausing, then yielding the core) until the generation moves."""
-        fn = ir.Function(self.module, ir.FunctionType(VOID, [I64P]), "lmc_barrier")
+        fn = ir.Function(self.module, ir.FunctionType(VOID, [I64P]), BARRIER)
         fn.linkage = "internal"
         # a call per op, never inlined: inlined ~1000 times per step, it made
         # the step functions megabytes of IR and seconds of code generation
@@ -446,3 +449,12 @@ def lower_graphs(graphs: dict[str, Graph], plans: dict[str, ArenaPlan], target: 
                                 tuple(out.type.shape), low.profile_regions.get(name), io_offsets, io_bytes)
     low.entry_points(steps)
     return low.module, infos, state_offsets, state_size
+
+
+def barrier_module(target: Target) -> ir.Module:
+    """The barrier alone, for glue that declares it (``external_kernels``):
+    every thread calls it after every op, so it is compiled with the full
+    code generator, while the glue's long step functions get the fast one."""
+    low = _Lowering(target, target.vector_width)
+    low.barrier.linkage = ""   # external: the glue calls it
+    return low.module
