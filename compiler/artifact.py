@@ -2,7 +2,9 @@
 
 One file: magic ``LMCART1\\0``, the manifest (JSON) and the object code, each
 with its length, and a SHA-256 of everything before it, so a truncated or
-altered file is refused before anything in it is trusted.
+altered file is refused before anything in it is trusted. The object code
+is one blob: since format 2 a pack of objects (``objpack``: the glue and
+one object per kernel), before it a single object.
 """
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ from typing import Any
 from ir.digest import sha256
 
 MAGIC = b"LMCART1\0"
-FORMAT_VERSION = 1
+#: 2: the object code is a pack of objects (``objpack``: glue and kernels);
+#: format 1 (one object) still reads
+FORMAT_VERSION = 2
+READS_VERSIONS = (1, 2)
 
 
 class ArtifactError(ValueError):
@@ -66,7 +71,7 @@ class Artifact:
         p += 8
         if p + olen != len(body):
             raise ArtifactError(f"{name}: corrupt artifact (object code length)")
-        if manifest.get("format_version") != FORMAT_VERSION:
+        if manifest.get("format_version") not in READS_VERSIONS:
             raise ArtifactError(f"{name}: artifact format {manifest.get('format_version')} "
                                 f"(this lmc reads {FORMAT_VERSION})")
         return cls(manifest, body[p:])
@@ -90,23 +95,34 @@ def is_artifact(path: str | os.PathLike) -> bool:
         return False
 
 
-def file_fingerprint(path: str) -> dict[str, Any]:
-    """Size and SHA-256 of a model file. Files over 256 MiB are hashed on a
-    sample (the first and last MiB and 32 evenly spaced 64 KiB pieces); the
-    size and sample still tell files apart. The result is remembered in the
-    compile cache, keyed by the file's path, inode, size and modification
-    time, so loading an artifact does not read its model file through again."""
+#: files above this size are hashed on a sample: hashing all of a 253 MB
+#: model costs a cold start ~0.4 s of CPU (it was 256 MiB until the
+#: kernel cache made the rest of the compile that fast)
+FULL_HASH_BYTES = 64 << 20
+KINDS = ("sha256", "sha256-sampled")
+
+
+def file_fingerprint(path: str, kind: str | None = None) -> dict[str, Any]:
+    """Size and SHA-256 of a model file. Files over ``FULL_HASH_BYTES`` are
+    hashed on a sample (the first and last MiB and 32 evenly spaced 64 KiB
+    pieces); the size and sample still tell files apart. ``kind`` asks for
+    one of ``KINDS`` whatever the size (checking an artifact that recorded
+    it). The result is remembered in the compile cache, keyed by the file's
+    path, inode, size and modification time, so loading an artifact does
+    not read its model file through again."""
     st = os.stat(path)
-    memo = _fingerprint_memo(path, st)
+    if kind not in KINDS:
+        kind = "sha256" if st.st_size <= FULL_HASH_BYTES else "sha256-sampled"
+    memo = _fingerprint_memo(path, st, kind)
     if memo is not None:
         try:
             with open(memo, encoding="utf-8") as f:
                 fp = json.load(f)
-            if isinstance(fp, dict) and fp.get("size") == st.st_size and len(fp) == 2:
+            if isinstance(fp, dict) and fp.get("size") == st.st_size and len(fp) == 2 and kind in fp:
                 return fp
         except (OSError, ValueError):
             pass
-    fp = _hash_file(path)
+    fp = _hash_file(path, kind)
     if memo is not None:
         try:
             os.makedirs(os.path.dirname(memo), exist_ok=True)
@@ -119,24 +135,23 @@ def file_fingerprint(path: str) -> dict[str, Any]:
     return fp
 
 
-def _fingerprint_memo(path: str, st: os.stat_result) -> str | None:
+def _fingerprint_memo(path: str, st: os.stat_result, kind: str) -> str | None:
     from .cache import cache_dir
 
-    ident = json.dumps([os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
+    ident = json.dumps([os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                        kind])
     return os.path.join(cache_dir(), "fingerprints", sha256(ident.encode()).hexdigest()[:32] + ".json")
 
 
-def _hash_file(path: str) -> dict[str, Any]:
+def _hash_file(path: str, kind: str = "sha256") -> dict[str, Any]:
     size = os.path.getsize(path)
     h = sha256()
     with open(path, "rb") as f:
-        if size <= 256 << 20:
+        if kind == "sha256":
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
-            kind = "sha256"
         else:
-            for off in [0, size - (1 << 20)] + [size * i // 33 for i in range(1, 33)]:
+            for off in [0, max(0, size - (1 << 20))] + [size * i // 33 for i in range(1, 33)]:
                 f.seek(off)
                 h.update(f.read(1 << 20 if off in (0, size - (1 << 20)) else 1 << 16))
-            kind = "sha256-sampled"
     return {"size": size, kind: h.hexdigest()}

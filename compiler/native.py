@@ -17,7 +17,7 @@ import functools
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import llvmlite   # the package only: llvmlite.binding (LLVM itself) loads when code is generated
 
@@ -27,13 +27,16 @@ from ir.ops import get_op
 from ir.printer import print_graph
 from passes.plan_arena import plan_arena
 
-from . import cache
-from .artifact import FORMAT_VERSION, Artifact, ArtifactError, file_fingerprint
-from .codegen.jit import emit_object
-from .codegen.lower import PROFILE_HEADER, lower_graphs
+from . import cache, key_memo
+from .artifact import FORMAT_VERSION, KINDS, Artifact, ArtifactError, file_fingerprint
+from .codegen.ctl import PROFILE_HEADER
 from .codegen.target import Target, host_target
 from .memory import plan_manifest
+from .objpack import pack
 from .driver import BatchOptions, CompileOptions, build_graphs, max_blocks_per_seq
+
+if TYPE_CHECKING:
+    from .kernel_build import KernelStats
 
 LMC_VERSION = "0.1.0"
 DEFAULT_PREFILL_CHUNK = 128
@@ -59,6 +62,7 @@ class NativeOptions:
     auto_ctx: bool = False          # with a budget: the planner may shorten the context
     auto_kv: bool = False           # with a budget: the planner picks the KV cache dtype
     threads: int | None = None      # for the budget's scratch estimate (default: the cores)
+    jobs: int | None = None         # processes compiling kernels (default: the cores; 1 under a budget)
     #: told what is happening on a cache miss (a terminal's status line); not part of the cache key
     progress: Callable[[str], None] | None = None
     batch: BatchOptions | None = None   # paged batch entries (batch, batch_last, batch_decode), not decode/prefill
@@ -71,7 +75,9 @@ class CompileResult:
     cached: bool
     seconds: float
     cache_path: str | None = None
-    graphs: dict | None = None   # the planned graphs, by entry name
+    graphs: dict | None = None   # the planned graphs, by entry name (None: a warm start that skipped planning)
+    kernels: "KernelStats | None" = None   # what a compile found in the kernel cache and compiled
+    child_peak: int | None = None        # compiled in a child process (a budget): its peak resident bytes
 
 
 def _scratch_floats(graphs: dict, ctx: int) -> int:
@@ -116,6 +122,16 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
     o = options or NativeOptions()
     t0 = time.perf_counter()
     target = host_target()
+    versions = {"target": _target_info(target), "lmc": LMC_VERSION, "format": FORMAT_VERSION,
+                "codegen": codegen_fingerprint(), "llvmlite": llvmlite.__version__}
+    # a warm start skips planning when it compiled these inputs before (the
+    # planned graphs are then not returned: dumps and profiles plan anyway)
+    memo = key_memo.memo_key(model, o, versions) if o.use_cache and not (o.dump_dir or o.profile) else None
+    known = key_memo.recall(memo) if memo else None
+    if known is not None:
+        hit = _cached(known, model)
+        if hit is not None:
+            return CompileResult(hit, True, time.perf_counter() - t0, cache.cache_path(known))
     planned = plan_native(model, o)
     graphs, plans, memory, sched = planned.graphs, planned.plans, planned.memory, planned.schedule
     ctx, chunk = planned.ctx, planned.chunk
@@ -123,30 +139,40 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
         "graphs": {n: print_graph(g) for n, g in graphs.items()},
         "chunk": chunk, "vw": o.vector_width, "opt": o.opt_level, "profile": o.profile,
         "memory": plan_manifest(memory, sched) if memory else None,
-        "target": _target_info(target), "lmc": LMC_VERSION, "format": FORMAT_VERSION,
-        "codegen": codegen_fingerprint(),
-        "llvmlite": llvmlite.__version__,   # pins the LLVM version; asking LLVM would load it
+        **versions,   # llvmlite's version pins LLVM's; asking LLVM would load it
     }
     if planned.batch is not None:   # only then: other artifacts keep their keys
         what["batch"] = dataclasses.asdict(planned.batch)
     key = cache.cache_key(what)
     if o.use_cache:
-        hit = cache.lookup(key)
-        if hit is not None and hit.manifest.get("model", {}).get("size") == os.path.getsize(model.path):
-            hit.manifest["model"]["path"] = os.path.abspath(model.path)
-            hit.manifest["tokenizer"] = getattr(model.tokenizer, "path", None)
+        hit = _cached(key, model)
+        if hit is not None:
+            if memo:
+                key_memo.remember(memo, key)
             return CompileResult(hit, True, time.perf_counter() - t0, cache.cache_path(key), graphs)
     if o.lookup_only:
         return None
-    if o.progress is not None:
-        from .codegen.kernels import KernelSig
+    from .codegen.kernels import KernelSig
+    from .codegen.lower import lower_graphs
+    from .codegen.objects import barrier_object, glue_object
+    from .kernel_build import KernelBuild
 
-        n = len({KernelSig.of(node) for g in graphs.values() for node in g.nodes})
-        o.progress(f"compiling for this CPU, once: {n} kernels")
-    module, entries, state_offsets, state_bytes = lower_graphs(graphs, plans, target, o.vector_width,
-                                                               profile=o.profile, stream=sched,
-                                                               symbols=planned.symbols)
-    obj = emit_object(module, target, o.opt_level)
+    sigs = list(dict.fromkeys(KernelSig.of(node) for g in graphs.values() for node in g.nodes))
+    # workers fork first, then this process lowers and compiles the glue (and
+    # hashes the model file on a thread) while they compile kernels
+    kernels = KernelBuild(sigs, target, o.vector_width or target.vector_width, o.opt_level, codegen_fingerprint(),
+                          use_cache=o.use_cache, jobs=o.jobs, progress=o.progress)
+    try:
+        fingerprint = _in_background(file_fingerprint, model.path)
+        module, entries, state_offsets, state_bytes = lower_graphs(graphs, plans, target, o.vector_width,
+                                                                   profile=o.profile, stream=sched,
+                                                                   symbols=planned.symbols, external_kernels=True)
+        glue = glue_object(module, [s.name for s in sigs], target, o.opt_level)
+        barrier = barrier_object(target, o.opt_level)
+        objects = kernels.finish()
+    finally:
+        kernels.close()
+    obj = pack([glue, barrier, *objects.values()])
     import llvmlite.binding as llvm
 
     manifest = {
@@ -156,7 +182,7 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
         "target": _target_info(target),
         "vector_width": o.vector_width or target.vector_width,
         "cache_key": key,
-        "model": {"path": os.path.abspath(model.path), "format": model.format, **file_fingerprint(model.path)},
+        "model": {"path": os.path.abspath(model.path), "format": model.format, **fingerprint()},
         "tokenizer": getattr(model.tokenizer, "path", None),
         "config": dataclasses.asdict(model.config),
         "ctx": ctx,
@@ -188,7 +214,44 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
                              "regions": [dataclasses.asdict(r) for r in regions]}
     art = Artifact(manifest, obj)
     path = cache.store(key, art) if o.use_cache else None
-    return CompileResult(art, False, time.perf_counter() - t0, path, graphs)
+    if path and memo:
+        key_memo.remember(memo, key)
+    return CompileResult(art, False, time.perf_counter() - t0, path, graphs, kernels.stats)
+
+
+def _cached(key: str, model: LoadedModel) -> Artifact | None:
+    """The cached artifact ``key``, if it was built from a file of this size."""
+    hit = cache.lookup(key)
+    if hit is None or hit.manifest.get("model", {}).get("size") != os.path.getsize(model.path):
+        return None
+    hit.manifest["model"]["path"] = os.path.abspath(model.path)
+    hit.manifest["tokenizer"] = getattr(model.tokenizer, "path", None)
+    return hit
+
+
+def _in_background(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    """Run ``fn(*args)`` on a thread now; the returned call waits for its
+    result (or raises its exception)."""
+    import threading
+
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:   # re-raised in the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="lmc-fingerprint", daemon=True)
+    t.start()
+
+    def result() -> Any:
+        t.join()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    return result
 
 
 @dataclass
@@ -276,6 +339,6 @@ def check_artifact(art: Artifact, name: str, model_path: str | None = None) -> N
     path = model_path or m.get("path")
     if not path or not os.path.exists(path):
         raise ArtifactError(f"{name}: its model file {path} is missing")
-    fp = file_fingerprint(path)
+    fp = file_fingerprint(path, next((k for k in KINDS if k in m), None))   # the kind it recorded
     if any(fp.get(k) != m.get(k) for k in fp):
         raise ArtifactError(f"{name}: built for another model file than {path} (size or hash differ)")

@@ -1,4 +1,4 @@
-"""GGUF models, read with the ``gguf`` package's reader.
+"""GGUF models: metadata and tensor infos from the file's header.
 
 Metadata becomes a ``ModelConfig``; tensors become weight references into the
 file (offset, stored size, quant layout), nothing is copied. Every tensor's
@@ -132,13 +132,16 @@ def _metadata_from_reader(reader: Any) -> dict[str, Any]:
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFContents:
-    """Metadata and tensor infos of a GGUF file, read with ``gguf.GGUFReader``.
+    """Metadata and tensor infos of a GGUF file.
 
-    The reader builds one numpy view per array element, which takes ~9 s for
-    a 262144-token vocabulary, so what it finds is cached on disk (keyed by
-    the file's path, size and modification time) and later loads take
-    milliseconds. Errors become one-line ModelErrors."""
+    ``gguf_parse`` reads the header directly (a tenth of a second for a
+    262144-token vocabulary); the rare file it leaves alone (big-endian,
+    arrays of arrays) goes through ``gguf.GGUFReader``, which builds a numpy
+    view per array element. What was found is cached on disk (keyed by the
+    file's path, size and modification time): later loads skip even the
+    parse. Errors become one-line ModelErrors."""
     from . import gguf_cache
+    from .gguf_parse import Unsupported, parse_gguf
 
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -146,19 +149,28 @@ def read_gguf(path: str | os.PathLike) -> GGUFContents:
     cached = gguf_cache.load(path)
     if cached is not None:
         return GGUFContents(cached[0], [TensorRecord(*t[:2], tuple(t[2]), *t[3:]) for t in cached[1]])
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(path, "r")
-        meta = _metadata_from_reader(reader)
-        tensors = [TensorRecord(t.name, t.tensor_type.name, tuple(int(x) for x in t.shape), int(t.data_offset),
-                                int(t.n_bytes)) for t in reader.tensors]
-    except Exception as e:  # the reader raises ValueError, struct errors, IndexError ...
+        try:
+            meta, infos = parse_gguf(path)
+            tensors = [TensorRecord(*t) for t in infos]
+        except Unsupported:
+            meta, tensors = _read_with_package(path)
+    except Exception as e:  # ValueError, UnicodeDecodeError, struct errors, the package's IndexError ...
         size = os.path.getsize(path)
         first = (str(e).splitlines() or [""])[0][:120]
         raise ModelError(f"{path}: not a readable GGUF file ({type(e).__name__}: {first}; {size} bytes)") from None
     gguf_cache.store(path, meta, [(t.name, t.qtype, list(t.shape), t.offset, t.nbytes) for t in tensors])
     return GGUFContents(meta, tensors)
+
+
+def _read_with_package(path: str) -> tuple[dict[str, Any], list[TensorRecord]]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path, "r")
+    meta = _metadata_from_reader(reader)
+    tensors = [TensorRecord(t.name, t.tensor_type.name, tuple(int(x) for x in t.shape), int(t.data_offset),
+                            int(t.n_bytes)) for t in reader.tensors]
+    return meta, tensors
 
 
 def _str(v: Any) -> Any:

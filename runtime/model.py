@@ -138,8 +138,13 @@ class Model:
                     else compile_native(loaded, opts)
                 artifact = res.artifact
                 self.compile_info = {"compile_s": round(res.seconds, 4), "cache_hit": res.cached}
+                if res.kernels is not None:
+                    self.compile_info.update(kernels_compiled=res.kernels.compiled,
+                                             kernels_cached=res.kernels.cached)
+                if res.child_peak:
+                    self.compile_info["compile_child_peak_bytes"] = res.child_peak
                 if status is not None and not res.cached:
-                    status(f"compiled for this CPU in {res.seconds:.1f} s (cached for next time)")
+                    status(f"compiled for this CPU in {res.seconds:.1f} s" + (" (cached for next time)" if use_cache else ""))
             self.ctx = int(artifact.manifest["ctx"])
             if artifact.manifest.get("batch"):
                 b = artifact.manifest["batch"]
@@ -459,16 +464,22 @@ def _separate_tokenizer(model_path: str, tokenizer: str | None) -> str | None:
     return tokenizer
 
 
-def _compile_child(path: str, tokenizer: str | None, opts) -> None:
+def _compile_child(path: str, tokenizer: str | None, opts, said=None) -> None:
+    """``said``: a queue the child's progress lines go to (the parent's status line)."""
     from compiler.native import compile_native
 
+    if said is not None:
+        import dataclasses
+
+        opts = dataclasses.replace(opts, progress=lambda text: said.put(f"{text} (in a child process, to stay "
+                                                                        f"within the budget)"))
     compile_native(load_model(path, tokenizer), opts)
 
 
 def _compile_within_budget(loaded: LoadedModel, opts):
-    """With a memory budget, LLVM (hundreds of MB for a large model) runs in
-    a child process that fills the compile cache; this process then loads
-    the artifact, so its own peak stays within the budget."""
+    """With a memory budget, LLVM runs in a child process that fills the
+    compile cache, one kernel module at a time (``jobs=1``); this process
+    then loads the artifact, so its own peak stays within the budget."""
     import dataclasses
     import multiprocessing
 
@@ -480,18 +491,39 @@ def _compile_within_budget(loaded: LoadedModel, opts):
         return res
     if opts.progress is not None:
         opts.progress("compiling for this CPU, once (in a child process, to stay within the budget)")
-    child = multiprocessing.get_context("spawn").Process(
+    mp = multiprocessing.get_context("spawn")
+    said = mp.SimpleQueue() if opts.progress is not None else None
+    child = mp.Process(
         target=_compile_child, args=(loaded.path, _separate_tokenizer(loaded.path, getattr(loaded.tokenizer, "path",
                                                                                            None)),
-                                     dataclasses.replace(opts, progress=None)),   # a callback does not pickle
+                                     # a callback does not pickle; one kernel module in memory at a time
+                                     dataclasses.replace(opts, progress=None, jobs=1), said),
         name="lmc-compile")
     child.start()
-    child.join()
+    while True:
+        child.join(0.1)
+        while said is not None and not said.empty():
+            text = said.get()
+            (getattr(opts.progress, "update", None) or opts.progress)(text)
+        if child.exitcode is not None:
+            break
     res = compile_native(loaded, dataclasses.replace(opts, lookup_only=True))
     if res is None:  # the child failed: compile here after all, and say so in the stats
         res = compile_native(loaded, opts)
     res.cached, res.seconds = False, time.perf_counter() - t0
+    res.child_peak = _largest_child_rss()
     return res
+
+
+def _largest_child_rss() -> int | None:
+    """Peak resident bytes of the largest child process waited for (Linux
+    reports KiB): the compile child's peak, for the stats."""
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 or None
+    except (ImportError, OSError):
+        return None
 
 
 def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, backend: str = "llvm",

@@ -18,8 +18,7 @@ import numpy as np
 
 from compiler.artifact import Artifact
 from compiler.codegen.jit import LoadedCode
-from compiler.codegen.lower import PROFILE_HEADER, Ctl
-from compiler.codegen.lower_stream import IO_ERR_DECOMPRESS, StreamSlots as S
+from compiler.codegen.ctl import IO_ERR_DECOMPRESS, PROFILE_HEADER, Ctl, StreamSlots as S
 
 from .paged import PagedBatch, PoolShape, single_stream_only
 

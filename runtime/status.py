@@ -37,6 +37,17 @@ class StatusLine:
             self._ticker = threading.Thread(target=self._tick, name="lmc-status", daemon=True)
             self._ticker.start()
 
+    def update(self, text: str) -> None:
+        """Show ``text`` without restarting the clock (progress within one step)."""
+        if not self.enabled:
+            return
+        if not self._text:
+            self(text)
+            return
+        with self._lock:
+            self._text = text
+            self._draw()
+
     def _draw(self) -> None:
         elapsed = time.monotonic() - self._t0
         tail = f" … {elapsed:.1f} s" if elapsed >= 0.5 else " …"

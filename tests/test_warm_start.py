@@ -178,3 +178,20 @@ def test_model_fingerprint_remembered(tmp_path, monkeypatch):
     f.write_bytes(b"y" * 100_000)   # same size, new contents and times
     os.utime(f, ns=(1, 10**18))
     assert artifact.file_fingerprint(str(f))["sha256"] != fp["sha256"]
+
+
+def test_artifacts_are_checked_with_the_hash_they_recorded(tmp_path, monkeypatch):
+    """Files over FULL_HASH_BYTES get a sampled hash; an artifact that
+    recorded the full hash (built when the threshold was higher) is still
+    checked with the full hash, and the other way round."""
+    from compiler import artifact
+
+    monkeypatch.setenv("LMC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(artifact, "FULL_HASH_BYTES", 50_000)
+    f = tmp_path / "model.bin"
+    f.write_bytes(bytes(range(256)) * 400)
+    assert "sha256-sampled" in artifact.file_fingerprint(str(f))
+    full = artifact.file_fingerprint(str(f), "sha256")
+    assert set(full) == {"size", "sha256"}
+    assert artifact.file_fingerprint(str(f), "sha256") == full     # remembered per kind
+    assert artifact.file_fingerprint(str(f))["sha256-sampled"] != full["sha256"]

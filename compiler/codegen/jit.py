@@ -8,7 +8,9 @@ compiled artifacts and opened with ctypes, so the process never loads LLVM
 linking fails, LLVM's MCJIT links it in memory. The object code is
 position independent (``Target.machine`` uses reloc="pic"), as a shared
 library needs; its few C library calls (expf, syscall, pread ...) resolve
-against libm and libc, which the library names as dependencies.
+against libm and libc, which the library names as dependencies. The code
+may be several objects packed together (``compiler.objpack``: glue and
+kernels, compiled apart); both ways link them all.
 """
 from __future__ import annotations
 
@@ -20,14 +22,14 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING
 
-import llvmlite.ir as ir
-
 from ir.digest import sha256
 
+from ..objpack import unpack
 from .target import Target, host_target
 
 if TYPE_CHECKING:
     import llvmlite.binding as llvm
+    import llvmlite.ir as ir
 
 #: set LMC_LINKER=mcjit to always link in memory with LLVM (as without a linker)
 LINKER_ENV = "LMC_LINKER"
@@ -46,7 +48,7 @@ def optimize(mod: "llvm.ModuleRef", target: Target, level: int = 3) -> None:
     pm.run(mod, pb)
 
 
-def compile_ir(module: ir.Module, target: Target | None = None, level: int = 3) -> "llvm.ModuleRef":
+def compile_ir(module: "ir.Module", target: Target | None = None, level: int = 3) -> "llvm.ModuleRef":
     import llvmlite.binding as llvm
 
     target = target or host_target()
@@ -57,13 +59,13 @@ def compile_ir(module: ir.Module, target: Target | None = None, level: int = 3) 
     return mod
 
 
-def emit_object(module: ir.Module, target: Target | None = None, level: int = 3) -> bytes:
+def emit_object(module: "ir.Module", target: Target | None = None, level: int = 3) -> bytes:
     target = target or host_target()
     mod = compile_ir(module, target, level)
     return target.machine(level).emit_object(mod)
 
 
-def emit_assembly(module: ir.Module, target: Target | None = None, level: int = 3) -> str:
+def emit_assembly(module: "ir.Module", target: Target | None = None, level: int = 3) -> str:
     target = target or host_target()
     mod = compile_ir(module, target, level)
     return target.machine(level).emit_assembly(mod)
@@ -101,7 +103,8 @@ class LoadedCode:
         tm = target.machine()
         empty = llvm.parse_assembly(f'target triple = "{target.triple}"\n')
         self.engine = llvm.create_mcjit_compiler(empty, tm)
-        self.engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
+        for one in unpack(obj):
+            self.engine.add_object_file(llvm.ObjectFileRef.from_data(one))
         self.engine.finalize_object()
         self.how = "mcjit"
 
@@ -182,13 +185,16 @@ def shared_library(obj: bytes) -> str | None:
     except OSError:
         return None
     try:
-        o = os.path.join(work, "code.o")
+        objs = []
+        for i, one in enumerate(unpack(obj)):
+            objs.append(os.path.join(work, f"{i}.o"))
+            with open(objs[-1], "wb") as f:
+                f.write(one)
         so = os.path.join(work, "code.so")
-        with open(o, "wb") as f:
-            f.write(obj)
         for cmd in cmds:
+            argv = [a for c in cmd for a in (objs if c == "{obj}" else [c.format(so=so)])]
             try:
-                r = subprocess.run([c.format(obj=o, so=so) for c in cmd], capture_output=True, timeout=120)
+                r = subprocess.run(argv, capture_output=True, timeout=120)
             except (OSError, subprocess.SubprocessError):
                 continue
             sha = _file_sha256(so) if r.returncode == 0 else None
@@ -200,7 +206,7 @@ def shared_library(obj: bytes) -> str | None:
                 os.replace(so, path)
                 return path
         return None
-    except OSError:
+    except (OSError, ValueError):   # ValueError: a pack that does not hold together
         return None
     finally:
         shutil.rmtree(work, ignore_errors=True)

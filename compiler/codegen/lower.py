@@ -23,36 +23,15 @@ from passes.barriers import barrier_before
 from passes.plan_arena import ArenaPlan
 from passes.stream_schedule import StreamSchedule, node_segments
 
-from .emit import I8, I8P, I32, I64, N_INPUTS, VOID, i64
+from .emit import I8, I8P, I32, I64, KERNEL_TYPE, N_INPUTS, VOID, i64
 from .kernels import KernelSig, emit_kernel
-from .lower_stream import StreamLowering, StreamSlots
+from .ctl import PROFILE_HEADER, Ctl, StreamSlots  # noqa: F401 (the layout, re-exported)
+from .lower_stream import StreamLowering
 from .target import Target
 
 
-class Ctl:
-    """Slot numbers in the control block (i64 each)."""
-
-    GENERATION = 0
-    QUIT = 1
-    ENTRY = 2
-    POS = 3
-    T = 4
-    NTHREADS = 5
-    WEIGHTS = 6
-    ARENA = 7
-    STATE = 8
-    IO = 9
-    SCRATCH = 10
-    SCRATCH_STRIDE = 11
-    SLEEPERS = 12        # workers blocked in futex_wait on GENERATION's low 32 bits
-    BARRIER_COUNT = 16
-    BARRIER_GEN = 24
-    PROFILE = 28         # profiling builds: address of the i64 time accumulators (ns)
-    PROFILE_T0 = 29      # profiling builds: when lmc_run began (ns)
-    SLOTS = 64          # 32.. : streaming (see lower_stream.StreamSlots)
-
-
 I64P = ir.PointerType(I64)
+BARRIER = "lmc_barrier"
 USE_PAUSE = False
 STEP_TYPE = ir.FunctionType(VOID, [I64P, I64])
 
@@ -100,8 +79,11 @@ def io_layout(graph: Graph, symbols: dict[str, int]) -> tuple[dict[str, int], in
 
 
 class _Lowering:
-    def __init__(self, target: Target, vector_width: int, profile: bool = False) -> None:
+    def __init__(self, target: Target, vector_width: int, profile: bool = False,
+                 external_kernels: bool = False) -> None:
         self.target = target
+        #: declare kernels only (compiled apart: ``objects.kernel_object``)
+        self.external_kernels = external_kernels
         self.vw = vector_width
         self.profile = profile
         self.profile_regions: dict[str, tuple[int, int]] = {}
@@ -111,12 +93,17 @@ class _Lowering:
         self.module.triple = target.triple
         self.kernels: dict[KernelSig, ir.Function] = {}
         self.stream: StreamLowering | None = None   # set by lower_graphs when weights stream
-        self.barrier = self._emit_barrier()
+        # compiled apart, the barrier is only declared here (``barrier_module``)
+        self.barrier = ir.Function(self.module, ir.FunctionType(VOID, [I64P]), BARRIER) if external_kernels \
+            else self._emit_barrier()
 
     def kernel(self, sig: KernelSig) -> ir.Function:
         fn = self.kernels.get(sig)
         if fn is None:
-            fn = emit_kernel(self.module, sig, self.vw)
+            if self.external_kernels:
+                fn = ir.Function(self.module, KERNEL_TYPE, sig.name)
+            else:
+                fn = emit_kernel(self.module, sig, self.vw)
             self.kernels[sig] = fn
         return fn
 
@@ -137,8 +124,11 @@ class _Lowering:
         """Central counter barrier with a generation number: the last thread
         to arrive resets the counter and bumps the generation; the others spin
         (pausing, then yielding the core) until the generation moves."""
-        fn = ir.Function(self.module, ir.FunctionType(VOID, [I64P]), "lmc_barrier")
+        fn = ir.Function(self.module, ir.FunctionType(VOID, [I64P]), BARRIER)
         fn.linkage = "internal"
+        # a call per op, never inlined: inlined ~1000 times per step, it made
+        # the step functions megabytes of IR and seconds of code generation
+        fn.attributes.add("noinline")
         ctl, = fn.args
         b = ir.IRBuilder(fn.append_basic_block("entry"))
         nt = b.load(self._slot(b, ctl, Ctl.NTHREADS))
@@ -436,20 +426,22 @@ _FUTEX_SYSCALL = {"x86_64": 202, "aarch64": 98}
 _FUTEX_WAIT, _FUTEX_WAKE = 128, 129  # the _PRIVATE variants
 _SPIN_LIMIT = 1 << 14
 _CLOCK_MONOTONIC = 1  # Linux's clock id
-PROFILE_HEADER = 4   # a step's profile region: last mark, steps, dispatch, exit, then the nodes
 
 
 def lower_graphs(graphs: dict[str, Graph], plans: dict[str, ArenaPlan], target: Target,
                  vector_width: int | None = None, profile: bool = False,
                  stream: StreamSchedule | None = None, symbols: dict[str, int] | None = None,
+                 external_kernels: bool = False,
                  ) -> tuple[ir.Module, dict[str, EntryInfo], dict[str, int], int]:
     """One module with a step per graph. Returns the module, entry infos,
     state offsets and the state's total size in bytes. ``profile`` builds
     time every op (see ``_Lowering._profile_mark``). ``symbols``: the
-    planned size of symbolic dims (``T``), for the IO area's layout."""
+    planned size of symbolic dims (``T``), for the IO area's layout.
+    ``external_kernels``: the module only declares the kernels (named
+    ``KernelSig.name``), which are compiled apart."""
     if profile and "linux" not in target.triple:
         raise NotImplementedError(f"profiling builds need Linux (clock_gettime), not {target.triple}")
-    low = _Lowering(target, vector_width or target.vector_width, profile)
+    low = _Lowering(target, vector_width or target.vector_width, profile, external_kernels)
     if stream is not None and stream.segments:
         if "linux" not in target.triple:
             raise NotImplementedError(f"layer streaming needs Linux (pread, futex), not {target.triple}")
@@ -467,3 +459,12 @@ def lower_graphs(graphs: dict[str, Graph], plans: dict[str, ArenaPlan], target: 
                                 tuple(out.type.shape), low.profile_regions.get(name), io_offsets, io_bytes)
     low.entry_points(steps)
     return low.module, infos, state_offsets, state_size
+
+
+def barrier_module(target: Target) -> ir.Module:
+    """The barrier alone, for glue that declares it (``external_kernels``):
+    every thread calls it after every op, so it is compiled with the full
+    code generator, while the glue's long step functions get the fast one."""
+    low = _Lowering(target, target.vector_width)
+    low.barrier.linkage = ""   # external: the glue calls it
+    return low.module

@@ -24,34 +24,12 @@ import llvmlite.ir as ir
 
 from passes.stream_schedule import StreamSchedule
 
+from .ctl import IO_ERR_DECOMPRESS, IO_ERR_READ, StreamSlots  # noqa: F401 (the layout, re-exported)
 from .emit import I8P, I32, I64, VOID, i64
 
 I64P = ir.PointerType(I64)
 
 
-class StreamSlots:
-    """Control-block slots of the streaming machinery (i64 each)."""
-
-    IO_DONE = 32
-    BUF0 = 33
-    BUF1 = 34
-    FD = 35
-    COMP_DONE = 40
-    BASE = 41
-    WAIT_NS = 42
-    READ_NS = 48
-    READ_BYTES = 49
-    IO_ERROR = 50
-    IO_IDLE_NS = 51
-    TOUCH_SINK = 52
-    STAGE = 53           # buffer for a compressed layer's stored bytes
-    LZ4_FN = 54          # int LZ4_decompress_safe(src, dst, srcSize, dstCapacity)
-    ZSTD_FN = 55         # size_t ZSTD_decompress(dst, dstCapacity, src, srcSize)
-
-
-#: IO_ERROR values: a failed or short read, a layer that did not decompress
-IO_ERR_READ = 1
-IO_ERR_DECOMPRESS = 2
 #: i64 fields per range in the table: file offset, bytes read, buffer offset, codec, bytes out
 RANGE = 5
 
@@ -208,7 +186,7 @@ class StreamLowering:
     # --- the I/O thread ------------------------------------------------------------
     def emit_io_thread(self) -> None:
         """lmc_io(ctl): read segment after segment into the two buffers until QUIT."""
-        from .lower import Ctl
+        from .ctl import Ctl
 
         fn = ir.Function(self.module, ir.FunctionType(VOID, [I64P]), "lmc_io")
         ctl, = fn.args
@@ -392,7 +370,7 @@ class StreamLowering:
         return fn
 
     def _weights_slot(self) -> int:
-        from .lower import Ctl
+        from .ctl import Ctl
         return Ctl.WEIGHTS
 
     def _load_tab(self, b: ir.IRBuilder, tab: ir.GlobalVariable, idx: ir.Value) -> ir.Value:

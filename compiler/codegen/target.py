@@ -69,13 +69,9 @@ def _cpu_identity() -> str | None:
             lines.append(line.strip())
     if not lines:
         return None
-    from importlib.metadata import version
+    import llvmlite   # the package's version only (importlib.metadata costs a warm start ~7 ms)
 
-    try:
-        llvmlite_version = version("llvmlite")
-    except Exception:  # not installed as a distribution: no caching
-        return None
-    return "\n".join([platform.machine(), f"llvmlite {llvmlite_version}", *lines])
+    return "\n".join([platform.machine(), f"llvmlite {llvmlite.__version__}", *lines])
 
 
 def _cache_file(identity: str) -> str:

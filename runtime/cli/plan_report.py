@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from compiler.compile_memory import compile_peak_estimate, resident_bytes
 from compiler.driver import LoadedModel
 from compiler.memory import model_sizes, plan_manifest
 from compiler.native import NativeOptions, _scratch_floats, plan_native
@@ -29,6 +30,15 @@ def memory_report(model: LoadedModel, opts: NativeOptions) -> dict[str, Any]:
                          "ratio": round(p.ratio(), 4), "strategy": p.strategy}
                      for n, p in planned.plans.items()}
     out["_decode_plan"] = planned.plans["decode"]
+    loaded = resident_bytes()
+    if loaded is not None:   # this process has loaded the model as the compile child will
+        need = compile_peak_estimate(loaded)
+        out["compile_peak_estimate"] = need
+        b = out.get("budget")
+        if b and need > b:
+            out.setdefault("notes", []).append(
+                f"the one-time compile (LLVM, in a child process) needs about {fmt_size(need)}, more than the "
+                f"budget; it runs once per model and CPU, later runs load the cached code")
     return out
 
 
@@ -44,6 +54,9 @@ def format_text(r: dict[str, Any]) -> str:
     for n, a in r["arenas"].items():
         lines.append(f"  {n:<12} {a['size']:>12,} / {a['lower_bound']:>12,} / {a['no_sharing']:>12,}"
                      f"  ({a['ratio']:.3f} x bound, {a['strategy']})")
+    if r.get("compile_peak_estimate"):
+        lines.append(f"one-time compile (in a child process, cached after): about "
+                     f"{fmt_size(r['compile_peak_estimate'])} peak")
     st = r.get("stream")
     if st:
         lines.append(f"streaming: {len(st['segments'])} segments, two buffers of {fmt_size(st['buffer_bytes'])}, "

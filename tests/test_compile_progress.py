@@ -1,0 +1,68 @@
+"""What a cold start tells the user: kernel progress on the status line,
+and ``lmc plan``'s estimate of the one-time compile's memory."""
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+from compiler.codegen.kernels import KernelSig
+from compiler.codegen.target import host_target
+from compiler.compile_memory import LLVM_COMPILE_BYTES
+from compiler.driver import load_model
+from compiler.kernel_build import KernelBuild
+from compiler.native import NativeOptions, codegen_fingerprint, plan_native
+from runtime.cli import DEFAULT_MODEL, DEFAULT_TOKENIZER
+from runtime.status import StatusLine
+from shared_data import ROOT
+
+
+def test_status_update_keeps_the_clock_running():
+    out = io.StringIO()
+    s = StatusLine(stream=out, enabled=True, interval=60)
+    s("compiling")
+    t0 = s._t0
+    s.update("compiling: kernel 3/9")
+    assert s._t0 == t0 and out.getvalue().endswith("compiling: kernel 3/9 …")
+    s.clear()
+    assert out.getvalue().endswith("\r\x1b[2K")
+
+
+def test_kernel_build_reports_each_kernel(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMC_CACHE_DIR", str(tmp_path))
+    planned = plan_native(load_model(DEFAULT_MODEL, DEFAULT_TOKENIZER), NativeOptions(ctx=32))
+    sigs = list(dict.fromkeys(KernelSig.of(n) for g in planned.graphs.values() for n in g.nodes))
+    t = host_target()
+    said: list[str] = []
+    KernelBuild(sigs, t, t.vector_width, 3, codegen_fingerprint(), jobs=1, progress=said.append).finish()
+    n = len(sigs)
+    assert said[0].endswith(f"kernel 0/{n}") and said[-1].endswith(f"kernel {n}/{n}") and len(said) == n + 1
+    said.clear()
+    KernelBuild(sigs, t, t.vector_width, 3, codegen_fingerprint(), jobs=1, progress=said.append).finish()
+    assert said == [f"compiling for this CPU, once: kernel {n}/{n}, {n} from the kernel cache"]
+
+
+def test_plan_estimates_the_compile_peak():
+    r = subprocess.run([sys.executable, "-m", "runtime.cli", "plan", DEFAULT_MODEL, "-z", DEFAULT_TOKENIZER,
+                        "--mem-budget", "100M", "--format", "json"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["compile_peak_estimate"] > LLVM_COMPILE_BYTES
+    assert any("one-time compile" in n for n in d["notes"])   # LLVM alone does not fit 100 MB
+
+
+def test_budget_compile_reports_the_childs_kernels(tmp_path, monkeypatch):
+    """Under a budget the compile runs in a child process; its kernel
+    progress still reaches the status line, and the stats give its peak."""
+    import runtime
+
+    monkeypatch.setenv("LMC_CACHE_DIR", str(tmp_path))
+    said: list[str] = []
+    m = runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, mem_budget=80 << 20, status=said.append)
+    kernels = [s for s in said if "kernel " in s]
+    assert kernels and all("child process" in s for s in kernels)
+    n = kernels[-1].split("kernel ")[1].split("/")[1].split()[0]
+    assert kernels[-1].split("kernel ")[1].startswith(f"{n}/{n}")
+    assert not m.compile_info["cache_hit"] and m.compile_info["compile_child_peak_bytes"] > 0
