@@ -14,6 +14,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from frontends.cache_dir import write_entry
 from ir.digest import sha256
 
 MAGIC = b"LMCART1\0"
@@ -123,15 +124,8 @@ def file_fingerprint(path: str, kind: str | None = None) -> dict[str, Any]:
         except (OSError, ValueError):
             pass
     fp = _hash_file(path, kind)
-    if memo is not None:
-        try:
-            os.makedirs(os.path.dirname(memo), exist_ok=True)
-            tmp = f"{memo}.{os.getpid()}.part"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(fp, f)
-            os.replace(tmp, memo)
-        except OSError:
-            pass  # best effort: the next load hashes again
+    if memo is not None:   # best effort: the next load hashes again
+        write_entry(memo, json.dumps(fp).encode())
     return fp
 
 

@@ -19,6 +19,7 @@ import json
 import os
 from typing import Any
 
+from frontends.cache_dir import write_entry
 from ir.digest import sha256
 
 from .cache import cache_dir
@@ -78,17 +79,4 @@ def load(key: str) -> tuple[bytes | None, bool]:
 
 def store(key: str, obj: bytes) -> bool:
     """Best effort and atomic: a failed write only costs a compile next time."""
-    path = entry_path(key)
-    tmp = f"{path}.{os.getpid()}.{id(obj):x}.part"
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(encode(key, obj))
-        os.replace(tmp, path)
-        return True
-    except OSError:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        return False
+    return write_entry(entry_path(key), encode(key, obj))

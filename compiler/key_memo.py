@@ -19,6 +19,7 @@ import os
 import pathlib
 from typing import Any
 
+from frontends.cache_dir import write_entry
 from ir.digest import sha256
 
 from .cache import cache_dir
@@ -79,15 +80,4 @@ def recall(key: str) -> str | None:
 
 def remember(key: str, artifact_key: str) -> None:
     """Best effort and atomic."""
-    path = _path(key)
-    tmp = f"{path}.{os.getpid()}.part"
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"artifact": artifact_key}, f)
-        os.replace(tmp, path)
-    except OSError:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
+    write_entry(_path(key), json.dumps({"artifact": artifact_key}).encode())

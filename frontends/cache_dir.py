@@ -4,6 +4,7 @@ and QSF verification stamps there, the compiler its object code."""
 from __future__ import annotations
 
 import os
+import threading
 
 
 def cache_root() -> str:
@@ -12,3 +13,22 @@ def cache_root() -> str:
         return d
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "lmc")
+
+
+def write_entry(path: str, data: bytes) -> bool:
+    """Write a cache entry whole or not at all (a temporary file per process
+    and thread, renamed over ``path``). Best effort: False when it could not
+    be written, which only costs recomputing it next time."""
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident():x}.part"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        return False
