@@ -324,12 +324,7 @@ class Engine:
                 n = min(s.draft_len.next(), room, s.req.max_tokens - s.generated - 1,
                         self.ctx - len(s.tokens))
                 d = lookup_continuation(s.tokens, s.req.lookup, n) if n > 0 else []
-                p = len(s.tokens)
-                try:
-                    for q in range(p, p + len(d)):
-                        for src, dst in self.blocks.ensure(s.key, q):
-                            self.ex.copy_block(src, dst)
-                except OutOfBlocks:
+                if not self._writable(s, range(len(s.tokens), len(s.tokens) + len(d)), preempt=False):
                     d = []
                 room -= len(d)
             out.append(d)
@@ -363,9 +358,10 @@ class Engine:
                     self.metrics.cached_prompt_tokens.inc(s.computed)
             self.running.append(s)
 
-    def _writable(self, s: _Seq, positions: range) -> bool:
+    def _writable(self, s: _Seq, positions: range, preempt: bool = True) -> bool:
         """Blocks for ``positions`` of ``s``, copying shared ones; False when
-        the pool is full even after preempting everything younger."""
+        the pool is full even after preempting everything younger (with
+        ``preempt=False``, as soon as it is full: drafts never preempt)."""
         for p in positions:
             while True:
                 try:
@@ -373,7 +369,7 @@ class Engine:
                         self.ex.copy_block(src, dst)
                     break
                 except OutOfBlocks:
-                    if not self._preempt_younger_than(s):
+                    if not (preempt and self._preempt_younger_than(s)):
                         return False
         return True
 
