@@ -28,7 +28,7 @@ def _state_of(v: Value, roots: dict[int, str]) -> str | None:
     return v.name if v.kind == "state" else roots.get(id(v))
 
 
-def _touched_states(graph: Graph) -> list[set[str]]:
+def touched_states(graph: Graph) -> list[set[str]]:
     """Per node, the state buffers it reads or writes."""
     roots: dict[int, str] = {}
     out: list[set[str]] = []
@@ -49,7 +49,7 @@ def dependency_groups(graph: Graph) -> list[int]:
     The ops of a group need no barrier between them as far as their data
     goes; the arena planner keeps every value a group reads alive to the
     group's end, so reused arena bytes add none either."""
-    states = _touched_states(graph)
+    states = touched_states(graph)
     groups: list[int] = []
     made: set[int] = set()
     seen_states: set[str] = set()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ir.graph import Graph
 
-from .barriers import _touched_states
+from .barriers import touched_states
 from .registry import register_pass
 
 #: how far ahead an op may be pulled into the current group
@@ -24,7 +24,7 @@ WINDOW = 8
 @register_pass("schedule")
 def schedule(graph: Graph) -> Graph:
     nodes = list(graph.nodes)
-    states = {id(n): s for n, s in zip(nodes, _touched_states(graph))}
+    states = {id(n): s for n, s in zip(nodes, touched_states(graph))}
     producer = {id(n.output) for n in nodes}
     done: set[int] = set()          # results of ops in earlier groups
     order = []
