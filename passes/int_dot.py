@@ -33,10 +33,15 @@ from ir.ops import ACT_BLOCK, int_act
 from .registry import register_pass
 
 
-#: rows of a prompt chunk quantized at once: each weight block is unpacked
+#: rows of a prompt chunk quantized at once where the prompt runs with
+#: decode's arithmetic (``verify``; K-quants): each weight block is unpacked
 #: once for all of them (``lmc kernel qmatmul --batch 64``, Q5_0 4864x896,
 #: 2 threads: 2.3 ms against the float tiles' 3.7)
 PROMPT_ROWS = 8
+#: token rows of a prompt chunk quantized at once for the integer GEMM
+#: (``k_matmul_int_gemm``, the ``gemm`` attribute): each weight tile is
+#: unpacked once per this many tokens (the default prefill chunk: once)
+GEMM_ROWS = 128
 
 
 @register_pass("int_dot")
@@ -46,15 +51,14 @@ def int_dot(graph: Graph) -> Graph:
     (``act="q8k"``: Q4_K, Q5_K, Q6_K); in a graph of decode rows, also
     compute every row as decode does."""
     mode = graph.meta.get("mode")
-    rows: dict[str, int] = {}
-    if mode == "batch" and graph.meta.get("decode_rows"):
+    if mode not in ("prefill", "batch", "decode"):
+        return graph
+    decode_rows = mode == "batch" and bool(graph.meta.get("decode_rows"))
+    if decode_rows:
         for node in graph.nodes:
             if node.op in ("matmul", "qmatmul"):
                 node.attrs = {**node.attrs, "decode_rows": int(graph.meta["max_batch"])}
-    elif mode in ("prefill", "batch"):
-        rows = {"decode_rows": PROMPT_ROWS}
-    elif mode != "decode":
-        return graph
+    prompt = mode != "decode" and not decode_rows
     for node in graph.nodes:
         act = int_act(node.attrs.get("layout")) if node.op == "qmatmul" else None
         if act is None:
@@ -62,5 +66,8 @@ def int_dot(graph: Graph) -> Graph:
         k = node.inputs[1].type.shape[1]
         if not isinstance(k, int) or k % ACT_BLOCK[act]:
             continue
-        node.attrs = {**node.attrs, "act": act, **rows}
+        extra = {}
+        if prompt:
+            extra = {"gemm": GEMM_ROWS} if act == "q8" else {"decode_rows": PROMPT_ROWS}
+        node.attrs = {**node.attrs, "act": act, **extra}
     return graph
