@@ -8,11 +8,15 @@ on x86 with VNNI an int8 dot product reads the weight bytes with fewer
 instructions than decoding them to floats. So, as llama.cpp does, the
 activation row is quantized to Q8_0-style blocks and each block product is an
 integer sum scaled by d_w * d_x (``ir.ops.qmatmul_ref`` defines the numbers).
-Prompt chunks (``prefill``, ``batch``) take the same path, ``PROMPT_ROWS``
-token rows at a time sharing each unpacked weight block (the ``decode_rows``
-attribute): there the int8 products beat the float tiles, and each row gets
-the decode step's numbers, however the prompt is chunked; llama.cpp, too,
-quantizes the activations of every matmul on these types. Other matmuls
+Prompt chunks (``prefill``, ``batch``) take the same path as an int8 GEMM
+(the ``gemm`` attribute: ``GEMM_ROWS`` token rows quantized at once, each
+weight tile unpacked once for all of them, ``k_matmul_int_gemm``): there
+the int8 products beat the float tiles, and each row's numbers depend on
+the row alone, however the prompt is chunked, though not the decode step's
+bits (graphs that need those, ``verify`` and ``batch_decode``, never carry
+the attribute: ``compiler.driver._rows_as_decode`` turns it into
+``decode_rows``); llama.cpp, too, quantizes the activations of every
+matmul on these types. Other matmuls
 keep the float kernels' prefill tiles. Whether to run the pass is the pipeline's choice (it
 changes results slightly: x is rounded to 8 bits per block); the compiler
 can ask ``compiler.codegen.k_matmul_int.host_has_int_dot()``.
@@ -34,7 +38,7 @@ from .registry import register_pass
 
 
 #: rows of a prompt chunk quantized at once where the prompt runs with
-#: decode's arithmetic (``verify``; K-quants): each weight block is unpacked
+#: decode's arithmetic (``verify``): each weight block is unpacked
 #: once for all of them (``lmc kernel qmatmul --batch 64``, Q5_0 4864x896,
 #: 2 threads: 2.3 ms against the float tiles' 3.7)
 PROMPT_ROWS = 8
@@ -68,6 +72,6 @@ def int_dot(graph: Graph) -> Graph:
             continue
         extra = {}
         if prompt:
-            extra = {"gemm": GEMM_ROWS} if act == "q8" else {"decode_rows": PROMPT_ROWS}
+            extra = {"gemm": GEMM_ROWS}
         node.attrs = {**node.attrs, "act": act, **extra}
     return graph

@@ -324,14 +324,13 @@ def _tiny_model(tmp_path, qtype):
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "F32"])
 def test_pass_marks_qmatmuls_on_32_blocks(tmp_path, qtype):
-    """Decode: the integer path, one row. Prefill: the integer path, on
-    32-value blocks as a GEMM of GEMM_ROWS token rows (``gemm``), on the
-    K-quants PROMPT_ROWS rows quantized at once, each as decode computes
-    it. 32-value blocks get q8 activations, the K-quants q8k (rows a
-    multiple of 256); other layouts keep the float kernels."""
+    """Decode: the integer path, one row. Prefill: the integer path as a
+    GEMM of GEMM_ROWS token rows (``gemm``). 32-value blocks get q8
+    activations, the K-quants q8k (rows a multiple of 256); other layouts
+    keep the float kernels."""
     from compiler.driver import model_graph
     from compiler.pipeline import run_pipeline
-    from passes.int_dot import GEMM_ROWS, PROMPT_ROWS
+    from passes.int_dot import GEMM_ROWS
 
     m = _tiny_model(tmp_path, qtype)
     for mode in ("decode", "prefill"):
@@ -343,8 +342,7 @@ def test_pass_marks_qmatmuls_on_32_blocks(tmp_path, qtype):
             if act == "q8k" and n.inputs[1].type.shape[1] % 256:
                 act = None
             prompt = mode != "decode" and act is not None
-            want = (act, PROMPT_ROWS if prompt and act == "q8k" else None,
-                    GEMM_ROWS if prompt and act == "q8" else None)
+            want = (act, None, GEMM_ROWS if prompt else None)
             assert (n.attrs.get("act"), n.attrs.get("decode_rows"), n.attrs.get("gemm")) == want, (mode, n.attrs)
         if qtype != "F32":
             assert any(n.attrs.get("act") for n in qm)

@@ -139,14 +139,16 @@ def slot_count(sig: KernelSig) -> int:
 def scratch_floats(sig: KernelSig) -> int:
     """Per-thread scratch (float32 elements) the kernel needs: a slot per
     row quantized at once, plus 64 bytes slack (``act="q8k"``: the
-    K-quants' slots, ``k_matmul_int_kquants``)."""
+    K-quants' slots, ``k_matmul_int_kquants``); for a prompt chunk
+    (``gemm``), enough for the GEMM's too."""
     act = sig.attr.get("act")
     if sig.op in ("qmatmul", "qmatmul_rows") and act in ("q8", "q8k"):
         k = int(sig.in_types[1].shape[1])
         if act == "q8k":
             from .k_matmul_int_kquants import slot_bytes as kq_slot_bytes
-            return slot_count(sig) * kq_slot_bytes(k) // 4 + 16
-        need = slot_count(sig) * slot_bytes(k)
+            need = slot_count(sig) * kq_slot_bytes(k)
+        else:
+            need = slot_count(sig) * slot_bytes(k)
         if sig.attr.get("gemm") and len(sig.in_types[0].shape) > 1:   # either kernel may run
             from .k_matmul_int_gemm import scratch_bytes
             need = max(need, scratch_bytes(sig))
@@ -378,9 +380,9 @@ def emit_int_matvec(kb: KernelBuilder, sig: KernelSig) -> None:
         kern = KQuantIntKernel(kb, sig)
     else:
         kern = _IntKernel(kb, sig)
-        from .k_matmul_int_gemm import emit_int_gemm, use_gemm
-        if use_gemm(sig, kb.vw):
-            return emit_int_gemm(kb, sig, kern)
+    from .k_matmul_int_gemm import emit_int_gemm, use_gemm
+    if use_gemm(sig, kb.vw):
+        return emit_int_gemm(kb, sig, kern)
     b = kb.b
     lo, hi = kb.thread_share(kern.n)
     R = _tuned(kb, sig.attr, "rows", _ROWS if kern.k >= _LONG_ROW else 1)

@@ -64,7 +64,7 @@ def gemm_width(vw: int) -> int | None:
 
 def use_gemm(sig: KernelSig, vw: int) -> bool:
     """The GEMM runs for a [T, K] ``qmatmul`` marked ``gemm`` whose rows fill tiles."""
-    if not sig.attr.get("gemm") or sig.attr.get("act") != "q8" or len(sig.in_types[0].shape) < 2:
+    if not sig.attr.get("gemm") or sig.attr.get("act") not in ("q8", "q8k") or len(sig.in_types[0].shape) < 2:
         return False
     w = gemm_width(vw)
     return w is not None and int(sig.in_types[1].shape[0]) % w == 0
@@ -85,6 +85,10 @@ def tile_block_bytes(w: int) -> int:
 def scratch_bytes(sig: KernelSig) -> int:
     """Per-thread scratch of the GEMM (at W = 16, an upper bound for 8)."""
     k = int(sig.in_types[1].shape[1])
+    if sig.attr.get("act") == "q8k":
+        from . import k_matmul_int_gemm_kquants as kq
+        kc = min(int(sig.attr.get("kc", kq.KC_K)), k // kq.QK_K)
+        return int(sig.attr["gemm"]) * kq.act_slot_bytes(k) + kc * kq.block_bytes(16)
     kc = min(int(sig.attr.get("kc", _KC)), k // QK)
     return int(sig.attr["gemm"]) * act_slot_bytes(k) + kc * tile_block_bytes(16)
 
@@ -175,22 +179,77 @@ class Q8Tiles:
         return b.bitcast(spread, ir.VectorType(I8, 4 * W))
 
 
-class Q8Gemm:
-    """Scratch layout, quantization and the microkernel of the q8 GEMM."""
+class GemmBase:
+    """What the GEMM of every layout shares: token slots and the unpacked
+    tile in scratch, broadcasts, and a register block of tokens against a
+    K chunk (``tokens``). A layout supplies ``unit`` (values per block),
+    ``slot_bytes``, ``block_bytes``, ``quantize``, ``unpack`` and ``block``."""
 
-    def __init__(self, kb: KernelBuilder, sig: KernelSig, kern) -> None:
+    unit = QK
+
+    def __init__(self, kb: KernelBuilder, sig: KernelSig, kern, slot_bytes: int, block_bytes: int,
+                 kc: int) -> None:
         self.kb, self.b, self.kern = kb, kb.b, kern
         self.W = gemm_width(kb.vw)
         self.k, self.nb = kern.k, kern.nb
         self.ts = int(sig.attr["gemm"])
         self.P = _tuned(kb, sig.attr, "tokens", _P)
-        self.kc = min(_tuned(kb, sig.attr, "kc", _KC), self.nb)
-        self.tiles = Q8Tiles(kern, self.W)
-        self.slot_bytes = act_slot_bytes(self.k)
-        self.tile = kb.gep(kb.scratch, self.ts * self.slot_bytes)
+        self.kc = min(_tuned(kb, sig.attr, "kc", kc), self.nb)
+        self.slot_bytes, self.block_bytes = slot_bytes, block_bytes
+        self.tile = kb.gep(kb.scratch, self.ts * slot_bytes)
+        self.vf = ir.VectorType(F32, self.W)
+        self.vi = ir.VectorType(I32, self.W)
+        self.vnni = "llvm.x86.avx512.vpdpbusd.512" if self.W == 16 else "llvm.x86.avx512.vpdpbusd.256"
 
     def slot(self, s: ir.Value) -> ir.Value:
         return self.kb.gep(self.kb.scratch, self.b.mul(s, i64(self.slot_bytes)))
+
+    def tile_block(self, jj: ir.Value) -> ir.Value:
+        return self.kb.gep(self.tile, self.b.mul(jj, i64(self.block_bytes)))
+
+    def bcast(self, p: ir.Value, t: ir.Type) -> ir.Value:
+        """A 4-byte scalar at i8* p, broadcast to W lanes of type t."""
+        b = self.b
+        return self.kb.splat(b.load(b.bitcast(p, ir.PointerType(t)), align=1), self.W)
+
+    def vec(self, p: ir.Value, at: int, t: ir.Type = F32) -> ir.Value:
+        """W lanes of type t at byte ``at`` of i8* p."""
+        return self.kb.vload(self.b.bitcast(self.kb.gep(p, at), ir.PointerType(t)), 0, self.W)
+
+    def dots(self, a: ir.Value, ws: list[ir.Value], q: ir.Value) -> ir.Value:
+        """a + the weight vectors ws times the activation quants at i8* q,
+        4 bytes broadcast per vector."""
+        from .k_matmul_int import _call
+
+        kb, b = self.kb, self.b
+        v8 = ir.VectorType(I8, 4 * self.W)
+        for i, w in enumerate(ws):
+            a = _call(kb, self.vnni, self.vi, [a, w, b.bitcast(self.bcast(kb.gep(q, 4 * i), I32), v8)])
+        return a
+
+    def tokens(self, r0: ir.Value, c0: int, nblk: int, s0: ir.Value, t0: ir.Value, P: int) -> None:
+        """Tokens in slots s0 .. s0+P-1 (token rows t0 + slot) against the
+        unpacked blocks c0 .. c0+nblk-1 of the tile at r0: each token's
+        accumulator continues the chain from the output row (zero at block 0)."""
+        kb, b, kern, W = self.kb, self.b, self.kern, self.W
+        outs = [kb.gep(kern.out, b.add(b.mul(b.add(t0, b.add(s0, i64(p))), i64(kern.n_out)), r0)) for p in range(P)]
+        slots = [self.slot(b.add(s0, i64(p))) for p in range(P)]
+        accs = [ir.Constant(self.vf, [0.0] * W)] * P if c0 == 0 else [kb.vload(o, 0, W) for o in outs]
+        with kb.loop_carry(0, nblk, accs, name="gb") as (jj, cur, setv):
+            setv(self.block(b.add(jj, i64(c0)), self.tile_block(jj), slots, list(cur)))
+        for o, v in zip(outs, kb.last_carry):
+            kb.vstore(v, o, 0)
+
+
+class Q8Gemm(GemmBase):
+    """The 32-value block layouts: scratch, quantization, microkernel."""
+
+    def __init__(self, kb: KernelBuilder, sig: KernelSig, kern) -> None:
+        super().__init__(kb, sig, kern, act_slot_bytes(kern.k), tile_block_bytes(gemm_width(kb.vw)), _KC)
+        self.tiles = Q8Tiles(kern, self.W)
+
+    def unpack(self, r0: ir.Value, j: ir.Value, dst: ir.Value) -> None:
+        self.tiles.unpack(r0, j, dst)
 
     def quantize(self, xrow: ir.Value, s: ir.Value) -> None:
         """Token row x[xrow / K] into slot s: quants, then per block the
@@ -210,57 +269,35 @@ class Q8Gemm:
                 kb.store(b.mul(sx, ir.Constant(I32, -kern.bias)), cor, j)
             kb.store(d, dxp, j)
 
-    def _bcast32(self, p: ir.Value, t: ir.Type) -> ir.Value:
-        """A 4-byte scalar at i8* p, broadcast to W lanes of type t."""
-        b = self.b
-        return self.kb.splat(b.load(b.bitcast(p, ir.PointerType(t)), align=1), self.W)
-
-    def tokens(self, r0: ir.Value, c0: int, nblk: int, s0: ir.Value, t0: ir.Value, P: int) -> None:
-        """Tokens in slots s0 .. s0+P-1 (token rows t0 + slot) against the
-        unpacked blocks c0 .. c0+nblk-1 of the tile at r0: each token's
-        accumulator continues the chain from the output row (zero at block 0)."""
+    def block(self, j: ir.Value, tb: ir.Value, slots: list[ir.Value], accs: list[ir.Value]) -> list[ir.Value]:
+        """Block j (unpacked at tb) into every slot's accumulator: 8 weight
+        vectors loaded once, per token 8 ``vpdpbusd``, convert, FMA."""
         kb, b, kern, W = self.kb, self.b, self.kern, self.W
-        vf = ir.VectorType(F32, W)
-        vi = ir.VectorType(I32, W)
-        outs = [kb.gep(kern.out, b.add(b.mul(b.add(t0, b.add(s0, i64(p))), i64(kern.n_out)), r0)) for p in range(P)]
-        slots = [self.slot(b.add(s0, i64(p))) for p in range(P)]
-        if c0 == 0:
-            accs = [ir.Constant(vf, [0.0] * W)] * P
-        else:
-            accs = [kb.vload(o, 0, W) for o in outs]
-        vnni = "llvm.x86.avx512.vpdpbusd.512" if W == 16 else "llvm.x86.avx512.vpdpbusd.256"
-        from .k_matmul_int import _call
-
-        with kb.loop_carry(0, nblk, accs, name="gb") as (jj, cur, setv):
-            j = b.add(jj, i64(c0))
-            tb = kb.gep(self.tile, b.mul(jj, i64(tile_block_bytes(W))))
-            ws = [kb.vload(tb, 4 * W * i, 4 * W) for i in range(8)]
-            sc = kb.vload(b.bitcast(kb.gep(tb, 32 * W), ir.PointerType(F32)), 0, W)
-            mw = kb.vload(b.bitcast(kb.gep(tb, 36 * W), ir.PointerType(F32)), 0, W) if kern.offset else None
-            new = []
-            for p in range(P):
-                sp = slots[p]
-                cor = kb.gep(sp, b.add(i64(self.k), b.mul(j, i64(4))))
-                a = ir.Constant(vi, [0] * W) if kern.offset else self._bcast32(cor, I32)
-                qb = b.mul(j, i64(QK))
-                for i in range(8):
-                    xq = b.bitcast(self._bcast32(kb.gep(sp, b.add(qb, i64(4 * i))), I32), ir.VectorType(I8, 4 * W))
-                    a = _call(kb, vnni, vi, [a, ws[i], xq])
-                dx = self._bcast32(kb.gep(sp, b.add(i64(self.k + 4 * self.nb), b.mul(j, i64(4)))), F32)
-                acc = kb.fma(b.sitofp(a, vf), b.fmul(sc, dx), cur[p])
-                if mw is not None:
-                    acc = kb.fma(mw, self._bcast32(cor, F32), acc)
-                new.append(acc)
-            setv(new)
-        for o, v in zip(outs, kb.last_carry):
-            kb.vstore(v, o, 0)
+        ws = [kb.vload(tb, 4 * W * i, 4 * W) for i in range(8)]
+        sc = self.vec(tb, 32 * W)
+        mw = self.vec(tb, 36 * W) if kern.offset else None
+        new = []
+        for sp, acc in zip(slots, accs):
+            cor = kb.gep(sp, b.add(i64(self.k), b.mul(j, i64(4))))
+            a = ir.Constant(self.vi, [0] * W) if kern.offset else self.bcast(cor, I32)
+            a = self.dots(a, ws, kb.gep(sp, b.mul(j, i64(QK))))
+            dx = self.bcast(kb.gep(sp, b.add(i64(self.k + 4 * self.nb), b.mul(j, i64(4)))), F32)
+            acc = kb.fma(b.sitofp(a, self.vf), b.fmul(sc, dx), acc)
+            if mw is not None:
+                acc = kb.fma(mw, self.bcast(cor, F32), acc)
+            new.append(acc)
+        return new
 
 
 def emit_int_gemm(kb: KernelBuilder, sig: KernelSig, kern) -> None:
     """Per ``gemm`` tokens: quantize them; per tile of this thread's rows
     and K chunk: unpack the tile once, then every token, P at a time (the
     rest in blocks of the powers of two below P)."""
-    g = Q8Gemm(kb, sig, kern)
+    if sig.attr.get("act") == "q8k":
+        from .k_matmul_int_gemm_kquants import KQGemm
+        g: GemmBase = KQGemm(kb, sig, kern)
+    else:
+        g = Q8Gemm(kb, sig, kern)
     b, W, P = kb.b, g.W, g.P
     lo, hi = kb.thread_share(kern.n // W)
     m = kb.rows_of(kern.xt.shape)
@@ -274,7 +311,7 @@ def emit_int_gemm(kb: KernelBuilder, sig: KernelSig, kern) -> None:
             for c0 in range(0, kern.nb, g.kc):
                 nblk = min(g.kc, kern.nb - c0)
                 with kb.loop(0, nblk, name="gunpack") as jj:
-                    g.tiles.unpack(r0, b.add(jj, i64(c0)), kb.gep(g.tile, b.mul(jj, i64(tile_block_bytes(W)))))
+                    g.unpack(r0, b.add(jj, i64(c0)), g.tile_block(jj))
                 rest = b.srem(n, i64(P))
                 n_main = b.sub(n, rest)
                 with kb.loop(0, n_main, step=P, name="gtok") as s0:
