@@ -36,6 +36,7 @@ import llvmlite.ir as ir
 
 from .emit import F32, I32, KernelBuilder, i64
 from .k_matmul import HALF, _tuned
+from .k_matmul_int import _call, quantize_block
 from .kernels import KernelSig
 from .target import host_target
 
@@ -44,7 +45,7 @@ I8 = ir.IntType(8)
 #: tokens per register block (each: an int32 and a float accumulator beside
 #: a block's 8 weight vectors: 8 + 16 + scales fit the 32 AVX-512 registers)
 _P = 8
-#: blocks per K chunk: the unpacked tile (576 bytes a block at W = 16)
+#: blocks per K chunk: the unpacked tile (640 bytes a block at W = 16)
 #: and P tokens' activations for the chunk stay in L1
 _KC = 32
 
@@ -126,12 +127,73 @@ def transpose(b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:
     return z
 
 
-class Q8Tiles:
-    """Unpacking of the 32-value block layouts (Q8_0, Q4_0, Q5_0, Q4_1,
-    Q5_1) into VNNI order, with the decode kernel's biases."""
+class GemmBase:
+    """What the GEMM of every layout shares: token slots and the unpacked
+    tile in scratch, broadcasts, and a register block of tokens against a
+    K chunk (``tokens``). A layout supplies ``unit`` (values per block),
+    ``slot_bytes``, ``block_bytes``, ``quantize``, ``unpack`` and ``block``."""
 
-    def __init__(self, kern, w: int) -> None:
-        self.kern, self.kb, self.b, self.W = kern, kern.kb, kern.b, w
+    unit = QK
+
+    def __init__(self, kb: KernelBuilder, sig: KernelSig, kern, slot_bytes: int, block_bytes: int,
+                 kc: int) -> None:
+        self.kb, self.b, self.kern = kb, kb.b, kern
+        self.W = gemm_width(kb.vw)
+        self.k, self.nb = kern.k, kern.nb
+        self.ts = int(sig.attr["gemm"])
+        self.P = _tuned(kb, sig.attr, "tokens", _P)
+        self.kc = min(_tuned(kb, sig.attr, "kc", kc), self.nb)
+        self.slot_bytes, self.block_bytes = slot_bytes, block_bytes
+        self.tile = kb.gep(kb.scratch, self.ts * slot_bytes)
+        self.vf = ir.VectorType(F32, self.W)
+        self.vi = ir.VectorType(I32, self.W)
+        self.vnni = "llvm.x86.avx512.vpdpbusd.512" if self.W == 16 else "llvm.x86.avx512.vpdpbusd.256"
+
+    def slot(self, s: ir.Value) -> ir.Value:
+        return self.kb.gep(self.kb.scratch, self.b.mul(s, i64(self.slot_bytes)))
+
+    def tile_block(self, jj: ir.Value) -> ir.Value:
+        return self.kb.gep(self.tile, self.b.mul(jj, i64(self.block_bytes)))
+
+    def bcast(self, p: ir.Value, t: ir.Type) -> ir.Value:
+        """A 4-byte scalar at i8* p, broadcast to W lanes of type t."""
+        b = self.b
+        return self.kb.splat(b.load(b.bitcast(p, ir.PointerType(t)), align=1), self.W)
+
+    def vec(self, p: ir.Value, at: int, t: ir.Type = F32) -> ir.Value:
+        """W lanes of type t at byte ``at`` of i8* p."""
+        return self.kb.vload(self.b.bitcast(self.kb.gep(p, at), ir.PointerType(t)), 0, self.W)
+
+    def dots(self, a: ir.Value, ws: list[ir.Value], q: ir.Value) -> ir.Value:
+        """a + the weight vectors ws times the activation quants at i8* q,
+        4 bytes broadcast per vector."""
+        kb, b = self.kb, self.b
+        v8 = ir.VectorType(I8, 4 * self.W)
+        for i, w in enumerate(ws):
+            a = _call(kb, self.vnni, self.vi, [a, w, b.bitcast(self.bcast(kb.gep(q, 4 * i), I32), v8)])
+        return a
+
+    def tokens(self, r0: ir.Value, c0: int, nblk: int, s0: ir.Value, t0: ir.Value, P: int) -> None:
+        """Tokens in slots s0 .. s0+P-1 (token rows t0 + slot) against the
+        unpacked blocks c0 .. c0+nblk-1 of the tile at r0: each token's
+        accumulator continues the chain from the output row (zero at block 0)."""
+        kb, b, kern, W = self.kb, self.b, self.kern, self.W
+        outs = [kb.gep(kern.out, b.add(b.mul(b.add(t0, b.add(s0, i64(p))), i64(kern.n_out)), r0)) for p in range(P)]
+        slots = [self.slot(b.add(s0, i64(p))) for p in range(P)]
+        accs = [ir.Constant(self.vf, [0.0] * W)] * P if c0 == 0 else [kb.vload(o, 0, W) for o in outs]
+        with kb.loop_carry(0, nblk, accs, name="gb") as (jj, cur, setv):
+            setv(self.block(b.add(jj, i64(c0)), self.tile_block(jj), slots, list(cur)))
+        for o, v in zip(outs, kb.last_carry):
+            kb.vstore(v, o, 0)
+
+
+class Q8Gemm(GemmBase):
+    """The 32-value block layouts (Q8_0, Q4_0, Q5_0, Q4_1, Q5_1): scratch,
+    quantization, unpacking into VNNI order with the decode kernel's
+    biases, and the microkernel."""
+
+    def __init__(self, kb: KernelBuilder, sig: KernelSig, kern) -> None:
+        super().__init__(kb, sig, kern, act_slot_bytes(kern.k), tile_block_bytes(gemm_width(kb.vw)), _KC)
 
     def _gather(self, ptrs: list[ir.Value], off: int, t: ir.Type) -> ir.Value:
         """<W x t>: the scalar at byte ``off`` of each row's block."""
@@ -178,84 +240,9 @@ class Q8Tiles:
         spread = b.and_(b.mul(b.shl(nib, c(4)), c(0x00204081)), c(0x10101010))
         return b.bitcast(spread, ir.VectorType(I8, 4 * W))
 
-
-class GemmBase:
-    """What the GEMM of every layout shares: token slots and the unpacked
-    tile in scratch, broadcasts, and a register block of tokens against a
-    K chunk (``tokens``). A layout supplies ``unit`` (values per block),
-    ``slot_bytes``, ``block_bytes``, ``quantize``, ``unpack`` and ``block``."""
-
-    unit = QK
-
-    def __init__(self, kb: KernelBuilder, sig: KernelSig, kern, slot_bytes: int, block_bytes: int,
-                 kc: int) -> None:
-        self.kb, self.b, self.kern = kb, kb.b, kern
-        self.W = gemm_width(kb.vw)
-        self.k, self.nb = kern.k, kern.nb
-        self.ts = int(sig.attr["gemm"])
-        self.P = _tuned(kb, sig.attr, "tokens", _P)
-        self.kc = min(_tuned(kb, sig.attr, "kc", kc), self.nb)
-        self.slot_bytes, self.block_bytes = slot_bytes, block_bytes
-        self.tile = kb.gep(kb.scratch, self.ts * slot_bytes)
-        self.vf = ir.VectorType(F32, self.W)
-        self.vi = ir.VectorType(I32, self.W)
-        self.vnni = "llvm.x86.avx512.vpdpbusd.512" if self.W == 16 else "llvm.x86.avx512.vpdpbusd.256"
-
-    def slot(self, s: ir.Value) -> ir.Value:
-        return self.kb.gep(self.kb.scratch, self.b.mul(s, i64(self.slot_bytes)))
-
-    def tile_block(self, jj: ir.Value) -> ir.Value:
-        return self.kb.gep(self.tile, self.b.mul(jj, i64(self.block_bytes)))
-
-    def bcast(self, p: ir.Value, t: ir.Type) -> ir.Value:
-        """A 4-byte scalar at i8* p, broadcast to W lanes of type t."""
-        b = self.b
-        return self.kb.splat(b.load(b.bitcast(p, ir.PointerType(t)), align=1), self.W)
-
-    def vec(self, p: ir.Value, at: int, t: ir.Type = F32) -> ir.Value:
-        """W lanes of type t at byte ``at`` of i8* p."""
-        return self.kb.vload(self.b.bitcast(self.kb.gep(p, at), ir.PointerType(t)), 0, self.W)
-
-    def dots(self, a: ir.Value, ws: list[ir.Value], q: ir.Value) -> ir.Value:
-        """a + the weight vectors ws times the activation quants at i8* q,
-        4 bytes broadcast per vector."""
-        from .k_matmul_int import _call
-
-        kb, b = self.kb, self.b
-        v8 = ir.VectorType(I8, 4 * self.W)
-        for i, w in enumerate(ws):
-            a = _call(kb, self.vnni, self.vi, [a, w, b.bitcast(self.bcast(kb.gep(q, 4 * i), I32), v8)])
-        return a
-
-    def tokens(self, r0: ir.Value, c0: int, nblk: int, s0: ir.Value, t0: ir.Value, P: int) -> None:
-        """Tokens in slots s0 .. s0+P-1 (token rows t0 + slot) against the
-        unpacked blocks c0 .. c0+nblk-1 of the tile at r0: each token's
-        accumulator continues the chain from the output row (zero at block 0)."""
-        kb, b, kern, W = self.kb, self.b, self.kern, self.W
-        outs = [kb.gep(kern.out, b.add(b.mul(b.add(t0, b.add(s0, i64(p))), i64(kern.n_out)), r0)) for p in range(P)]
-        slots = [self.slot(b.add(s0, i64(p))) for p in range(P)]
-        accs = [ir.Constant(self.vf, [0.0] * W)] * P if c0 == 0 else [kb.vload(o, 0, W) for o in outs]
-        with kb.loop_carry(0, nblk, accs, name="gb") as (jj, cur, setv):
-            setv(self.block(b.add(jj, i64(c0)), self.tile_block(jj), slots, list(cur)))
-        for o, v in zip(outs, kb.last_carry):
-            kb.vstore(v, o, 0)
-
-
-class Q8Gemm(GemmBase):
-    """The 32-value block layouts: scratch, quantization, microkernel."""
-
-    def __init__(self, kb: KernelBuilder, sig: KernelSig, kern) -> None:
-        super().__init__(kb, sig, kern, act_slot_bytes(kern.k), tile_block_bytes(gemm_width(kb.vw)), _KC)
-        self.tiles = Q8Tiles(kern, self.W)
-
-    def unpack(self, r0: ir.Value, j: ir.Value, dst: ir.Value) -> None:
-        self.tiles.unpack(r0, j, dst)
-
     def quantize(self, xrow: ir.Value, s: ir.Value) -> None:
         """Token row x[xrow / K] into slot s: quants, then per block the
         int32 seed -bias * sum(q_x) (offset layouts: float32 d_x sum(q_x)), then d_x."""
-        from .k_matmul_int import quantize_block
-
         kb, b, kern = self.kb, self.b, self.kern
         sp = self.slot(s)
         cor = b.bitcast(kb.gep(sp, self.k), ir.PointerType(I32))

@@ -58,7 +58,7 @@ def _shuffle(b: ir.IRBuilder, x: ir.Value, idx: list[int]) -> ir.Value:
 
 
 class KQGemm(GemmBase):
-    unit = QK_K
+    """Q4_K, Q5_K, Q6_K: scratch, quantization, unpacking, microkernel."""
 
     def __init__(self, kb: KernelBuilder, sig: KernelSig, kern) -> None:
         super().__init__(kb, sig, kern, act_slot_bytes(kern.k), block_bytes(gemm_width(kb.vw)), KC_K)
