@@ -27,8 +27,9 @@ Per call (one thread)
    own accumulators), instead of streaming and unpacking the weights again
    for every row. Every row does the one-row code's operations in its
    order, so each gets the decode step's numbers, bit for bit. Prompt
-   chunks come the same way (``decode_rows`` = ``passes.int_dot.PROMPT_ROWS``);
-   [T, K] without ``decode_rows`` run one row at a time.
+   chunks (``gemm``) run as a GEMM (``k_matmul_int_gemm``) where the host
+   and shape allow, else this way, ``_GEMM_FALLBACK_ROWS`` at a time;
+   [T, K] with neither attribute run one row at a time.
 2. Its share of the rows, ``_ROWS`` at a time (the kernel attribute ``rows``
    overrides it, and ``unroll`` the ``_UNROLL`` block groups per loop
    iteration), over the blocks ``G`` at a time (G = 2 at vector width 16: one
