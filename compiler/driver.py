@@ -108,16 +108,21 @@ VERIFY_ROWS = 16
 def _rows_as_decode(g: Graph) -> None:
     """Every matmul of a prefill graph computes each row with the decode
     step's arithmetic (``k_matmul``: decode's accumulators and order, each
-    weight vector still shared by a tile of rows). The integer path
-    (``int_dot``) already gives prompt rows decode's numbers; the float
-    prefill tiles sum in another order, so their last bits differ from
-    decode's and a greedy verify could part from plain decoding at a near
-    tie. Attention, norms and elementwise kernels compute a row alike in
-    both modes."""
+    weight vector still shared by a tile of rows). The float prefill tiles
+    and the integer GEMM of prompt chunks (``int_dot``'s ``gemm``) sum in
+    another order, so their last bits differ from decode's and a greedy
+    verify could part from plain decoding at a near tie: the GEMM's
+    matmuls go back to the integer path's decode arithmetic,
+    ``PROMPT_ROWS`` rows sharing each unpacked block. Attention, norms and
+    elementwise kernels compute a row alike in both modes."""
+    from passes.int_dot import PROMPT_ROWS
+
     g.meta["decode_rows"] = True
     for node in g.nodes:
-        if node.op in ("matmul", "qmatmul", "qmatmul_rows") and "decode_rows" not in node.attrs:
-            node.attrs = {**node.attrs, "decode_rows": VERIFY_ROWS}
+        if node.op not in ("matmul", "qmatmul", "qmatmul_rows") or "decode_rows" in node.attrs:
+            continue
+        attrs = {k: v for k, v in node.attrs.items() if k != "gemm"}
+        node.attrs = {**attrs, "decode_rows": PROMPT_ROWS if "gemm" in node.attrs else VERIFY_ROWS}
 
 
 def build_graphs(model: LoadedModel, options: CompileOptions | None = None) -> dict[str, Graph]:

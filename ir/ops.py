@@ -135,6 +135,11 @@ def _matmul(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
         m = attrs["decode_rows"]
         _need(isinstance(m, int) and not isinstance(m, bool) and m >= 1,
               f"decode_rows={m!r}: must be a positive row count")
+    if "gemm" in attrs:
+        m = attrs["gemm"]
+        _need(isinstance(m, int) and not isinstance(m, bool) and m >= 1 and act is not None
+              and "decode_rows" not in attrs,
+              f"gemm={m!r}: must be a positive row count, on the integer path, without decode_rows")
     return TensorType(x.shape[:-1] + (w.shape[0],), "f32")
 
 
@@ -279,7 +284,7 @@ def dequant_ref(w: WeightData) -> np.ndarray:
 
 @register("qmatmul", 2, _matmul)
 def qmatmul_ref(x: np.ndarray, w: WeightData, *, layout: str, act: str | None = None,
-                decode_rows: int | None = None) -> np.ndarray:
+                decode_rows: int | None = None, gemm: int | None = None) -> np.ndarray:
     """matmul with a stored (quantized) weight; the reference dequantizes.
 
     ``act="q8k"`` is the K-quants' integer path (``ir.int_kquants``).
@@ -289,7 +294,9 @@ def qmatmul_ref(x: np.ndarray, w: WeightData, *, layout: str, act: str | None = 
     d_w * d_x * (integer sum of q_w * q_x) + m_w * d_x * (integer sum of q_x),
     the second term only for the offset layouts (Q4_1, Q5_1: v = d q + m). The
     integer sums are exact; the products and the sum over blocks are done in
-    float64, then rounded once to float32. ``decode_rows``: as ``matmul_ref``."""
+    float64, then rounded once to float32. ``decode_rows``: as ``matmul_ref``.
+    ``gemm`` (prompt chunks, ``passes/int_dot``) names the kernel, not the
+    numbers: every row is computed on its own here either way."""
     if decode_rows and np.ndim(x) > 1:
         return _decode_rows(x, lambda r: qmatmul_ref(r, w, layout=layout, act=act))
     if act is None:
@@ -329,7 +336,7 @@ def _matmul_rows(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
 @register("qmatmul_rows", -1, _matmul_rows, inplace=2)
 def qmatmul_rows_ref(x: np.ndarray, w: WeightData, acc: np.ndarray | None = None, *, layout: str,
                      row0: int, n_total: int, act: str | None = None,
-                     decode_rows: int | None = None) -> np.ndarray:
+                     decode_rows: int | None = None, gemm: int | None = None) -> np.ndarray:
     """One row block of a split ``qmatmul`` (``passes/split_rows``): rows
     [row0, row0 + n) of the full [.., n_total] result, written into ``acc``
     (the blocks before it) in place; rows not written yet are zero."""

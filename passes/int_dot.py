@@ -8,11 +8,15 @@ on x86 with VNNI an int8 dot product reads the weight bytes with fewer
 instructions than decoding them to floats. So, as llama.cpp does, the
 activation row is quantized to Q8_0-style blocks and each block product is an
 integer sum scaled by d_w * d_x (``ir.ops.qmatmul_ref`` defines the numbers).
-Prompt chunks (``prefill``, ``batch``) take the same path, ``PROMPT_ROWS``
-token rows at a time sharing each unpacked weight block (the ``decode_rows``
-attribute): there the int8 products beat the float tiles, and each row gets
-the decode step's numbers, however the prompt is chunked; llama.cpp, too,
-quantizes the activations of every matmul on these types. Other matmuls
+Prompt chunks (``prefill``, ``batch``) take the same path as an int8 GEMM
+(the ``gemm`` attribute: ``GEMM_ROWS`` token rows quantized at once, each
+weight tile unpacked once for all of them, ``k_matmul_int_gemm``): there
+the int8 products beat the float tiles, and each row's numbers depend on
+the row alone, however the prompt is chunked, though not the decode step's
+bits (graphs that need those, ``verify`` and ``batch_decode``, never carry
+the attribute: ``compiler.driver._rows_as_decode`` turns it into
+``decode_rows``); llama.cpp, too, quantizes the activations of every
+matmul on these types. Other matmuls
 keep the float kernels' prefill tiles. Whether to run the pass is the pipeline's choice (it
 changes results slightly: x is rounded to 8 bits per block); the compiler
 can ask ``compiler.codegen.k_matmul_int.host_has_int_dot()``.
@@ -33,10 +37,15 @@ from ir.ops import ACT_BLOCK, int_act
 from .registry import register_pass
 
 
-#: rows of a prompt chunk quantized at once: each weight block is unpacked
+#: rows of a prompt chunk quantized at once where the prompt runs with
+#: decode's arithmetic (``verify``): each weight block is unpacked
 #: once for all of them (``lmc kernel qmatmul --batch 64``, Q5_0 4864x896,
 #: 2 threads: 2.3 ms against the float tiles' 3.7)
 PROMPT_ROWS = 8
+#: token rows of a prompt chunk quantized at once for the integer GEMM
+#: (``k_matmul_int_gemm``, the ``gemm`` attribute): each weight tile is
+#: unpacked once per this many tokens (the default prefill chunk: once)
+GEMM_ROWS = 128
 
 
 @register_pass("int_dot")
@@ -46,15 +55,14 @@ def int_dot(graph: Graph) -> Graph:
     (``act="q8k"``: Q4_K, Q5_K, Q6_K); in a graph of decode rows, also
     compute every row as decode does."""
     mode = graph.meta.get("mode")
-    rows: dict[str, int] = {}
-    if mode == "batch" and graph.meta.get("decode_rows"):
+    if mode not in ("prefill", "batch", "decode"):
+        return graph
+    decode_rows = mode == "batch" and bool(graph.meta.get("decode_rows"))
+    if decode_rows:
         for node in graph.nodes:
             if node.op in ("matmul", "qmatmul"):
                 node.attrs = {**node.attrs, "decode_rows": int(graph.meta["max_batch"])}
-    elif mode in ("prefill", "batch"):
-        rows = {"decode_rows": PROMPT_ROWS}
-    elif mode != "decode":
-        return graph
+    prompt = mode != "decode" and not decode_rows
     for node in graph.nodes:
         act = int_act(node.attrs.get("layout")) if node.op == "qmatmul" else None
         if act is None:
@@ -62,5 +70,8 @@ def int_dot(graph: Graph) -> Graph:
         k = node.inputs[1].type.shape[1]
         if not isinstance(k, int) or k % ACT_BLOCK[act]:
             continue
-        node.attrs = {**node.attrs, "act": act, **rows}
+        extra = {}
+        if prompt:
+            extra = {"gemm": GEMM_ROWS}
+        node.attrs = {**node.attrs, "act": act, **extra}
     return graph

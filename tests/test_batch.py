@@ -26,6 +26,8 @@ import pytest
 
 import runtime
 from compiler.driver import BatchOptions, CompileOptions, build_graphs, load_model
+from compiler.codegen.k_matmul_int_gemm import gemm_width
+from compiler.codegen.target import host_target
 from compiler.native import NativeOptions, compile_native
 from frontends.arch import ModelConfig, expected_shapes
 from frontends.gguf_writer import write_gguf
@@ -287,14 +289,16 @@ def greedy_batched(ex, prompts: list[list[int]], steps: int, join: list[int],
 def test_native_batch_greedy_equals_single_decode(paths, name):
     """Sequences join at different rounds; each row's greedy token is the
     single stream's. (On weights the single-stream decode runs through the
-    integer path, Q8_0/Q4_0/Q5_0/Q4_1/Q5_1 with VNNI, the float batch matmuls round
-    differently and greedy runs can part at near ties: decode rows go
-    through batch_decode then, see test_native_decode_rows_greedy_equals_generate.)"""
+    integer path, with VNNI, prompt chunks take the float tiles or the
+    integer GEMM, which round differently, and greedy runs can part at near
+    ties: decode rows go through batch_decode then, as the scheduler sends
+    them, see test_native_decode_rows_greedy_equals_generate.)"""
     rng = np.random.default_rng(2)
     vocab = loaded(paths, name).config.vocab_size
     prompts = [[1] + [int(t) for t in rng.integers(3, vocab, n)] for n in (4, 11, 1, 7)]
     steps = 32 if name == "stories" else 24   # the synthetic models' context is 64
-    got = greedy_batched(native(paths, name, "f32"), prompts, steps, join=[0, 0, 3, 9])
+    ex = native(paths, name, "f32")
+    got = greedy_batched(ex, prompts, steps, join=[0, 0, 3, 9], decode="batch_decode" in ex.entries)
     single = runtime.load(paths[name][0], paths[name][1], ctx=CTX, threads=2)
     for p, g in zip(prompts, got):
         assert g == list(single.generate(p, steps, temperature=0.0, stop=False))
@@ -322,10 +326,12 @@ def check_decode_rows(ex, singles: list, prompts: list[list[int]], rounds: int, 
     so rows sit at different positions; prompts through ``batch_last`` and
     ``prefill``): ``rounds`` steps of B decode rows, each row equal, bit for
     bit, to that sequence's own decode step. Where every matmul of ``batch``
-    takes the integer path, or in the interpreter, whose float matmuls do not
-    depend on tiling (``prompt_rows_equal``), the last step once more as
-    prompt-chunk rows gives the decode rows too. And again as decode rows,
-    which rewrite the same K/V rows and give the same logits."""
+    takes the integer path with decode's arithmetic (no GEMM), or in the
+    interpreter, whose float matmuls do not depend on tiling
+    (``prompt_rows_equal``), the last step once more as prompt-chunk rows
+    gives the decode rows too; otherwise each prompt-chunk row is at least
+    the one that row alone gives (chunk invariance). And again as decode
+    rows, which rewrite the same K/V rows and give the same logits."""
     vocab = ex.pool.vocab
     for B in range(1, len(singles) + 1):
         sch = Schedule(ex, B)
@@ -339,6 +345,11 @@ def check_decode_rows(ex, singles: list, prompts: list[list[int]], rounds: int, 
                 np.testing.assert_array_equal(rows[i], singles[i].decode(t, len(sch.seqs[i].ids) - 1))
         if prompt_rows_equal:
             np.testing.assert_array_equal(ex.batch(*sch.last), rows)
+        else:
+            chunk = ex.batch(*sch.last)
+            for i in range(B):
+                alone = ex.batch(*([a[i]] for a in sch.last))
+                np.testing.assert_array_equal(alone[0], chunk[i])
         np.testing.assert_array_equal(ex.batch(*sch.last, decode=True), rows)
 
 
@@ -350,9 +361,11 @@ def test_decode_rows_equal_decode_steps(paths, name, backend):
     prompts = [[int(t) for t in rng.integers(3, VOCAB, n)] for n in (3, 9, 1, 6)]
     batch = build_graphs(loaded(paths, name), CompileOptions(ctx=CTX, passes=INT_PASSES, batch=BATCH))["batch"]
     all_int = all(n.attrs.get("act") in ("q8", "q8k") for n in batch.nodes if n.op in ("matmul", "qmatmul"))
+    # prompt chunks on a VNNI host: the integer GEMM, not decode's bits
+    no_gemm = gemm_width(host_target().vector_width) is None
     # the interpreter's float matmuls are float64 sums, whatever the tiling: equal there too
     check_decode_rows(ex, [single() for _ in range(BATCH.max_batch)], prompts, 3, rng,
-                      prompt_rows_equal=all_int or backend == "interp")
+                      prompt_rows_equal=(all_int and no_gemm) or backend == "interp")
     if backend == "llvm":   # the step's inputs and scratch: a quantized row per decode row
         from compiler.codegen.k_matmul_int import slot_bytes
         from compiler.codegen.k_matmul_int_kquants import slot_bytes as kq_slot_bytes

@@ -324,13 +324,13 @@ def _tiny_model(tmp_path, qtype):
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "F32"])
 def test_pass_marks_qmatmuls_on_32_blocks(tmp_path, qtype):
-    """Decode: the integer path, one row. Prefill: the integer path,
-    PROMPT_ROWS rows quantized at once, each as decode computes it. 32-value
-    blocks get q8 activations, the K-quants q8k (rows a multiple of 256);
-    other layouts keep the float kernels."""
+    """Decode: the integer path, one row. Prefill: the integer path as a
+    GEMM of GEMM_ROWS token rows (``gemm``). 32-value blocks get q8
+    activations, the K-quants q8k (rows a multiple of 256); other layouts
+    keep the float kernels."""
     from compiler.driver import model_graph
     from compiler.pipeline import run_pipeline
-    from passes.int_dot import PROMPT_ROWS
+    from passes.int_dot import GEMM_ROWS
 
     m = _tiny_model(tmp_path, qtype)
     for mode in ("decode", "prefill"):
@@ -341,8 +341,9 @@ def test_pass_marks_qmatmuls_on_32_blocks(tmp_path, qtype):
                 n.attrs["layout"])
             if act == "q8k" and n.inputs[1].type.shape[1] % 256:
                 act = None
-            want = (act, None if mode == "decode" or act is None else PROMPT_ROWS)
-            assert (n.attrs.get("act"), n.attrs.get("decode_rows")) == want, (mode, n.attrs)
+            prompt = mode != "decode" and act is not None
+            want = (act, None, GEMM_ROWS if prompt else None)
+            assert (n.attrs.get("act"), n.attrs.get("decode_rows"), n.attrs.get("gemm")) == want, (mode, n.attrs)
         if qtype != "F32":
             assert any(n.attrs.get("act") for n in qm)
 
@@ -351,10 +352,11 @@ def test_pass_marks_qmatmuls_on_32_blocks(tmp_path, qtype):
 def test_pass_marks_batch_graphs_of_decode_rows_only(tmp_path, qtype):
     """The batch graphs: in ``batch_decode`` (decode rows) every matmul gets
     ``decode_rows`` = max_batch and the Q8_0 ones the integer path;
-    ``batch``/``batch_last`` (prompt chunks) are marked as prefill is. Without
-    an integer matmul there is no batch_decode (it would be ``batch``)."""
+    ``batch``/``batch_last`` (prompt chunks) are marked as prefill is (the
+    GEMM). Without an integer matmul there is no batch_decode (it would be
+    ``batch``)."""
     from compiler.driver import BatchOptions, CompileOptions, build_graphs
-    from passes.int_dot import PROMPT_ROWS
+    from passes.int_dot import GEMM_ROWS
 
     m = _tiny_model(tmp_path, qtype)
     gs = build_graphs(m, CompileOptions(passes=("fuse_dequant", "int_dot"), batch=BatchOptions(4, 16, 3)))
@@ -363,10 +365,10 @@ def test_pass_marks_batch_graphs_of_decode_rows_only(tmp_path, qtype):
         mm = [n for n in g.nodes if n.op in ("matmul", "qmatmul")]
         for n in mm:
             if name == "batch_decode":
-                want = ("q8" if n.op == "qmatmul" else None, 3)
+                want = ("q8" if n.op == "qmatmul" else None, 3, None)
             else:
-                want = ("q8", PROMPT_ROWS) if n.op == "qmatmul" and qtype == "Q8_0" else (None, None)
-            assert (n.attrs.get("act"), n.attrs.get("decode_rows")) == want, (name, n.attrs)
+                want = ("q8", None, GEMM_ROWS) if n.op == "qmatmul" and qtype == "Q8_0" else (None, None, None)
+            assert (n.attrs.get("act"), n.attrs.get("decode_rows"), n.attrs.get("gemm")) == want, (name, n.attrs)
         assert mm, name
     gs = build_graphs(m, CompileOptions(passes=("fuse_dequant",), batch=BatchOptions(4, 16, 3)))
     assert set(gs) == {"batch", "batch_last"}

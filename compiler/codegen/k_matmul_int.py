@@ -27,8 +27,9 @@ Per call (one thread)
    own accumulators), instead of streaming and unpacking the weights again
    for every row. Every row does the one-row code's operations in its
    order, so each gets the decode step's numbers, bit for bit. Prompt
-   chunks come the same way (``decode_rows`` = ``passes.int_dot.PROMPT_ROWS``);
-   [T, K] without ``decode_rows`` run one row at a time.
+   chunks (``gemm``) run as a GEMM (``k_matmul_int_gemm``) where the host
+   and shape allow, else this way, ``_GEMM_FALLBACK_ROWS`` at a time;
+   [T, K] with neither attribute run one row at a time.
 2. Its share of the rows, ``_ROWS`` at a time (the kernel attribute ``rows``
    overrides it, and ``unroll`` the ``_UNROLL`` block groups per loop
    iteration), over the blocks ``G`` at a time (G = 2 at vector width 16: one
@@ -122,22 +123,37 @@ def slot_bytes(k: int) -> int:
     return ((k // QK) * 96 + 63) // 64 * 64
 
 
+#: rows quantized at once for a prompt chunk (``gemm``) that the GEMM does
+#: not take (rows not a multiple of its tile, no VNNI): decode's arithmetic
+#: ``PROMPT_ROWS`` at a time, as before the GEMM
+_GEMM_FALLBACK_ROWS = 8
+
+
 def slot_count(sig: KernelSig) -> int:
-    """Rows quantized at once: ``decode_rows`` for a batch of decode rows, else 1."""
-    return int(sig.attr.get("decode_rows", 1)) if len(sig.in_types[0].shape) > 1 else 1
+    """Rows quantized at once: ``decode_rows`` for a batch of decode rows,
+    ``_GEMM_FALLBACK_ROWS`` for a prompt chunk, else 1."""
+    if len(sig.in_types[0].shape) < 2:
+        return 1
+    return int(sig.attr.get("decode_rows", _GEMM_FALLBACK_ROWS if sig.attr.get("gemm") else 1))
 
 
 def scratch_floats(sig: KernelSig) -> int:
     """Per-thread scratch (float32 elements) the kernel needs: a slot per
     row quantized at once, plus 64 bytes slack (``act="q8k"``: the
-    K-quants' slots, ``k_matmul_int_kquants``)."""
+    K-quants' slots, ``k_matmul_int_kquants``); for a prompt chunk
+    (``gemm``), enough for the GEMM's too."""
     act = sig.attr.get("act")
     if sig.op in ("qmatmul", "qmatmul_rows") and act in ("q8", "q8k"):
         k = int(sig.in_types[1].shape[1])
         if act == "q8k":
             from .k_matmul_int_kquants import slot_bytes as kq_slot_bytes
-            return slot_count(sig) * kq_slot_bytes(k) // 4 + 16
-        return slot_count(sig) * slot_bytes(k) // 4 + 16
+            need = slot_count(sig) * kq_slot_bytes(k)
+        else:
+            need = slot_count(sig) * slot_bytes(k)
+        if sig.attr.get("gemm") and len(sig.in_types[0].shape) > 1:   # either kernel may run
+            from .k_matmul_int_gemm import scratch_bytes
+            need = max(need, scratch_bytes(sig))
+        return need // 4 + 16
     return 0
 
 
@@ -166,6 +182,22 @@ def _vnni_name(groups: int) -> str | None:
     if groups == 1 and ((t.has("avx512vnni") and t.has("avx512vl")) or t.has("avxvnni")):
         return "llvm.x86.avx512.vpdpbusd.256"
     return None
+
+
+def quantize_block(kb: KernelBuilder, at: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """The 32 values of x (input 0) at float index ``at`` as a q8 block
+    (``ir.ops.quantize_q8_rows``): <32 x i8> quants, d_x (a float16 value as
+    float32) and the int32 sum of the quants."""
+    b = kb.b
+    xv = kb.vload(kb.in_f32(0), at, QK)
+    amax = kb.hmax(kb.intrinsic("llvm.fabs", [xv]))
+    d = b.fpext(b.fptrunc(b.fdiv(amax, ir.Constant(F32, 127.0)), HALF), F32)
+    inv = b.select(b.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)),
+                   b.fdiv(ir.Constant(F32, 127.0), amax), ir.Constant(F32, 0.0))
+    r = kb.intrinsic("llvm.roundeven", [b.fmul(xv, kb.splat(inv, QK))])
+    q = b.fptosi(r, ir.VectorType(I8, QK))
+    sx = _call(kb, "llvm.vector.reduce.add.v32i32", I32, [b.sext(q, ir.VectorType(I32, QK))])
+    return q, d, sx
 
 
 class _IntKernel:
@@ -202,17 +234,9 @@ class _IntKernel:
     def quantize(self, xrow: ir.Value, sl: _Slot) -> None:
         """Row x[xrow / K] into slot ``sl``."""
         kb, b = self.kb, self.b
-        x = kb.in_f32(0)
         with kb.loop(0, self.nb, name="qblk") as j:
-            xv = kb.vload(x, b.add(xrow, b.mul(j, i64(QK))), QK)
-            amax = kb.hmax(kb.intrinsic("llvm.fabs", [xv]))
-            d = b.fpext(b.fptrunc(b.fdiv(amax, ir.Constant(F32, 127.0)), HALF), F32)
-            inv = b.select(b.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)),
-                           b.fdiv(ir.Constant(F32, 127.0), amax), ir.Constant(F32, 0.0))
-            r = kb.intrinsic("llvm.roundeven", [b.fmul(xv, kb.splat(inv, QK))])
-            q = b.fptosi(r, ir.VectorType(I8, QK))
+            q, d, sx = quantize_block(kb, b.add(xrow, b.mul(j, i64(QK))))
             kb.vstore(q, sl.q, b.mul(j, i64(QK)))
-            sx = _call(kb, "llvm.vector.reduce.add.v32i32", I32, [b.sext(q, ir.VectorType(I32, QK))])
             if self.offset:  # d_x (a float16) times |sx| <= 32 * 127 < 2^12: exact in float32
                 sxd = b.fmul(d, b.sitofp(sx, F32))
                 kb.vstore(b.insert_element(kb.vzero(8), sxd, i64(0)), sl.sxd, b.mul(j, i64(8)))
@@ -357,6 +381,9 @@ def emit_int_matvec(kb: KernelBuilder, sig: KernelSig) -> None:
         kern = KQuantIntKernel(kb, sig)
     else:
         kern = _IntKernel(kb, sig)
+    from .k_matmul_int_gemm import emit_int_gemm, use_gemm
+    if use_gemm(sig, kb.vw):
+        return emit_int_gemm(kb, sig, kern)
     b = kb.b
     lo, hi = kb.thread_share(kern.n)
     R = _tuned(kb, sig.attr, "rows", _ROWS if kern.k >= _LONG_ROW else 1)

@@ -159,6 +159,29 @@ def dpwssd(kb: KernelBuilder, acc: ir.Value, a: ir.Value, s: ir.Value) -> ir.Val
     return kb.b.add(acc, maddwd(kb, a, s))
 
 
+def quantize_q8k_block(kb: KernelBuilder, at: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """The 256 values of x (input 0) at float index ``at`` as a Q8_K block
+    (``ir.int_kquants.quantize_q8k_rows``): <256 x i8> quants, float32 d_x,
+    and the <16 x i16> sums of 16 consecutive quants."""
+    b = kb.b
+    zero = ir.Constant(F32, 0.0)
+    xv = kb.vload(kb.in_f32(0), at, QK_K)
+    amax = kb.hmax(kb.intrinsic("llvm.fabs", [xv]))
+    pos = b.fcmp_ordered(">", amax, zero)
+    iscale = b.select(pos, b.fdiv(ir.Constant(F32, 127.0), amax), zero)
+    d = b.select(pos, b.fdiv(ir.Constant(F32, 1.0), iscale), zero)
+    r = kb.intrinsic("llvm.roundeven", [b.fmul(xv, kb.splat(iscale, QK_K))])
+    q = b.fptosi(r, ir.VectorType(I8, QK_K))
+    v = b.sext(q, ir.VectorType(I16, QK_K))
+    g = 16
+    while g > 1:  # sums of 16 consecutive quants, by halving the groups
+        h, n = g // 2, v.type.count
+        lo = [grp * g + e for grp in range(n // g) for e in range(h)]
+        v = b.add(_shuffle(b, v, None, lo), _shuffle(b, v, None, [i + h for i in lo]))
+        g = h
+    return q, d, v
+
+
 class _Weights(NamedTuple):
     """One super-block of one weight row, unpacked for every row of a group."""
 
@@ -206,27 +229,12 @@ class KQuantIntKernel:
     def quantize(self, xrow: ir.Value, sl: KSlot) -> None:
         """Row x[xrow / K] into slot ``sl`` (``ir.int_kquants.quantize_q8k_rows``)."""
         kb, b = self.kb, self.b
-        x = kb.in_f32(0)
-        zero = ir.Constant(F32, 0.0)
         with kb.loop(0, self.nb, name="qblk") as j:
-            xv = kb.vload(x, b.add(xrow, b.mul(j, i64(QK_K))), QK_K)
-            amax = kb.hmax(kb.intrinsic("llvm.fabs", [xv]))
-            pos = b.fcmp_ordered(">", amax, zero)
-            iscale = b.select(pos, b.fdiv(ir.Constant(F32, 127.0), amax), zero)
-            d = b.select(pos, b.fdiv(ir.Constant(F32, 1.0), iscale), zero)
-            r = kb.intrinsic("llvm.roundeven", [b.fmul(xv, kb.splat(iscale, QK_K))])
-            q = b.fptosi(r, ir.VectorType(I8, QK_K))
+            q, d, v = quantize_q8k_block(kb, b.add(xrow, b.mul(j, i64(QK_K))))
             base = b.mul(j, i64(QK_K))
             for run in range(QK_K // RUN):
                 piece = _shuffle(b, q, None, list(range(RUN * run, RUN * run + RUN)))
                 kb.vstore(piece, sl.q, b.add(base, i64(RUN * self.pos[run])))
-            v = b.sext(q, ir.VectorType(I16, QK_K))
-            g = 16
-            while g > 1:  # sums of 16 consecutive quants, by halving the groups
-                h, n = g // 2, v.type.count
-                lo = [grp * g + e for grp in range(n // g) for e in range(h)]
-                v = b.add(_shuffle(b, v, None, lo), _shuffle(b, v, None, [i + h for i in lo]))
-                g = h
             kb.vstore(v, sl.bs, b.mul(j, i64(16)))
             kb.store(d, sl.dx, j)
 
@@ -265,30 +273,38 @@ class KQuantIntKernel:
             q = b.or_(q, b.and_(qh, _vc(I8, [16] * RUN)))
         return q
 
+    def scales(self, bp: ir.Value) -> tuple[ir.Value, ir.Value]:
+        """The super-block's integer sub-block scales as <16 x i16> (Q6_K:
+        its 16 scales; Q4_K / Q5_K: 8 scales, then 8 minimums) and its float
+        factors <2 x float>: d, and -dmin (Q6_K: 0)."""
+        kb, b = self.kb, self.b
+        if self.layout == "Q6_K":
+            sc = b.sext(self._bytes(bp, 192, 16), ir.VectorType(I16, 16))
+            d = b.fpext(b.load(b.bitcast(kb.gep(bp, 208), ir.PointerType(HALF)), align=1), F32)
+            return sc, b.insert_element(_vc(F32, [0.0, 0.0]), d, i64(0))
+        s = self._bytes(bp, 4, 16)   # 12 scale bytes + 4 quant bytes (still in the block)
+        # s < 4: sc = b[s] & 63, m = b[s+4] & 63
+        # s >= 4: sc = b[s+4] & 15 | (b[s-4] >> 6) << 4, m = b[s+4] >> 4 | (b[s] >> 6) << 4
+        lo = _shuffle(b, s, None, [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])
+        hi = _shuffle(b, s, None, [0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7])
+        v = b.or_(b.and_(lo, _vc(I8, [63] * 4 + [15] * 4 + [63] * 4 + [0] * 4)),
+                  b.and_(b.lshr(lo, _vc(I8, [4] * 16)), _vc(I8, [0] * 12 + [15] * 4)))
+        v = b.or_(v, b.and_(b.lshr(hi, _vc(I8, [2] * 16)), _vc(I8, ([0] * 4 + [0x30] * 4) * 2)))
+        dd = b.fpext(b.load(b.bitcast(bp, ir.PointerType(ir.VectorType(HALF, 2))), align=1), ir.VectorType(F32, 2))
+        return b.zext(v, ir.VectorType(I16, 16)), b.fmul(dd, _vc(F32, [1.0, -1.0]))
+
     def _weights(self, bp: ir.Value) -> _Weights:
         kb, b = self.kb, self.b
         u = [_concat(b, [self._run(bp, r) for r in c]) for c in self.runs]
+        sc, f2 = self.scales(bp)
         if self.layout == "Q6_K":
-            sc = b.sext(self._bytes(bp, 192, 16), ir.VectorType(I16, 16))
             lanes = [[2 * r] * 8 + [2 * r + 1] * 8 for r in range(8)]
             bias = self._widen16(b.mul(sc, _vc(I16, [-32] * 16)))
-            d = b.fpext(b.load(b.bitcast(kb.gep(bp, 208), ir.PointerType(HALF)), align=1), F32)
-            f = kb.splat(d, self.L)
-        else:
-            s = self._bytes(bp, 4, 16)   # 12 scale bytes + 4 quant bytes (still in the block)
-            # s < 4: sc = b[s] & 63, m = b[s+4] & 63
-            # s >= 4: sc = b[s+4] & 15 | (b[s-4] >> 6) << 4, m = b[s+4] >> 4 | (b[s] >> 6) << 4
-            lo = _shuffle(b, s, None, [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])
-            hi = _shuffle(b, s, None, [0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7])
-            v = b.or_(b.and_(lo, _vc(I8, [63] * 4 + [15] * 4 + [63] * 4 + [0] * 4)),
-                      b.and_(b.lshr(lo, _vc(I8, [4] * 16)), _vc(I8, [0] * 12 + [15] * 4)))
-            v = b.or_(v, b.and_(b.lshr(hi, _vc(I8, [2] * 16)), _vc(I8, ([0] * 4 + [0x30] * 4) * 2)))
-            sc = b.zext(v, ir.VectorType(I16, 16))          # lanes 0-7 scales, 8-15 mins
+            f = _shuffle(b, f2, None, [0] * self.L)
+        else:                                               # sc: lanes 0-7 scales, 8-15 mins
             lanes = [[r] * 16 for r in range(8)]
             bias = _shuffle(b, sc, None, [8 + i // 2 for i in range(16)])
-            dd = b.fpext(b.load(b.bitcast(bp, ir.PointerType(ir.VectorType(HALF, 2))), align=1),
-                         ir.VectorType(F32, 2))
-            f = _shuffle(b, b.fmul(dd, _vc(F32, [1.0, -1.0])), None, [0] * 8 + [1] * 8)
+            f = _shuffle(b, f2, None, [0] * 8 + [1] * 8)
         scs = [_shuffle(b, sc, None, [i for r in c for i in lanes[r]]) for c in self.runs]
         return _Weights(u, scs, bias, f)
 

@@ -377,9 +377,9 @@ def build_case(p: Problem, int_dot: bool) -> Case:
             if int_dot:
                 attrs["act"] = int_act(layout)
                 if kind == "qmatmul":   # prompt rows, as passes/int_dot marks them
-                    from passes.int_dot import PROMPT_ROWS
+                    from passes.int_dot import GEMM_ROWS
 
-                    attrs["decode_rows"] = PROMPT_ROWS
+                    attrs["gemm"] = GEMM_ROWS
             want = ops.qmatmul_ref(x, w, **attrs)
         check = _dot_check(x, w, C)
         case = Case(op, [xt, w.type], attrs, [x, w], want, lambda g: check(g, want),

@@ -1,0 +1,310 @@
+"""Prompt chunks on the integer path as a register-blocked int8 GEMM (the
+``gemm`` attribute, set by ``passes/int_dot`` on prompt graphs only).
+
+The decode kernel (``k_matmul_int``) puts 32 values of one weight row in a
+vector's lanes: per (row, token, block group) one ``vpdpbusd`` and three
+float instructions for 64 products, and a horizontal sum per output. Here
+the lanes hold W output rows instead (W = 16 at vector width 16, 8 at 8),
+as oneDNN's and llama.cpp's repacked VNNI GEMMs do:
+
+1. Every thread quantizes up to ``gemm`` token rows into its scratch (the
+   q8 numbers of ``ir.ops.quantize_q8_rows``; per block also the scalar
+   -bias * sum(q_x), or d_x * sum(q_x) for the offset layouts, and d_x).
+2. Per tile of W weight rows of its share and per chunk of ``KC`` blocks,
+   the tile is unpacked once into scratch in VNNI order: per 32-value block
+   8 vectors of [W rows x 4 consecutive values] unsigned bytes (the decode
+   kernel's biased quants, transposed), W float scales (and W minimums).
+3. Then all tokens, ``P`` at a time (the 8 weight vectors of a block stay in
+   registers across them): per token and block, the int32 lanes start at
+   the broadcast bias correction, take 8 ``vpdpbusd`` with 4 activation
+   bytes broadcast, are converted to float and FMA'd into the token's
+   accumulator with scale x d_x (offset layouts: one more FMA, m_w x
+   d_x sum(q_x)). 12 instructions for 16 x 32 products.
+
+Each token's accumulator is one FMA chain over all blocks in order,
+continued across K chunks through the output row (stored, reloaded: exact),
+so a token's result does not depend on T, its place in the chunk, P or KC:
+chunked prefill and the prefix cache see the same bits for the same row.
+The numbers are not the decode step's (no 8-lane split, no horizontal
+sum), which graphs of decode rows (``batch_decode``, ``verify``) need: they
+never carry the attribute. Float32 in another order than the reference's
+float64: the integer tests' tolerance applies.
+"""
+from __future__ import annotations
+
+import llvmlite.ir as ir
+
+from .emit import F32, I32, KernelBuilder, i64
+from .k_matmul import HALF, _tuned
+from .k_matmul_int import _call, quantize_block
+from .kernels import KernelSig
+from .target import host_target
+
+QK = 32
+I8 = ir.IntType(8)
+#: tokens per register block (each: an int32 and a float accumulator beside
+#: a block's 8 weight vectors: 8 + 16 + scales fit the 32 AVX-512 registers)
+_P = 8
+#: blocks per K chunk: the unpacked tile (640 bytes a block at W = 16)
+#: and P tokens' activations for the chunk stay in L1
+_KC = 32
+
+
+def gemm_width(vw: int) -> int | None:
+    """Output rows per tile at vector width ``vw``, if the host has the
+    ``vpdpbusd`` for it; None: no GEMM (the decode kernel's path)."""
+    t = host_target()
+    if not t.triple.startswith("x86_64"):
+        return None
+    if vw >= 16 and t.has("avx512vnni"):
+        return 16
+    if vw == 8 and ((t.has("avx512vnni") and t.has("avx512vl")) or t.has("avxvnni")):
+        return 8
+    return None
+
+
+def use_gemm(sig: KernelSig, vw: int) -> bool:
+    """The GEMM runs for a [T, K] ``qmatmul`` marked ``gemm`` whose rows fill tiles."""
+    if not sig.attr.get("gemm") or sig.attr.get("act") not in ("q8", "q8k") or len(sig.in_types[0].shape) < 2:
+        return False
+    w = gemm_width(vw)
+    return w is not None and int(sig.in_types[1].shape[0]) % w == 0
+
+
+def act_slot_bytes(k: int) -> int:
+    """Scratch of one quantized token row: K quants, per block an int32 (or
+    float32) correction and a float32 d_x, rounded up to a cache line."""
+    return (k + 8 * (k // QK) + 63) // 64 * 64
+
+
+def tile_block_bytes(w: int) -> int:
+    """One unpacked block of a W-row tile: 8 vectors of W x 4 bytes, W
+    scales, W minimums (offset layouts; reserved for all)."""
+    return 8 * 4 * w + 8 * w
+
+
+def scratch_bytes(sig: KernelSig) -> int:
+    """Per-thread scratch of the GEMM (at W = 16, an upper bound for 8)."""
+    k = int(sig.in_types[1].shape[1])
+    if sig.attr.get("act") == "q8k":
+        from . import k_matmul_int_gemm_kquants as kq
+        kc = min(int(sig.attr.get("kc", kq.KC_K)), k // kq.QK_K)
+        return int(sig.attr["gemm"]) * kq.act_slot_bytes(k) + kc * kq.block_bytes(16)
+    kc = min(int(sig.attr.get("kc", _KC)), k // QK)
+    return int(sig.attr["gemm"]) * act_slot_bytes(k) + kc * tile_block_bytes(16)
+
+
+def _vc(t: ir.Type, values: list) -> ir.Constant:
+    return ir.Constant(ir.VectorType(t, len(values)), values)
+
+
+def _shuffle(b: ir.IRBuilder, x: ir.Value, y: ir.Value, idx: list[int]) -> ir.Value:
+    return b.shuffle_vector(x, y, _vc(I32, idx))
+
+
+def _concat(b: ir.IRBuilder, parts: list[ir.Value]) -> ir.Value:
+    while len(parts) > 1:
+        n = parts[0].type.count
+        parts = [_shuffle(b, parts[i], parts[i + 1], list(range(2 * n))) for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def transpose(b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:
+    """W rows of <C x i32> -> C vectors of <W x i32> (vector i, lane r = rows[r][i]):
+    rows j, j + C, ... joined into vector j, then log2 C butterfly stages
+    exchanging a bit of the vector index with the same bit of the column."""
+    w, c = len(rows), rows[0].type.count
+    z = [_concat(b, [rows[j + c * h] for h in range(w // c)]) for j in range(c)]
+    bit = 1
+    while bit < c:
+        for j in range(c):
+            if j & bit:
+                continue
+            lo = [l if not (l % c) & bit else w + l - bit for l in range(w)]
+            hi = [l + bit if not (l % c) & bit else w + l for l in range(w)]
+            z[j], z[j | bit] = _shuffle(b, z[j], z[j | bit], lo), _shuffle(b, z[j], z[j | bit], hi)
+        bit *= 2
+    return z
+
+
+class GemmBase:
+    """What the GEMM of every layout shares: token slots and the unpacked
+    tile in scratch, broadcasts, and a register block of tokens against a
+    K chunk (``tokens``). A layout supplies ``unit`` (values per block),
+    ``slot_bytes``, ``block_bytes``, ``quantize``, ``unpack`` and ``block``."""
+
+    unit = QK
+
+    def __init__(self, kb: KernelBuilder, sig: KernelSig, kern, slot_bytes: int, block_bytes: int,
+                 kc: int) -> None:
+        self.kb, self.b, self.kern = kb, kb.b, kern
+        self.W = gemm_width(kb.vw)
+        self.k, self.nb = kern.k, kern.nb
+        self.ts = int(sig.attr["gemm"])
+        self.P = _tuned(kb, sig.attr, "tokens", _P)
+        self.kc = min(_tuned(kb, sig.attr, "kc", kc), self.nb)
+        self.slot_bytes, self.block_bytes = slot_bytes, block_bytes
+        self.tile = kb.gep(kb.scratch, self.ts * slot_bytes)
+        self.vf = ir.VectorType(F32, self.W)
+        self.vi = ir.VectorType(I32, self.W)
+        self.vnni = "llvm.x86.avx512.vpdpbusd.512" if self.W == 16 else "llvm.x86.avx512.vpdpbusd.256"
+
+    def slot(self, s: ir.Value) -> ir.Value:
+        return self.kb.gep(self.kb.scratch, self.b.mul(s, i64(self.slot_bytes)))
+
+    def tile_block(self, jj: ir.Value) -> ir.Value:
+        return self.kb.gep(self.tile, self.b.mul(jj, i64(self.block_bytes)))
+
+    def bcast(self, p: ir.Value, t: ir.Type) -> ir.Value:
+        """A 4-byte scalar at i8* p, broadcast to W lanes of type t."""
+        b = self.b
+        return self.kb.splat(b.load(b.bitcast(p, ir.PointerType(t)), align=1), self.W)
+
+    def vec(self, p: ir.Value, at: int, t: ir.Type = F32) -> ir.Value:
+        """W lanes of type t at byte ``at`` of i8* p."""
+        return self.kb.vload(self.b.bitcast(self.kb.gep(p, at), ir.PointerType(t)), 0, self.W)
+
+    def dots(self, a: ir.Value, ws: list[ir.Value], q: ir.Value) -> ir.Value:
+        """a + the weight vectors ws times the activation quants at i8* q,
+        4 bytes broadcast per vector."""
+        kb, b = self.kb, self.b
+        v8 = ir.VectorType(I8, 4 * self.W)
+        for i, w in enumerate(ws):
+            a = _call(kb, self.vnni, self.vi, [a, w, b.bitcast(self.bcast(kb.gep(q, 4 * i), I32), v8)])
+        return a
+
+    def tokens(self, r0: ir.Value, c0: int, nblk: int, s0: ir.Value, t0: ir.Value, P: int) -> None:
+        """Tokens in slots s0 .. s0+P-1 (token rows t0 + slot) against the
+        unpacked blocks c0 .. c0+nblk-1 of the tile at r0: each token's
+        accumulator continues the chain from the output row (zero at block 0)."""
+        kb, b, kern, W = self.kb, self.b, self.kern, self.W
+        outs = [kb.gep(kern.out, b.add(b.mul(b.add(t0, b.add(s0, i64(p))), i64(kern.n_out)), r0)) for p in range(P)]
+        slots = [self.slot(b.add(s0, i64(p))) for p in range(P)]
+        accs = [ir.Constant(self.vf, [0.0] * W)] * P if c0 == 0 else [kb.vload(o, 0, W) for o in outs]
+        with kb.loop_carry(0, nblk, accs, name="gb") as (jj, cur, setv):
+            setv(self.block(b.add(jj, i64(c0)), self.tile_block(jj), slots, list(cur)))
+        for o, v in zip(outs, kb.last_carry):
+            kb.vstore(v, o, 0)
+
+
+class Q8Gemm(GemmBase):
+    """The 32-value block layouts (Q8_0, Q4_0, Q5_0, Q4_1, Q5_1): scratch,
+    quantization, unpacking into VNNI order with the decode kernel's
+    biases, and the microkernel."""
+
+    def __init__(self, kb: KernelBuilder, sig: KernelSig, kern) -> None:
+        super().__init__(kb, sig, kern, act_slot_bytes(kern.k), tile_block_bytes(gemm_width(kb.vw)), _KC)
+
+    def _gather(self, ptrs: list[ir.Value], off: int, t: ir.Type) -> ir.Value:
+        """<W x t>: the scalar at byte ``off`` of each row's block."""
+        b = self.b
+        v = ir.Constant(ir.VectorType(t, len(ptrs)), ir.Undefined)
+        for r, p in enumerate(ptrs):
+            q = b.bitcast(self.kb.gep(p, off), ir.PointerType(t))
+            v = b.insert_element(v, b.load(q, align=1), i64(r))
+        return v
+
+    def unpack(self, r0: ir.Value, j: ir.Value, dst: ir.Value) -> None:
+        """Block j of rows r0 .. r0+W-1 into ``dst`` (i8*): 8 vectors of
+        <4W x i8>, then W float32 scales d_w, then W minimums m_w."""
+        kern, kb, b, W = self.kern, self.kb, self.b, self.W
+        ptrs = [kern._block_ptr(b.add(r0, i64(r)), j) for r in range(W)]
+        lay = kern.layout
+        v4w = ir.VectorType(I8, 4 * W)
+        if lay == "Q8_0":
+            rows = [b.bitcast(b.xor(kb.vload(p, 2, QK), _vc(I8, [0x80] * QK)), ir.VectorType(I32, 8)) for p in ptrs]
+            vecs = [b.bitcast(v, v4w) for v in transpose(b, rows)]
+        else:
+            rows = [b.bitcast(kb.vload(p, kern.bb - 16, 16), ir.VectorType(I32, 4)) for p in ptrs]
+            cols = [b.bitcast(v, v4w) for v in transpose(b, rows)]
+            lo = [b.and_(v, _vc(I8, [0x0F] * 4 * W)) for v in cols]
+            hi = [b.lshr(v, _vc(I8, [4] * 4 * W)) for v in cols]
+            vecs = lo + hi
+            if lay in ("Q5_0", "Q5_1"):
+                h = self._gather(ptrs, 2 if lay == "Q5_0" else 4, I32)
+                vecs = [b.or_(v, self._high_bits(h, i)) for i, v in enumerate(vecs)]
+        for i, v in enumerate(vecs):
+            kb.vstore(v, dst, 4 * W * i)
+        f = ir.PointerType(F32)
+        kb.vstore(b.fpext(self._gather(ptrs, 0, HALF), ir.VectorType(F32, W)), b.bitcast(kb.gep(dst, 32 * W), f), 0)
+        if kern.offset:
+            kb.vstore(b.fpext(self._gather(ptrs, 2, HALF), ir.VectorType(F32, W)),
+                      b.bitcast(kb.gep(dst, 36 * W), f), 0)
+
+    def _high_bits(self, h: ir.Value, i: int) -> ir.Value:
+        """<4W x i8>: 16 in byte c of lane r where bit 4i + c of row r's qh is set
+        (the 4 bits spread to bytes by one multiply: no carries)."""
+        b, W = self.b, self.W
+        c = lambda x: _vc(I32, [x] * W)  # noqa: E731
+        nib = b.and_(b.lshr(h, c(4 * i)), c(0xF)) if i else b.and_(h, c(0xF))
+        spread = b.and_(b.mul(b.shl(nib, c(4)), c(0x00204081)), c(0x10101010))
+        return b.bitcast(spread, ir.VectorType(I8, 4 * W))
+
+    def quantize(self, xrow: ir.Value, s: ir.Value) -> None:
+        """Token row x[xrow / K] into slot s: quants, then per block the
+        int32 seed -bias * sum(q_x) (offset layouts: float32 d_x sum(q_x)), then d_x."""
+        kb, b, kern = self.kb, self.b, self.kern
+        sp = self.slot(s)
+        cor = b.bitcast(kb.gep(sp, self.k), ir.PointerType(I32))
+        dxp = b.bitcast(kb.gep(sp, self.k + 4 * self.nb), ir.PointerType(F32))
+        with kb.loop(0, self.nb, name="gq") as j:
+            q, d, sx = quantize_block(kb, b.add(xrow, b.mul(j, i64(QK))))
+            kb.vstore(q, sp, b.mul(j, i64(QK)))
+            if kern.offset:   # exact in float32, as the decode kernel's
+                kb.store(b.bitcast(b.fmul(d, b.sitofp(sx, F32)), I32), cor, j)
+            else:
+                kb.store(b.mul(sx, ir.Constant(I32, -kern.bias)), cor, j)
+            kb.store(d, dxp, j)
+
+    def block(self, j: ir.Value, tb: ir.Value, slots: list[ir.Value], accs: list[ir.Value]) -> list[ir.Value]:
+        """Block j (unpacked at tb) into every slot's accumulator: 8 weight
+        vectors loaded once, per token 8 ``vpdpbusd``, convert, FMA."""
+        kb, b, kern, W = self.kb, self.b, self.kern, self.W
+        ws = [kb.vload(tb, 4 * W * i, 4 * W) for i in range(8)]
+        sc = self.vec(tb, 32 * W)
+        mw = self.vec(tb, 36 * W) if kern.offset else None
+        new = []
+        for sp, acc in zip(slots, accs):
+            cor = kb.gep(sp, b.add(i64(self.k), b.mul(j, i64(4))))
+            a = ir.Constant(self.vi, [0] * W) if kern.offset else self.bcast(cor, I32)
+            a = self.dots(a, ws, kb.gep(sp, b.mul(j, i64(QK))))
+            dx = self.bcast(kb.gep(sp, b.add(i64(self.k + 4 * self.nb), b.mul(j, i64(4)))), F32)
+            acc = kb.fma(b.sitofp(a, self.vf), b.fmul(sc, dx), acc)
+            if mw is not None:
+                acc = kb.fma(mw, self.bcast(cor, F32), acc)
+            new.append(acc)
+        return new
+
+
+def emit_int_gemm(kb: KernelBuilder, sig: KernelSig, kern) -> None:
+    """Per ``gemm`` tokens: quantize them; per tile of this thread's rows
+    and K chunk: unpack the tile once, then every token, P at a time (the
+    rest in blocks of the powers of two below P)."""
+    if sig.attr.get("act") == "q8k":
+        from .k_matmul_int_gemm_kquants import KQGemm
+        g: GemmBase = KQGemm(kb, sig, kern)
+    else:
+        g = Q8Gemm(kb, sig, kern)
+    b, W, P = kb.b, g.W, g.P
+    lo, hi = kb.thread_share(kern.n // W)
+    m = kb.rows_of(kern.xt.shape)
+    with kb.loop(0, m, step=g.ts, name="gts") as t0:
+        left = b.sub(m, t0)
+        n = b.select(b.icmp_signed("<", left, i64(g.ts)), left, i64(g.ts))
+        with kb.loop(0, n, name="gquant") as s:
+            g.quantize(b.mul(b.add(t0, s), i64(kern.k)), s)
+        with kb.loop(lo, hi, name="gtile") as tile:
+            r0 = b.mul(tile, i64(W))
+            for c0 in range(0, kern.nb, g.kc):
+                nblk = min(g.kc, kern.nb - c0)
+                with kb.loop(0, nblk, name="gunpack") as jj:
+                    g.unpack(r0, b.add(jj, i64(c0)), g.tile_block(jj))
+                rest = b.srem(n, i64(P))
+                n_main = b.sub(n, rest)
+                with kb.loop(0, n_main, step=P, name="gtok") as s0:
+                    g.tokens(r0, c0, nblk, s0, t0, P)
+                q = 1 << max(0, (P - 1).bit_length() - 1)
+                while q >= 1 and P > 1:
+                    with kb.if_then(b.icmp_signed("!=", b.and_(rest, i64(q)), i64(0))):
+                        g.tokens(r0, c0, nblk, b.add(n_main, b.and_(rest, i64(-2 * q))), t0, q)
+                    q //= 2
