@@ -1,7 +1,7 @@
 """Chat on the two real instruct models: prompts tokenized with control tokens
 only where the template wrote them, replies greedy-equal to llama.cpp's until
-a near-tie, a KV cache that keeps the conversation, the context's end, and
-``lmc chat`` as a user calls it."""
+a position that is not decisive, a KV cache that keeps the conversation, the
+context's end, and ``lmc chat`` as a user calls it."""
 from __future__ import annotations
 
 import json
@@ -72,9 +72,11 @@ def test_chat_ids_are_llama_cpps_for_ordinary_content(models, name):
 @pytest.mark.parametrize("name", [SMOLLM2, QWEN])
 def test_greedy_reply_agrees_with_llama_cpp_until_a_near_tie(models, name, tmp_path):
     """lmc chat MODEL --messages conv.json --temp 0 --json against llama.cpp's
-    greedy reply: equal token for token until llama.cpp's top two are within
-    0.1 nats (quantized matmuls round differently there); where each departs
-    is printed."""
+    greedy reply: equal token for token until a position that is not decisive
+    in llama.cpp (its top two within 0.5 nats, the threshold test_families and
+    test_gemma use: both engines quantize activations to int8 and round
+    differently, which moves a 135M model's logits by a few tenths), and there
+    our token must be llama.cpp's runner-up. Where each departs is printed."""
     path = models[name]
     n = 48
     refs = llamacpp_requests(path, "/v1/chat/completions",
@@ -92,13 +94,15 @@ def test_greedy_reply_agrees_with_llama_cpp_until_a_near_tie(models, name, tmp_p
         want = [t["id"] for t in theirs]
         got = ours["generated_ids"]
         same = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-        tie = next((k for k, t in enumerate(theirs)
-                    if len(t["top_logprobs"]) > 1 and t["top_logprobs"][0]["logprob"] - t["top_logprobs"][1]["logprob"]
-                    < 0.1), len(theirs))
-        print(f"{name} conversation {i}: {same} leading tokens equal (of {len(got)} / {len(want)}), first near-tie "
-              f"in llama.cpp at {tie}; reply {ours['text'][:60]!r}")
+        gap = [t["top_logprobs"][0]["logprob"] - t["top_logprobs"][1]["logprob"] if len(t["top_logprobs"]) > 1
+               else float("inf") for t in theirs]
+        print(f"{name} conversation {i}: {same} leading tokens equal (of {len(got)} / {len(want)}); "
+              f"llama.cpp's top-2 gap there {gap[same] if same < len(gap) else float('nan'):.3f}; "
+              f"reply {ours['text'][:60]!r}")
         if same < min(len(got), len(want)):
-            assert same >= tie, f"departs at {same} before any near-tie (first at {tie})"
+            assert gap[same] < 0.5, f"departs at {same}, a decisive position (llama.cpp's gap {gap[same]:.3f})"
+            runner_up = theirs[same]["top_logprobs"][1]["id"]
+            assert got[same] == runner_up, f"at {same} we chose {got[same]}, not llama.cpp's runner-up {runner_up}"
         else:
             assert len(got) == len(want) or ours["stop_reason"] == "eos" or ref["choices"][0]["finish_reason"] == "stop"
         if ref["choices"][0]["finish_reason"] == "stop" and same == len(want):
