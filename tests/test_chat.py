@@ -133,15 +133,24 @@ def test_each_turn_prefills_only_what_is_new(smollm2):
 
 
 def test_a_turn_equals_a_fresh_run_of_the_same_conversation(models, smollm2):
-    """Reusing the cache changes nothing a user sees: the second turn's
-    greedy reply equals that of a model that reads the whole conversation at
-    once (the interpreter's float64-free reference run of the same ids)."""
+    """Reusing the cache changes nothing but rounding: the second turn's
+    greedy reply, read back in one fresh prefill of the whole conversation,
+    is that prefill's argmax at every decisive position (top two 0.5 nats
+    apart or more). Not bit for bit: the cached run computed the first reply's rows as
+    decode steps, a fresh run computes them as a prompt chunk (the integer
+    GEMM, which sums in another order)."""
     s = ChatSession(smollm2, None, ChatSettings(max_new_tokens=12, sampling=dict(temperature=0.0)))
     "".join(s.send("Name a fruit."))
-    second = "".join(s.send("And a vegetable?"))
-    ids = smollm2.last_completion.prompt_ids
-    fresh = runtime.load(models[SMOLLM2], threads=2)
-    assert fresh.complete(ids, 12, temperature=0.0, reuse_cache=False) == second
+    "".join(s.send("And a vegetable?"))
+    prompt, reply = smollm2.last_completion.prompt_ids, smollm2.last_completion.generated_ids
+    fresh = runtime.load(models[SMOLLM2], threads=2).logits(prompt + reply)[len(prompt) - 1:]
+    decisive = 0
+    for k, tok in enumerate(reply):
+        top2 = np.sort(fresh[k])[-2:]
+        if top2[1] - top2[0] >= 0.5:
+            decisive += 1
+            assert int(np.argmax(fresh[k])) == tok, f"reply token {k}: {tok}, a fresh run's is {np.argmax(fresh[k])}"
+    assert decisive >= len(reply) // 2, f"only {decisive} of {len(reply)} positions decisive: compares too little"
 
 
 def test_the_oldest_turns_go_when_the_context_is_full(models):
