@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import runtime
+from compiler.codegen.kernels import KernelSig
 from compiler.driver import CompileOptions, build_graphs, load_model, model_graph
 from ir.interp import new_state, run
 from passes.memory_budget import (MiB, BudgetError, ModelSizes, WeightInfo, parse_size, plan_memory,
@@ -122,6 +123,10 @@ def test_split_rows_keeps_the_interpreters_outputs(tmp_path):
         blocks = [n for n in b.nodes if n.op == "qmatmul_rows"]
         assert len(blocks) == 5 and not any(n.op == "qmatmul" and n.inputs[1].name == "token_embd"
                                             for n in b.nodes)
+        # row0 is the lowering's output offset, not the kernel's: blocks of one height (after the
+        # first, which has no result to add to) share a kernel
+        shapes = {(len(n.inputs), n.inputs[1].type.shape[0]) for n in blocks}
+        assert len({KernelSig.of(n) for n in blocks}) == len(shapes) == 3
         assert "token_embd" in b.weights  # the embedding lookup still reads the whole table
         ra = run(a, feeds[mode], new_state(a))["logits"]
         rb = run(b, feeds[mode], new_state(b))["logits"]

@@ -18,7 +18,7 @@ from ir.types import TensorType
 
 from .emit import I8P, I64, KERNEL_TYPE, N_INPUTS, VOID
 from .jit import LoadedCode, emit_object
-from .kernels import KernelSig, emit_kernel
+from .kernels import KernelSig, emit_kernel, kernel_attrs
 from .lower import STEP_TYPE, Ctl, _Lowering
 from .target import host_target
 
@@ -84,7 +84,7 @@ def run_kernel_like_reference(sig: KernelSig, args: Sequence[Any], pos: int = 0,
 def sig_for(op: str, in_types: Sequence[TensorType], **attrs: Any) -> KernelSig:
     """The signature of ``op`` applied to ``in_types`` (output from the rule)."""
     out = get_op(op).infer(list(in_types), attrs)
-    return KernelSig(op, tuple(in_types), out, tuple(sorted(attrs.items())))
+    return KernelSig(op, tuple(in_types), out, tuple(sorted(kernel_attrs(op, attrs).items())))
 
 
 def scratch_floats_for(sig: KernelSig) -> int:

@@ -439,13 +439,14 @@ def _tuned(kb: KernelBuilder, attrs: dict, name: str, default: int) -> int:
 def out_rows(kb: KernelBuilder, sig: KernelSig) -> tuple[ir.Value, int]:
     """Where a matmul's rows go and the output's row stride. ``qmatmul_rows``
     (a row block of a weight split for streaming) writes its rows into the
-    full-width result at ``row0``; every other matmul owns its output."""
+    full-width result; the lowering passes the output pointer at its first
+    row (``row0``), so the kernel knows only the stride ``n_total``. Every
+    other matmul owns its output."""
     out = kb.out_f32()
     n = _as_int(sig.in_types[1].shape[0])
     if sig.op != "qmatmul_rows":
         return out, n
-    a = sig.attr
-    return kb.gep(out, int(a["row0"])), int(a["n_total"])
+    return out, int(sig.attr["n_total"])
 
 
 @kernel("matmul", "qmatmul", "qmatmul_rows")

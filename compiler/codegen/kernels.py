@@ -29,7 +29,7 @@ class KernelSig:
     @classmethod
     def of(cls, node: Node) -> "KernelSig":
         return cls(node.op, tuple(v.type for v in node.inputs), node.output.type,
-                   tuple(sorted(node.attrs.items())))
+                   tuple(sorted(kernel_attrs(node.op, node.attrs).items())))
 
     @property
     def attr(self) -> dict[str, Any]:
@@ -39,6 +39,15 @@ class KernelSig:
     def name(self) -> str:
         h = sha1(repr(self).encode()).hexdigest()[:10]
         return f"k_{self.op}_{h}"
+
+
+def kernel_attrs(op: str, attrs: dict[str, Any]) -> dict[str, Any]:
+    """The attributes a kernel is specialised on: a node's, but where a row
+    block of a split weight writes (``row0``), which is the output pointer
+    the lowering passes, so the blocks of one weight share a kernel."""
+    if op == "qmatmul_rows":
+        return {k: v for k, v in attrs.items() if k != "row0"}
+    return attrs
 
 
 #: op name -> emitter(kb, sig) that writes the kernel body (kb.finish() is

@@ -229,6 +229,8 @@ class _Lowering:
                 out = b.gep(arena, [i64(plan.offsets[node.output.name])], inbounds=True)
             ptr[id(node.output)] = out
             args = [ptr[id(v)] for v in node.inputs] + [null] * (N_INPUTS - len(node.inputs))
+            if node.op == "qmatmul_rows":   # the kernel writes from its block's first row on (KernelSig.of)
+                out = b.gep(out, [i64(4 * int(node.attrs["row0"]))], inbounds=True)
             b.call(self.kernel(KernelSig.of(node)), [out, *args, pos, T, tid, nt, scratch])
             if self.profile:
                 b.call(self.barrier, [ctl])
