@@ -441,3 +441,24 @@ def test_sampling_with_a_model_drafter(single):
         assert c.last.finish_reason in ("stop", "length") and c.last.usage["completion_tokens"] == len(c.ids)
         assert all(0 <= t < single.config.vocab_size for t in c.ids)
     assert eng.blocks.used == 0
+
+
+@needs_shared
+@pytest.mark.parametrize("name", ["draft", "draft-layers-1"])
+def test_model_drafters_on_the_interpreter(name):
+    """The interpreter's paged steps take the same drafters (the reference
+    backend): the same greedy tokens as without them, drafts checked."""
+    def interp(max_batch: int):
+        return runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, ctx=CTX, backend="interp",
+                            batch=runtime.BatchOptions(block_size=BS, max_batch=max_batch))
+
+    plain_model = interp(4)
+    ps = prompts(plain_model, 3, seed=4)
+    plain = [request(p, 20) for p in ps]
+    run_all(engine_for(plain_model, max_batch=3), [r for r, _ in plain])
+    model = interp(3 + 4)
+    eng = engine_for(model, max_batch=3, drafter=build_pool_drafter(model, DRAFTERS[name]()))
+    pairs = [request(p, 20) for p in ps]
+    run_all(eng, [r for r, _ in pairs])
+    assert [c.ids for _, c in pairs] == [c.ids for _, c in plain]
+    assert counts(eng)[0] > 0 and eng.blocks.used == 0
