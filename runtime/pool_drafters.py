@@ -94,7 +94,6 @@ class PoolModelDrafter(PoolDrafter):
         self.name = name
         self.own_pool = own_pool
         self.owner = owner   # what keeps the executor alive (a draft Model), if anything
-        self.calls = 0       # native steps run (drafting and keeping the pool in step)
 
     def propose(self, seqs: Sequence[Any], ns: Sequence[int], pool: DraftPool) -> list[Draft]:
         # blocks first: the draft writes rows at the drafted positions (all but the last)
@@ -147,7 +146,6 @@ class PoolModelDrafter(PoolDrafter):
             w = max(len(t) for t in tabs)
             out.append(self.ex.batch([t for _, t, _ in part], [p for _, _, p in part],
                                      [t + [0] * (w - len(t)) for t in tabs], decode=True))
-            self.calls += 1
         return out[0] if len(out) == 1 else np.concatenate(out)
 
     def prefill(self, seq: Any, stop: int, table: list[int]) -> None:
@@ -155,7 +153,6 @@ class PoolModelDrafter(PoolDrafter):
             return
         lo = seq.draft_kv
         self.ex.batch(seq.tokens[lo:stop], list(range(lo, stop)), [table] * (stop - lo), last_only=True)
-        self.calls += 1
         seq.draft_kv = stop
 
     def copy_block(self, src: int, dst: int) -> None:
