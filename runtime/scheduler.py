@@ -8,11 +8,12 @@ thread owns everything else. Each step it
 2. runs one chunk of the oldest unfinished prompt (``prefill_chunk``
    tokens), so a long prompt never stalls the others' tokens for long,
 3. runs one native step for every sequence that is generating: B rows,
-   one token each, every weight read once for all of them; a request with
-   prompt lookup (``Request.lookup``) adds the tokens its history proposes
-   (``runtime.speculative``) as rows of its own while the step has room,
-   and keeps those the model agrees with (greedy: its output is the one
-   plain decoding gives, token for token),
+   one token each, every weight read once for all of them; a speculating
+   request adds the tokens a drafter proposes (``runtime.pool_drafters``:
+   the server's draft model, or prompt lookup when ``Request.lookup`` asks)
+   as rows of its own while the step has room, and keeps those the model
+   agrees with (``runtime.speculative.accept``; greedy: its output is the
+   one plain decoding gives, token for token),
 4. samples each sequence's next token with its own sampler, turns tokens
    into text (stop strings held back), and retires finished sequences.
 
@@ -35,8 +36,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .block_manager import BlockManager, OutOfBlocks
+from .pool_drafters import PoolDrafter, PoolLookup
 from .sampling import Sampler, SamplerConfig
-from .speculative import MAX_DRAFT_MAX, Draft, DraftLength, accept, lookup_continuation
+from .speculative import MAX_DRAFT_MAX, Draft, DraftLength, accept, draft_sampler
 from .stop_strings import TextAssembler
 
 
@@ -70,14 +72,15 @@ class Request:
     logprobs: int | None = None      # None: off; k: the chosen token's and the k most likely
     id: str = ""
     ignore_eos: bool = False         # run to max_tokens (benchmarks; llama.cpp's and vLLM's field)
-    lookup: int = 0                  # prompt lookup: n-gram length of the drafts (0: no speculation)
-    draft_max: int = 8               # with lookup: tokens drafted per step at most
+    lookup: int = 0                  # prompt lookup: n-gram length of the drafts (0: the engine's drafter, if any)
+    draft_max: int = 8               # tokens drafted per step at most (0: no speculation)
 
 
 class _Seq:
     _ids = itertools.count()
 
-    def __init__(self, req: Request, stop_ids: set[int], tokenizer: Any, vocab: int) -> None:
+    def __init__(self, req: Request, stop_ids: set[int], tokenizer: Any, vocab: int,
+                 drafter: PoolDrafter | None = None) -> None:
         self.key = next(self._ids)
         self.req = req
         self.tokens = list(req.prompt_ids)
@@ -91,7 +94,10 @@ class _Seq:
         self.stop_ids = set() if req.ignore_eos else stop_ids
         self.cancelled = False
         self.t_arrival = time.perf_counter()
-        self.draft_len = DraftLength(req.draft_max) if req.lookup else None
+        self.drafter = drafter       # who drafts for it (None: plain decoding)
+        self.draft_len = DraftLength(req.draft_max) if drafter is not None else None
+        self.draft_sampler = draft_sampler(req.sampling, vocab) if drafter is not None else None
+        self.draft_kv = 0            # positions whose rows a draft model's own pool holds
 
 
 class EngineError(ValueError):
@@ -104,9 +110,12 @@ class EngineBusy(Exception):
 
 class Engine:
     def __init__(self, executor: Any, tokenizer: Any, stop_ids: Sequence[int], vocab: int, max_batch: int,
-                 prefill_chunk: int = 64, metrics: Any = None, max_queue: int = 64) -> None:
+                 prefill_chunk: int = 64, metrics: Any = None, max_queue: int = 64,
+                 drafter: PoolDrafter | None = None) -> None:
         """``max_batch``: sequences advanced together; ``max_queue``: requests
-        that may wait beyond them (more are refused with EngineBusy)."""
+        that may wait beyond them (more are refused with EngineBusy).
+        ``drafter``: the draft model requests use unless they ask for prompt
+        lookup (``runtime.draft_models.build_pool_drafter``), or None."""
         self.ex = executor
         self.tokenizer = tokenizer
         self.stop_ids = set(stop_ids)
@@ -130,6 +139,10 @@ class Engine:
         self._lock = threading.Lock()
         self.draining = False
         self.drain_deadline = float("inf")
+        self.drafter = drafter
+        #: the drafter whose own pool must follow every sequence (a draft model of its own), or None
+        self._keeper = drafter if drafter is not None and drafter.own_pool else None
+        self._lookups: dict[int, PoolLookup] = {}   # one per n-gram length
         if metrics:
             metrics.observe(self)   # the pool's size is known before the first step
 
@@ -157,8 +170,8 @@ class Engine:
         """Queue a request; raises EngineError (it can never run here) or
         EngineBusy (not now)."""
         self.check(req.prompt_ids, req.max_tokens)
-        if req.lookup < 0 or not 1 <= req.draft_max <= MAX_DRAFT_MAX:
-            raise EngineError(f"lookup must be 0 (off) or an n-gram length, and draft_max between 1 and "
+        if req.lookup < 0 or not 0 <= req.draft_max <= MAX_DRAFT_MAX:
+            raise EngineError(f"lookup must be 0 or an n-gram length, and draft_max between 0 (no speculation) and "
                               f"{MAX_DRAFT_MAX} (got {req.lookup}, {req.draft_max})")
         req.sampling.validate()
         with self._lock:
@@ -221,13 +234,20 @@ class Engine:
             except queue.Empty:
                 return
             if what == "add":
-                self.waiting.append(_Seq(arg, self.stop_ids, self.tokenizer, self.vocab))
+                self.waiting.append(_Seq(arg, self.stop_ids, self.tokenizer, self.vocab, self._drafter_for(arg)))
                 if self.metrics:
                     self.metrics.requests.inc()
             else:
                 for s in list(self.running) + list(self.waiting):
                     if s.req.id == arg:
                         s.cancelled = True
+
+    def _drafter_for(self, req: Request) -> PoolDrafter | None:
+        if req.draft_max == 0:
+            return None
+        if req.lookup > 0:
+            return self._lookups.setdefault(req.lookup, PoolLookup(req.lookup))
+        return self.drafter
 
     def step(self) -> None:
         """One scheduling step (public for tests that drive the engine by hand):
@@ -285,58 +305,89 @@ class Engine:
         tables: list[list[int]] = []
         for s, d in zip(seqs, drafts):
             p = len(s.tokens) - 1
-            tokens += [s.tokens[-1], *d]
-            positions += range(p, p + 1 + len(d))
-            tables += [self.blocks.table(s.key)] * (1 + len(d))
+            tokens += [s.tokens[-1], *d.tokens]
+            positions += range(p, p + 1 + len(d.tokens))
+            tables += [self.blocks.table(s.key)] * (1 + len(d.tokens))
         logits = self.ex.batch(tokens, positions, _padded(tables), decode=True)
         if self.metrics:
             self.metrics.batch_size.observe(len(seqs))
         r = 0
         for s, d in zip(seqs, drafts):
-            rows = logits[r: r + 1 + len(d)]
-            r += 1 + len(d)
-            if not d:
+            n = len(d.tokens)
+            rows = logits[r: r + 1 + n]
+            r += 1 + n
+            if not n:
                 s.computed = len(s.tokens)
-                self.blocks.commit(s.key, s.tokens[: s.computed])
+                self._commit(s, s.tokens)
                 self._sampled(s, rows[0])
                 continue
-            n_ok, nxt = accept(rows, Draft(list(d)), s.sampler, s.tokens)
-            s.draft_len.update(len(d), n_ok)
+            n_ok, nxt = accept(rows, d, s.sampler, s.tokens)
+            s.draft_len.update(n, n_ok)
             if self.metrics:
-                self.metrics.draft_tokens.inc(len(d))
+                self.metrics.draft_tokens.inc(n)
                 self.metrics.accepted_tokens.inc(n_ok)
-            # the KV rows of the accepted drafts stay; a rejected one's row is written again later
+            # the KV rows of the accepted drafts stay (the draft's own too); a rejected one's row is written
+            # again later
+            s.draft_kv = min(s.draft_kv, len(s.tokens) + n_ok)
             s.computed = len(s.tokens) + n_ok
-            self.blocks.commit(s.key, s.tokens + list(d[:n_ok]))
-            for i, tok in enumerate([*d[:n_ok], nxt]):
+            self._commit(s, s.tokens + d.tokens[:n_ok])
+            for i, tok in enumerate([*d.tokens[:n_ok], nxt]):
                 if not self._emit_token(s, tok, rows[i]):
                     break
 
-    def _drafts(self, seqs: list["_Seq"]) -> list[list[int]]:
-        """Per sequence, the tokens prompt lookup proposes this step, while
-        the step's rows (``executor.max_batch``) and free blocks allow: a
-        draft never preempts anyone."""
-        room = (self.ex.max_batch or self.max_batch) - len(seqs)
-        out: list[list[int]] = []
+    def _commit(self, s: _Seq, tokens: list[int]) -> None:
+        """Cache ``s``'s full blocks of ``tokens`` that both pools hold (a
+        draft model's rows may lag the target's by its last accepted draft)."""
+        n = min(s.computed, s.draft_kv) if self._keeper is not None else s.computed
+        self.blocks.commit(s.key, tokens[:n])
+
+    def _drafts(self, seqs: list["_Seq"]) -> list[Draft]:
+        """Per sequence, the tokens its drafter proposes this step, while the
+        step's rows (``executor.max_batch``) and free blocks allow (a draft
+        never preempts anyone); the rows are shared fairly. Each drafter
+        proposes for all its sequences at once; a draft model with a pool
+        of its own also hears of every other sequence, to keep its rows."""
+        wants = []
         for s in seqs:
-            d: list[int] = []
-            if s.draft_len is not None and room > 0:
-                n = min(s.draft_len.next(), room, s.req.max_tokens - s.generated - 1,
-                        self.ctx - len(s.tokens))
-                d = lookup_continuation(s.tokens, s.req.lookup, n) if n > 0 else []
-                if not self._writable(s, range(len(s.tokens), len(s.tokens) + len(d)), preempt=False):
-                    d = []
-                room -= len(d)
-            out.append(d)
+            n = s.draft_len.next() if s.draft_len is not None else 0
+            wants.append(max(0, min(n, s.req.max_tokens - s.generated - 1, self.ctx - len(s.tokens))))
+        ns = share_rows(wants, (self.ex.max_batch or self.max_batch) - len(seqs))
+        groups: dict[PoolDrafter, list[int]] = {}
+        for i, s in enumerate(seqs):
+            if self._keeper is not None:
+                groups.setdefault(self._keeper, []).append(i)
+            if ns[i] > 0 and s.drafter is not self._keeper:
+                groups.setdefault(s.drafter, []).append(i)
+        out = [Draft() for _ in seqs]
+        for drafter, idx in groups.items():
+            mine = [ns[i] if seqs[i].drafter is drafter else 0 for i in idx]
+            for i, d in zip(idx, drafter.propose([seqs[i] for i in idx], mine, self)):
+                if d.tokens:
+                    out[i] = d
         return out
+
+    # --- for drafters (runtime.pool_drafters.DraftPool) -----------------------------------------
+    def make_room(self, s: _Seq, n: int) -> int:
+        """Blocks for the ``n`` positions after ``s``'s tokens, without
+        preempting anyone; how many (from the first) have one."""
+        start = len(s.tokens)
+        for k in range(n):
+            if not self._writable(s, range(start + k, start + k + 1), preempt=False):
+                return k
+        return n
+
+    def table(self, s: _Seq) -> list[int]:
+        return self.blocks.table(s.key)
 
     def _prefill(self, s: "_Seq", chunk: range) -> None:
         """The next chunk of one prompt, with the arithmetic of the
         single-stream prefill; only its last row's logits come back."""
         logits = self.ex.batch(s.tokens[chunk.start: chunk.stop], list(chunk),
                                [self.blocks.table(s.key)] * len(chunk), last_only=True)
+        if self.drafter is not None:
+            self.drafter.prefill(s, chunk.stop, self.blocks.table(s.key))
         s.computed = chunk.stop
-        self.blocks.commit(s.key, s.tokens[: s.computed])
+        self._commit(s, s.tokens)
         if self.metrics:
             self.metrics.prompt_tokens.inc(len(chunk))
         if chunk.stop == len(s.tokens):
@@ -351,7 +402,7 @@ class Engine:
                 return
             self.waiting.popleft()
             # at least the last token runs: its logits give the next one
-            s.computed = min(cached, len(s.tokens) - 1)
+            s.computed = s.draft_kv = min(cached, len(s.tokens) - 1)
             if not s.admitted_once:
                 s.cached_prompt, s.admitted_once = s.computed, True
                 if self.metrics:
@@ -367,6 +418,8 @@ class Engine:
                 try:
                     for src, dst in self.blocks.ensure(s.key, p):
                         self.ex.copy_block(src, dst)
+                        if self.drafter is not None:
+                            self.drafter.copy_block(src, dst)
                     break
                 except OutOfBlocks:
                     if not (preempt and self._preempt_younger_than(s)):
@@ -445,6 +498,24 @@ class Engine:
         ev.usage = {"prompt_tokens": s.n_prompt, "completion_tokens": s.generated,
                     "total_tokens": s.n_prompt + s.generated, "cached_tokens": s.cached_prompt}
         s.req.emit(ev)
+
+
+def share_rows(wants: list[int], room: int) -> list[int]:
+    """Rows for each want, at most ``room`` in all: equal shares, no one
+    more than it wants, the oldest (first) taking what does not divide."""
+    got = [0] * len(wants)
+    while room > 0:
+        hungry = [i for i, w in enumerate(wants) if got[i] < w]
+        if not hungry:
+            break
+        each = max(1, room // len(hungry))
+        for i in hungry:
+            g = min(each, wants[i] - got[i], room)
+            got[i] += g
+            room -= g
+            if room == 0:
+                break
+    return got
 
 
 def _padded(tables: list[list[int]]) -> list[list[int]]:

@@ -157,12 +157,8 @@ class ModelDrafter:
         self._kv: list[int] = []   # the ids whose K/V rows this executor's cache holds
 
     def begin(self, config: SamplerConfig) -> None:
-        """The draft samples as the target does (the same temperature and
-        cuts), from its own stream of coins."""
-        cfg = SamplerConfig(**config.__dict__)
-        cfg.seed = None if cfg.seed is None else cfg.seed + 0x5EED
-        self.sampler = Sampler(cfg, self.vocab_size)
-        self.greedy = cfg.temperature == 0.0
+        self.sampler = draft_sampler(config, self.vocab_size)
+        self.greedy = config.temperature == 0.0
 
     def sync(self, cached: Sequence[int]) -> None:
         if self.shared_cache:   # the target wrote these rows, in our layers too
@@ -186,11 +182,8 @@ class ModelDrafter:
         qs: list[np.ndarray] = []
         pos = len(hist)
         for i in range(n):
-            if self.greedy:
-                t = self.sampler.sample(logits, hist)
-            else:
-                q = self.sampler.probs(logits, hist)
-                t = self.sampler.draw(q)
+            t, q = sample_draft(self.sampler, logits, hist)
+            if q is not None:
                 qs.append(q)
             toks.append(t)
             hist.append(t)
@@ -205,6 +198,23 @@ class ModelDrafter:
         close = getattr(self.executor, "close", None)
         if close is not None:
             close()
+
+
+def draft_sampler(config: SamplerConfig, vocab_size: int) -> Sampler:
+    """A draft model samples as the target does (the same temperature and
+    cuts), from its own stream of coins."""
+    cfg = SamplerConfig(**config.__dict__)
+    cfg.seed = None if cfg.seed is None else cfg.seed + 0x5EED
+    return Sampler(cfg, vocab_size)
+
+
+def sample_draft(sampler: Sampler, logits: np.ndarray, history: Sequence[int]) -> tuple[int, np.ndarray | None]:
+    """One drafted token and the distribution it was drawn from (None when
+    greedy: the rule then only compares it with the target's choice)."""
+    if sampler.config.temperature == 0.0:
+        return sampler.sample(logits, history), None
+    q = sampler.probs(logits, history)
+    return sampler.draw(q), q
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

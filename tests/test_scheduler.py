@@ -6,7 +6,10 @@ tokens each gives alone and the single-stream ``generate`` gives; a shared
 prefix is prefilled once; a pool too small for everyone preempts and still
 gives the same tokens; cancelling frees every block; one request may use
 the whole context while others run; the queue is bounded; a drain cuts what
-is left with a finish reason.
+is left with a finish reason. With a model drafter (the model's first layers
+on its own pool, or the q8 copy of stories260K on a pool of its own), the
+same greedy tokens, drafted in batched calls; the draft's pool holds the
+right rows through prefix sharing, copy on write and preemption.
 """
 from __future__ import annotations
 
@@ -17,9 +20,12 @@ import pytest
 
 import runtime
 from runtime.cli import DEFAULT_MODEL, DEFAULT_TOKENIZER
+from runtime.draft_models import build_pool_drafter
 from runtime.sampling import SamplerConfig
-from runtime.scheduler import Engine, EngineBusy, EngineError, Event, Request
+from runtime.scheduler import Engine, EngineBusy, EngineError, Event, Request, share_rows
 from runtime.serve.metrics import ServerMetrics
+from runtime.speculative import Speculation
+from shared_data import MODELS, needs_shared
 
 CTX = 256
 BS = 8
@@ -156,10 +162,17 @@ def test_prompt_lookup_keeps_greedy_output_and_drafts_in_the_step(pooled, single
     run_all(alone, [sampled])
     assert cs.last.finish_reason in ("stop", "length") and cs.last.usage["completion_tokens"] == len(cs.ids)
     assert eng.blocks.used == 0 and alone.blocks.used == 0
-    with pytest.raises(EngineError, match="draft_max"):
-        bad, _ = request(ps[0], 4)
-        bad.lookup, bad.draft_max = 2, 0
-        eng.submit(bad)
+    for n in (-1, 65):
+        with pytest.raises(EngineError, match="draft_max"):
+            bad, _ = request(ps[0], 4)
+            bad.lookup, bad.draft_max = 2, n
+            eng.submit(bad)
+    # draft_max 0: no speculation for that request
+    before = eng.metrics.draft_tokens._value.get()
+    off, co = request(ps[0], 40)
+    off.lookup, off.draft_max = 3, 0
+    run_all(eng, [off])
+    assert co.ids == plain[0] and eng.metrics.draft_tokens._value.get() == before
 
 
 def test_shared_prefix_is_prefilled_once(pooled):
@@ -275,3 +288,177 @@ def test_engine_thread_serves_requests(pooled):
             assert len(c.ids) == 10 or c.last.finish_reason == "stop"
     finally:
         eng.stop()
+
+
+# --- model drafters ------------------------------------------------------------------------------
+STORIES_Q8 = str(MODELS / "stories260K-q8.bin")
+DRAFTERS = {
+    "draft-layers-1": lambda: Speculation(draft_layers=1, draft_max=4),
+    "draft-layers-4": lambda: Speculation(draft_layers=4, draft_max=4),
+    "draft": lambda: Speculation(draft=STORIES_Q8, draft_tokenizer=str(DEFAULT_TOKENIZER), draft_max=4),
+}
+
+
+def drafting(name: str, n_blocks: int | None = None, max_batch: int = 8):
+    """A model built for ``max_batch`` sequences plus 4 drafted rows, and its drafter."""
+    model = batch_model(n_blocks, max_batch + 4)
+    return model, build_pool_drafter(model, DRAFTERS[name]())
+
+
+def counts(eng: Engine) -> tuple[float, float]:
+    return eng.metrics.draft_tokens._value.get(), eng.metrics.accepted_tokens._value.get()
+
+
+def test_share_rows():
+    assert share_rows([4, 4, 4], 8) == [3, 3, 2]
+    assert share_rows([1, 6, 0, 6], 8) == [1, 4, 0, 3]
+    assert share_rows([2, 2], 9) == [2, 2]
+    assert share_rows([5, 5], 0) == [0, 0]
+
+
+@needs_shared
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_model_drafters_keep_greedy_output_and_draft_in_batches(pooled, single, name):
+    """Eight requests at once: the tokens of the engine without a drafter;
+    drafts were made (a call drafts for several sequences at once) and
+    checked: some accepted (nearly all from the q8 copy), and from the
+    first layer alone some rejected."""
+    ps = prompts(single, 8)
+    lengths = [40, 7, 23, 64, 1, 31, 50, 12]
+    plain = [request(p, n) for p, n in zip(ps, lengths)]
+    run_all(engine_for(pooled), [r for r, _ in plain])
+    model, drafter = drafting(name)
+    calls: list[int] = []   # sequences of each call of the draft
+    batch = drafter.ex.batch
+
+    def counted(tokens, positions, tables, **kw):
+        calls.append(len({tuple(t) for t in tables}))
+        return batch(tokens, positions, tables, **kw)
+
+    drafter.ex.batch = counted
+    eng = engine_for(model, drafter=drafter)
+    pairs = [request(p, n) for p, n in zip(ps, lengths)]
+    run_all(eng, [r for r, _ in pairs])
+    assert [c.ids for _, c in pairs] == [c.ids for _, c in plain]
+    drafted, kept = counts(eng)
+    assert drafted > 0 and max(calls) >= 2, (drafted, calls)
+    if name == "draft-layers-1":
+        assert kept < drafted
+    else:
+        assert kept > 0
+    if name == "draft":   # the q8 copy drafts nearly always right: several tokens a step
+        assert kept > 0.8 * drafted and eng.steps < sum(len(c.ids) for _, c in pairs) / 2
+    for _, c in pairs:
+        assert c.last.usage["completion_tokens"] == len(c.ids)
+    assert eng.blocks.used == 0
+    # draft_max 0: this request drafts nothing, the same tokens
+    r, c = request(ps[3], lengths[3])
+    r.draft_max = 0
+    run_all(eng, [r])
+    assert c.ids == plain[3][1].ids and counts(eng) == (drafted, kept)
+
+
+def _draft_rows(drafter, table: list[int], n: int) -> np.ndarray:
+    """The draft pool's K and V rows of positions 0..n-1 of a sequence (native executor)."""
+    ex = drafter.ex
+    bs = ex.block_size
+    out = []
+    for name, nb in ex.manifest["batch"]["block_bytes"].items():
+        base, row = int(ex.manifest["state_offsets"][name]), nb // bs
+        for p in range(n):
+            at = base + table[p // bs] * nb + p % bs * row
+            out.append(ex.state[at: at + row].view(np.float32))
+    return np.stack(out)
+
+
+def _step_until_generating(eng: Engine, seqs: int) -> None:
+    for _ in range(100):
+        eng.step()
+        if len(eng.running) == seqs and all(s.generated for s in eng.running):
+            return
+    raise AssertionError("the prompts did not run")
+
+
+@needs_shared
+def test_a_draft_models_pool_follows_shared_and_copied_blocks(single):
+    """A prompt of whole blocks seen before shares them all and rewrites
+    its last position (copy on write); a longer one shares them and
+    prefills the rest: the draft's rows of every position are those a
+    fresh engine computes, the outputs those of plain decoding."""
+    model, drafter = drafting("draft")
+    eng = engine_for(model, drafter=drafter)
+    prompt = model.tokenizer.encode("Lily and Tom went to the park. " * 6, True)[: 9 * BS]
+    longer = prompt + model.tokenizer.encode(" Then Ben came.", False)
+    first, _ = request(prompt, 30)
+    run_all(eng, [first])
+    again, ca = request(prompt, 30)
+    more, cm = request(longer, 30)
+    for r in (again, more):
+        eng.submit(r)
+    _step_until_generating(eng, 2)
+    got = [_draft_rows(drafter, eng.blocks.table(s.key), len(s.req.prompt_ids))
+           for r in (again, more) for s in eng.running if s.req is r]
+    run_all(eng, [])
+    assert ca.last.usage["cached_tokens"] == len(prompt) - 1 and cm.last.usage["cached_tokens"] == len(prompt)
+    for r, c, rows in zip((again, more), (ca, cm), got):
+        assert c.ids == list(single.generate(r.prompt_ids, 30, temperature=0.0, stop=False))[: len(c.ids)]
+        fresh_model, fresh = drafting("draft")
+        alone = engine_for(fresh_model, drafter=fresh)
+        alone.submit(request(r.prompt_ids, 30)[0])
+        _step_until_generating(alone, 1)
+        want = _draft_rows(fresh, alone.blocks.table(alone.running[0].key), len(r.prompt_ids))
+        np.testing.assert_allclose(rows, want, rtol=1e-5, atol=1e-6)
+    drafted, kept = counts(eng)
+    assert kept > 0.9 * drafted
+
+
+@needs_shared
+@pytest.mark.parametrize("name", ["draft", "draft-layers-4"])
+def test_model_drafters_with_a_small_pool_preempt_and_give_the_same_tokens(single, name):
+    model, drafter = drafting(name, n_blocks=160 // BS, max_batch=6)
+    ps = prompts(single, 6, seed=3)
+    eng = engine_for(model, max_batch=6, drafter=drafter)
+    pairs = [request(p, 80) for p in ps]
+    run_all(eng, [r for r, _ in pairs])
+    assert eng.metrics.preemptions._value.get() > 0 and counts(eng)[1] > 0
+    for p, (_, c) in zip(ps, pairs):
+        assert c.ids == list(single.generate(p, 80, temperature=0.0, stop=False))[: len(c.ids)]
+    assert eng.blocks.used == 0
+
+
+@needs_shared
+def test_sampling_with_a_model_drafter(single):
+    """Temperature 0.8: drafts drawn from the draft's distribution and
+    checked by the rejection rule (its distribution is test_speculative's);
+    the replies are whole."""
+    model, drafter = drafting("draft")
+    eng = engine_for(model, drafter=drafter)
+    pairs = [request(p, 40, temperature=0.8, seed=i) for i, p in enumerate(prompts(single, 4, seed=2))]
+    run_all(eng, [r for r, _ in pairs])
+    drafted, kept = counts(eng)
+    assert 0 < kept <= drafted
+    for _, c in pairs:
+        assert c.last.finish_reason in ("stop", "length") and c.last.usage["completion_tokens"] == len(c.ids)
+        assert all(0 <= t < single.config.vocab_size for t in c.ids)
+    assert eng.blocks.used == 0
+
+
+@needs_shared
+@pytest.mark.parametrize("name", ["draft", "draft-layers-1"])
+def test_model_drafters_on_the_interpreter(name):
+    """The interpreter's paged steps take the same drafters (the reference
+    backend): the same greedy tokens as without them, drafts checked."""
+    def interp(max_batch: int):
+        return runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, ctx=CTX, backend="interp",
+                            batch=runtime.BatchOptions(block_size=BS, max_batch=max_batch))
+
+    plain_model = interp(4)
+    ps = prompts(plain_model, 3, seed=4)
+    plain = [request(p, 20) for p in ps]
+    run_all(engine_for(plain_model, max_batch=3), [r for r, _ in plain])
+    model = interp(3 + 4)
+    eng = engine_for(model, max_batch=3, drafter=build_pool_drafter(model, DRAFTERS[name]()))
+    pairs = [request(p, 20) for p in ps]
+    run_all(eng, [r for r, _ in pairs])
+    assert [c.ids for _, c in pairs] == [c.ids for _, c in plain]
+    assert counts(eng)[0] > 0 and eng.blocks.used == 0

@@ -3,13 +3,15 @@ loopback port, the official ``openai`` client and plain HTTP (httpx).
 
 This file uses the bundled stories260K (no chat template: ``plain``), so it
 runs everywhere: the API's shapes, streaming, errors and a fuzz of hostile
-bodies, the API key, the bounded queue, clients that disconnect, and a
-drain on SIGTERM. ``test_serve_instruct.py`` does the acceptance on a real
+bodies, the API key, the bounded queue, clients that disconnect, a drain on
+SIGTERM, and model drafters (``--draft``, ``--draft-layers``): greedy text as
+without them. ``test_serve_instruct.py`` does the acceptance on a real
 instruct model.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import random
 import signal
@@ -25,6 +27,7 @@ import pytest
 
 from runtime.cli import DEFAULT_MODEL, DEFAULT_TOKENIZER
 from serve_process import ROOT, serve, stream_into
+from shared_data import MODELS, needs_shared
 
 ARGS = ("-z", str(DEFAULT_TOKENIZER), "-t", "2", "-c", "256", "--parallel", "4")
 
@@ -281,6 +284,137 @@ def test_prompt_lookup_per_request(server, client):
     assert bad.status_code == 400 and "lookup" in bad.text
 
 
+# --- model drafters: servers of their own ---------------------------------------------------------
+STORIES_Q8 = str(MODELS / "stories260K-q8.bin")
+DRAFTERS = {
+    "draft-layers-1": ("--draft-layers", "1"),
+    "draft-layers-4": ("--draft-layers", "4"),
+    "draft": ("--draft", STORIES_Q8, "--draft-tokenizer", str(DEFAULT_TOKENIZER)),
+}
+PROMPTS = ["Once upon a time", "Lily saw a big red ball", "Tom and his dog went to the park", "The sun",
+           "A little bird sang a song. The bird", "Sue had a cat named Tim. One day", "Ben was sad because",
+           "There was a tall tree in the garden"]
+LENGTHS = [40, 7, 23, 64, 3, 31, 50, 12]
+
+
+@pytest.fixture(scope="module")
+def drafting():
+    """``drafting(name)``: a server (8 sequences at a time) with that drafter, started once."""
+    with contextlib.ExitStack() as stack:
+        started: dict[str, object] = {}
+
+        def get(name: str):
+            if name not in started:
+                started[name] = stack.enter_context(serve(str(DEFAULT_MODEL), *ARGS[:-1], "8", *DRAFTERS[name]))
+            return started[name]
+
+        yield get
+
+
+def _openai(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def _concurrently(url: str, bodies: list[dict]) -> list:
+    """The completions of ``bodies``, sent all at once."""
+    out: list = [None] * len(bodies)
+
+    def one(i: int) -> None:
+        out[i] = _openai(url).completions.create(model="stories260K", **bodies[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return out
+
+
+def _tokens(r) -> list[str]:
+    return r.choices[0].logprobs.tokens
+
+
+@needs_shared
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_model_drafters_keep_greedy_tokens(server, drafting, name):
+    """Eight different greedy requests at once: token for token what the
+    server without a drafter gives; drafts were made and checked (some
+    accepted; from the first layer alone, some rejected)."""
+    bodies = [dict(prompt=p, max_tokens=n, temperature=0, logprobs=0) for p, n in zip(PROMPTS, LENGTHS)]
+    want = _concurrently(server.url, bodies)
+    s = drafting(name)
+    assert "draft-max 8)" in s.banner
+    drafted = metric(s.url, "lmc_draft_tokens_total")
+    kept = metric(s.url, "lmc_draft_accepted_tokens_total")
+    got = _concurrently(s.url, bodies)
+    assert [_tokens(r) for r in got] == [_tokens(r) for r in want]
+    assert [r.choices[0].text for r in got] == [r.choices[0].text for r in want]
+    assert [r.usage.completion_tokens for r in got] == [r.usage.completion_tokens for r in want]
+    drafted = metric(s.url, "lmc_draft_tokens_total") - drafted
+    kept = metric(s.url, "lmc_draft_accepted_tokens_total") - kept
+    assert drafted > 0, drafted
+    if name == "draft-layers-1":
+        assert kept < drafted, (drafted, kept)
+    else:
+        assert kept > 0, (drafted, kept)
+
+
+@needs_shared
+def test_draft_max_0_and_lookup_with_a_draft_model(server, client, drafting):
+    """draft_max 0: nothing drafted for that request; lookup > 0: prompt
+    lookup instead of the model; the same text either way."""
+    s = drafting("draft")
+    prompt = "Lily had a red ball. Lily had a red ball. Lily had a"
+    want = client.completions.create(model="stories260K", prompt=prompt, max_tokens=40, temperature=0)
+    c = _openai(s.url)
+    drafted = metric(s.url, "lmc_draft_tokens_total")
+    kept = metric(s.url, "lmc_draft_accepted_tokens_total")
+    off = c.completions.create(model="stories260K", prompt=prompt, max_tokens=40, temperature=0,
+                               extra_body={"draft_max": 0})
+    assert off.choices[0].text == want.choices[0].text
+    assert metric(s.url, "lmc_draft_tokens_total") == drafted
+    assert metric(s.url, "lmc_draft_accepted_tokens_total") == kept
+    looked = c.completions.create(model="stories260K", prompt=prompt, max_tokens=40, temperature=0,
+                                  extra_body={"lookup": 3, "draft_max": 3})
+    assert looked.choices[0].text == want.choices[0].text
+    assert metric(s.url, "lmc_draft_tokens_total") > drafted
+    bad = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "draft_max": -1})
+    assert bad.status_code == 400 and "draft_max" in bad.text
+
+
+@needs_shared
+def test_prefix_sharing_with_a_draft_model(server, client, drafting):
+    """Two requests sharing a long prompt prefix: the second starts past the
+    shared blocks (the draft's pool holds them too); both give what the
+    server without a drafter gives."""
+    s = drafting("draft")
+    system = "Lily and Tom went to the park with their big red ball and their little dog. " * 3
+    prompts = [system + "Then Ben came", system + "The dog was happy"]
+    c = _openai(s.url)
+    for p in prompts:
+        want = client.completions.create(model="stories260K", prompt=p, max_tokens=30, temperature=0)
+        got = c.completions.create(model="stories260K", prompt=p, max_tokens=30, temperature=0)
+        assert got.choices[0].text == want.choices[0].text
+    assert got.usage.prompt_tokens_details.cached_tokens >= 32
+
+
+@needs_shared
+def test_sampling_with_a_draft_model(drafting):
+    """Temperature 0.8: drafts drawn from the draft's distribution and
+    checked by the rejection rule; whole replies, whole and streamed."""
+    s = drafting("draft")
+    c = _openai(s.url)
+    drafted = metric(s.url, "lmc_draft_tokens_total")
+    bodies = [dict(prompt=p, max_tokens=30, temperature=0.8, seed=i) for i, p in enumerate(PROMPTS[:4])]
+    for r in _concurrently(s.url, bodies):
+        assert r.choices[0].finish_reason in ("stop", "length") and 1 <= r.usage.completion_tokens <= 30
+        assert isinstance(r.choices[0].text, str)
+    parts = [ch.choices[0].text for ch in c.completions.create(model="stories260K", prompt="Tom", max_tokens=20,
+                                                                 temperature=0.8, seed=3, stream=True)]
+    assert parts and "".join(parts)
+    assert metric(s.url, "lmc_draft_tokens_total") > drafted
+
+
 # --- a server of its own -----------------------------------------------------------------------
 def test_api_key():
     with serve(str(DEFAULT_MODEL), *ARGS, "--api-key", "sesame") as s:
@@ -324,8 +458,15 @@ def test_cli_errors_are_one_line():
         r = subprocess.run([sys.executable, "-m", "runtime.cli", "serve", str(DEFAULT_MODEL), "--port", str(port)],
                            cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and f"--port {port}" in r.stderr, r.stderr
-    for argv, msg in ((["--parallel", "0"], "--parallel"), (["-c", "100000"], "-c 100000"),
-                      (["--mem-budget", "10M"], "--mem-budget"), (["--chat-template", "nonesuch"], "nonesuch")):
+    cases = [(["--parallel", "0"], "--parallel"), (["-c", "100000"], "-c 100000"),
+             (["--mem-budget", "10M"], "--mem-budget"), (["--chat-template", "nonesuch"], "nonesuch"),
+             (["--draft-layers", "99"], "--draft-layers 99: the model has 5 layers (take 1 to 4)"),
+             (["--draft", "nonesuch.bin"], "--draft nonesuch.bin: no such file"),
+             (["--draft-layers", "1", "--draft", str(DEFAULT_MODEL)], "one drafter at a time")]
+    if MODELS.is_dir():   # a draft of another vocabulary
+        cases.append((["--draft", str(MODELS / "TinyStories-656K-Q8_0.gguf")],
+                      "--draft TinyStories-656K-Q8_0.gguf: not the target's vocabulary"))
+    for argv, msg in cases:
         r = subprocess.run([sys.executable, "-m", "runtime.cli", "serve", str(DEFAULT_MODEL), "-z",
                             str(DEFAULT_TOKENIZER), "--port", "0", *argv], cwd=ROOT, capture_output=True, text=True,
                            timeout=120)

@@ -2,7 +2,10 @@
 
 One engine thread runs the model's paged batch steps (``runtime.scheduler``)
 for every request at once; FastAPI on uvicorn answers HTTP and streams
-tokens as they come. It binds to 127.0.0.1 unless ``--host`` says otherwise.
+tokens as they come. With ``--draft MODEL`` or ``--draft-layers K`` (as
+llama.cpp's ``--model-draft``), one drafter built at startup proposes tokens
+for every request that does not turn it off (``draft_max`` 0) or ask for
+prompt lookup (``lookup``); the step checks them (``runtime.pool_drafters``). It binds to 127.0.0.1 unless ``--host`` says otherwise.
 Ctrl-C or SIGTERM drains: new requests get 503, running ones finish (or are
 cut after ``--drain-timeout`` seconds, with their finish reason set), then
 the process exits.
@@ -17,8 +20,9 @@ import sys
 
 from compiler.driver import BatchOptions
 
+from ..draft_models import build_pool_drafter, check_pool_draft
 from ..model import load
-from ..speculative import DEFAULT_DRAFT_MAX
+from ..speculative import DEFAULT_DRAFT_MAX, Speculation
 from ..status import StatusLine
 from .common import CliError, _exec_args, _model_args, _resolve_model, _size, kv_type_arg, whole_number
 
@@ -61,9 +65,18 @@ def add_parser(sub) -> None:
                    help="prompt lookup decoding for every request (n-gram length N; 0: off, the default; a "
                         "request's own 'lookup' field wins): tokens its history proposes are checked as rows of "
                         "the step while the step has room; greedy output is unchanged")
+    s.add_argument("--draft", default=None, metavar="MODEL",
+                   help="speculative decoding with a smaller model of the same vocabulary for every request (its "
+                        "own KV pool, addressed as the model's; a request's 'draft_max' 0 turns it off): drafted "
+                        "tokens are checked as rows of the step; greedy output is unchanged")
+    s.add_argument("--draft-tokenizer", default=None, metavar="FILE",
+                   help="with --draft: the draft's tokenizer file (llama2.c models)")
+    s.add_argument("--draft-layers", type=whole_number("--draft-layers", 1), default=None, metavar="K",
+                   help="as --draft, the draft being the model's own first K layers, final norm and head (its "
+                        "weights and KV pool)")
     s.add_argument("--draft-max", type=whole_number("--draft-max", 1), default=DEFAULT_DRAFT_MAX, metavar="N",
-                   help=f"with lookup: tokens drafted per step at most (default {DEFAULT_DRAFT_MAX}); the step is "
-                        f"compiled for --parallel plus this many rows")
+                   help=f"with a drafter: tokens drafted per step at most (default {DEFAULT_DRAFT_MAX}; a request's "
+                        f"'draft_max' wins); the step is compiled for --parallel plus this many rows")
     kv_type_arg(s)
     _exec_args(s)
 
@@ -80,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"lmc serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    spec = _speculation(args)
     sock = _bind(args.host, args.port)   # before the slow part: a taken port fails at once
     model_path, tok_path = _resolve_model(args)
     status = StatusLine()
@@ -100,10 +114,12 @@ def run(args: argparse.Namespace) -> int:
             n_blocks = -(-args.kv_pool // args.block_size)
         if n_blocks * args.block_size < ctx:
             raise CliError(f"--kv-pool {n_blocks * args.block_size}: smaller than one request of the context ({ctx})")
+        draft_loaded = check_pool_draft(loaded, ctx, spec) if spec is not None else None
         model = load(model_path, tok_path, backend=args.backend, ctx=ctx, threads=args.threads,
                      use_cache=not args.no_cache, kv_type=kv, status=status,
                      batch=BatchOptions(args.block_size, n_blocks,
-                                        args.parallel + (args.draft_max if args.lookup else 0)))
+                                        args.parallel + (args.draft_max if args.lookup or spec else 0)))
+        drafter = build_pool_drafter(model, spec, draft_loaded) if spec is not None else None
     finally:
         status.clear()
     tok = model.tokenizer
@@ -114,17 +130,19 @@ def run(args: argparse.Namespace) -> int:
         tok.chat_template   # a broken template is an error now, not at the first request
     metrics = ServerMetrics()
     engine = Engine(model.executor, tok, model.config.stop_ids, model.config.vocab_size, args.parallel,
-                    prefill_chunk=args.prefill_chunk, metrics=metrics, max_queue=args.queue)
+                    prefill_chunk=args.prefill_chunk, metrics=metrics, max_queue=args.queue, drafter=drafter)
     model_id = args.alias or os.path.splitext(os.path.basename(model_path))[0]
+    drafting = _drafter_text(spec, args.draft_max)
     app = create_app(engine, tok, model_id, model.ctx, api_key=args.api_key, metrics=metrics,
                      model_meta={"n_ctx": model.ctx, "n_parallel": args.parallel, "kv_blocks": n_blocks,
-                                 "block_size": args.block_size, "kv_type": kv, "backend": args.backend},
+                                 "block_size": args.block_size, "kv_type": kv, "backend": args.backend,
+                                 "drafter": drafting or None},
                      lookup=args.lookup, draft_max=args.draft_max)
     engine.start()
     host, port = sock.getsockname()[:2]
     print(f"lmc serve: {model_id} on http://{_url_host(host)}:{port} (parallel {args.parallel}, context "
           f"{model.ctx}, KV pool {n_blocks} blocks x {args.block_size} = {n_blocks * args.block_size} positions "
-          f"{kv}, {model.executor.threads} threads)", flush=True)
+          f"{kv}, {model.executor.threads} threads{', ' + drafting if drafting else ''})", flush=True)
     server = _draining_server(uvicorn.Config(app, log_level="info" if args.log_requests else "warning",
                                              access_log=args.log_requests), engine, args.drain_timeout)
     # uvicorn handles SIGINT/SIGTERM while it serves, then re-raises the
@@ -139,6 +157,29 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
     print("lmc serve: stopped", flush=True)
     return 0
+
+
+def _speculation(args: argparse.Namespace) -> Speculation | None:
+    """The server's model drafter (``--draft`` or ``--draft-layers``), or None."""
+    if args.draft is not None and args.draft_layers is not None:
+        raise CliError("one drafter at a time: --draft and --draft-layers")
+    if args.draft_tokenizer is not None and args.draft is None:
+        raise CliError("--draft-tokenizer goes with --draft MODEL")
+    if args.draft is None and args.draft_layers is None:
+        return None
+    if args.mem_budget is not None:
+        raise CliError("--mem-budget does not count a drafter's memory yet: use --kv-pool with --draft or "
+                       "--draft-layers")
+    return Speculation(draft=args.draft, draft_layers=args.draft_layers or 0, draft_max=args.draft_max,
+                       draft_tokenizer=args.draft_tokenizer)
+
+
+def _drafter_text(spec: Speculation | None, draft_max: int) -> str:
+    if spec is None:
+        return ""
+    what = f"draft {os.path.basename(spec.draft)}" if spec.draft is not None else \
+        f"draft-layers {spec.draft_layers}"
+    return f"{what}, draft-max {draft_max}"
 
 
 def _draining_server(config, engine, grace_s: float):

@@ -54,7 +54,9 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, ctx: int, api_key:
                metrics: ServerMetrics | None = None, model_meta: dict | None = None,
                lookup: int = 0, draft_max: int = DEFAULT_DRAFT_MAX) -> FastAPI:
     """The API for ``engine``'s model, named ``model_id`` on /v1/models;
-    ``lookup``/``draft_max``: prompt lookup for requests that do not say."""
+    ``lookup``/``draft_max``: speculation for requests that do not say (the
+    n-gram length of prompt lookup, 0 for the engine's drafter if any; the
+    tokens drafted per step at most)."""
     app = FastAPI(title="lmc", docs_url=None, redoc_url=None)
     created = int(time.time())
     metrics = metrics or ServerMetrics()

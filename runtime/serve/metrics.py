@@ -25,8 +25,8 @@ class ServerMetrics:
         self.cached_prompt_tokens = Counter("lmc_cached_prompt_tokens", "Prompt tokens found in the KV cache",
                                             registry=r)
         self.generated_tokens = Counter("lmc_generated_tokens", "Tokens generated", registry=r)
-        self.draft_tokens = Counter("lmc_draft_tokens", "Tokens proposed by prompt lookup and checked by the model",
-                                    registry=r)
+        self.draft_tokens = Counter("lmc_draft_tokens", "Tokens proposed by a drafter (draft model, the model's "
+                                    "first layers or prompt lookup) and checked by the model", registry=r)
         self.accepted_tokens = Counter("lmc_draft_accepted_tokens", "Proposed tokens the model agreed with",
                                        registry=r)
         self.preemptions = Counter("lmc_preemptions", "Sequences sent back to the queue for lack of KV blocks",

@@ -33,9 +33,12 @@ class Sampling(_Body):
     n: int = Field(default=1, ge=1, le=1)
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False   # llama.cpp's and vLLM's extension: generate max_tokens whatever comes
-    # lmc's extension: prompt lookup for this request (n-gram length, 0 off; default: the server's --lookup)
+    # lmc's extensions, speculative decoding (llama.cpp's speculative.n_max): draft_max is the tokens drafted
+    # per step at most (0: no speculation for this request; default: the server's --draft-max); by default the
+    # server's drafter (--draft, --draft-layers) drafts, and lookup > 0 asks for prompt lookup instead (n-gram
+    # length; 0: the server's model drafter, or none; default: the server's --lookup)
     lookup: int | None = Field(default=None, ge=0, le=64)
-    draft_max: int | None = Field(default=None, ge=1, le=64)   # tokens drafted per step at most
+    draft_max: int | None = Field(default=None, ge=0, le=64)
 
 
 class ChatMessage(_Body):
