@@ -1,4 +1,4 @@
-"""GGUF K-quants (Q4_K, Q5_K, Q6_K): the numpy dequantizers against the
+"""GGUF K-quants (Q2_K .. Q6_K): the numpy dequantizers against the
 ``gguf`` package, and the fused native decoders (qmatmul decode / prefill,
 embedding) against the ``ir.ops`` references.
 
@@ -30,7 +30,7 @@ from kernel_checks import activations, check_dot, compiled, run_embedding, run_q
 # decoders do) would hide the rest. Load them all before any test runs.
 layouts._load_block_layouts()
 
-KQUANTS = ["Q4_K", "Q5_K", "Q6_K"]
+KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 #: byte offsets of the f16 super-block scales (d, then dmin where there is one)
 SCALE_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,)}
 #: one odd row count per K, so that kernels are shared between examples
@@ -71,7 +71,7 @@ def kquant_weight(rng, layout: str, n: int, k: int, scales: str = "normal") -> W
 
 
 # --- numpy dequantizers ----------------------------------------------------------------
-@pytest.mark.parametrize("layout", KQUANTS + ["Q2_K", "Q3_K"])
+@pytest.mark.parametrize("layout", KQUANTS)
 @pytest.mark.parametrize("scales", ["bytes", "extreme", "normal"])
 def test_dequant_matches_gguf(layout, scales):
     rng = np.random.default_rng(len(layout) * 100 + len(scales))
@@ -108,7 +108,7 @@ def test_roundtrip_gguf_quantizer():
         except NotImplementedError:
             continue
         pytest.fail(f"gguf.quants can quantize {layout} now: add its round trip here")
-    pytest.skip("gguf.quants cannot quantize Q4_K / Q5_K / Q6_K (NotImplementedError); "
+    pytest.skip("gguf.quants cannot quantize Q2_K .. Q6_K (NotImplementedError); "
                 "Q4_K's round trip uses frontends.quantize instead")
 
 
@@ -174,7 +174,7 @@ def test_embedding_kquants(layout, t, nt, scales, seed):
     ids = rng.integers(0, v, size=() if t is None else (t,)).astype(np.int32)
     got = run_embedding(w, ids, nt)
     want = embedding_ref(w, ids)
-    if layout == "Q6_K":   # q * (d*sc): the reference's own operations
+    if layout in ("Q3_K", "Q6_K"):   # q * (d*sc): the reference's own operations
         np.testing.assert_array_equal(got, want)
     else:                  # fma(q, d*sc, -dmin*m): one rounding instead of two
         f = w.to_f32()
