@@ -129,6 +129,41 @@ def test_roundtrip_q4_k_quantizer(seed, scale, shift):
     assert np.all(err <= 0.6 * step + 1e-3 * np.abs(xs).max()), (err / step).max()
 
 
+@settings(max_examples=15, **SETTINGS)
+@given(seed=st.integers(0, 2**31), scale=st.floats(1e-3, 1e3), shift=st.floats(-5, 5))
+def test_roundtrip_q2_k_q3_k_quantizers(seed, scale, shift):
+    """frontends.quantize's Q2_K and Q3_K writers, read back by the gguf
+    package's dequantizer: every value within what the codes allow. Q2_K:
+    half a step of its 16 values, the min code's rounding (dmin / 2) and
+    the scale code's (3 d / 2 at the top of the range); Q3_K: a step (the
+    value opposite the largest in sign may need +4, clipped to 3) and the
+    signed scale code's rounding or clipping (at most d per step of 4)."""
+    from frontends.quantize import quantize_q2_k, quantize_q3_k
+
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((3, 512)) * scale + shift * scale).astype(np.float32)
+    tiny = 2e-3 * np.abs(x).max()                   # float16 d, dmin
+    for name, quantize in (("Q2_K", quantize_q2_k), ("Q3_K", quantize_q3_k)):
+        raw = quantize(x)
+        assert raw.shape == (3, 2 * get_layout(name).block_bytes)
+        y = gguf.quants.dequantize(raw.reshape(-1), gguf.GGMLQuantizationType[name]).reshape(x.shape)
+        np.testing.assert_array_equal(y, get_layout(name).dequantize(raw.reshape(-1), x.shape))
+        blk = raw.reshape(-1, get_layout(name).block_bytes)
+        xs, ys = x.reshape(-1, 16, 16).astype(np.float64), y.reshape(-1, 16, 16)
+        err = np.abs(xs - ys).max(axis=2)          # per 16 values
+        if name == "Q2_K":
+            d, dmin = (blk[:, at:at + 2].copy().view("<f2").astype(np.float64) for at in (80, 82))
+            step = d * (blk[:, 0:16] & 15)
+            bound = 0.5 * step + 0.5 * dmin + 1.5 * d
+        else:
+            from ir.layouts_kquants import scales_q3k
+
+            d = np.abs(blk[:, 108:110].copy().view("<f2").astype(np.float64))
+            step = d * np.abs(scales_q3k(blk[:, 96:108]).astype(np.float64))
+            bound = step + 4 * d
+        assert np.all(err <= bound + tiny), (name, (err - bound).max())
+
+
 # --- native kernels ------------------------------------------------------------------------
 
 
