@@ -396,19 +396,32 @@ def test_multiply_adds_in_assembly(name):
 
 
 # --- the pass and a whole model ------------------------------------------------------------------
-def test_q4_k_model_interpreter_and_native_agree(tmp_path):
-    """A synthetic Q4_K GGUF with the pass in the pipeline: the K-quant
-    matmuls take the q8k path, and greedy decoding through the interpreter
-    (the numpy reference) and through native code, the prompt through
-    prefill (prompt rows), gives the same tokens."""
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K"])
+def test_k_quant_model_interpreter_and_native_agree(tmp_path, qtype):
+    """A synthetic GGUF of each K-quant we can write, with the pass in the
+    pipeline: every matmul on its weights takes the q8k path (prompt chunks
+    the GEMM), the prompt's logits through the interpreter (the numpy
+    reference) and through native code agree to float rounding (the tiny
+    model's greedy tokens repeat the last one, so they alone say little),
+    and greedy decoding, the prompt through prefill, gives the same tokens."""
     import compiler.driver
+    import runtime
     from test_gguf_frontend import tiny
 
     passes_ = ("fuse_dequant", "int_dot")
-    p, _ = tiny(tmp_path, "Q4_K")
-    g = compiler.driver.model_graph(compiler.driver.load_model(p), "decode",
-                                    compiler.driver.CompileOptions(passes=passes_))
-    assert any(n.attrs.get("act") == "q8k" for n in g.nodes)
+    p, _ = tiny(tmp_path, qtype)
+    model = compiler.driver.load_model(p)
+    assert model.weights["blk.0.ffn_down"].type.layout == qtype
+    for mode in ("decode", "prefill"):
+        g = compiler.driver.model_graph(model, mode, compiler.driver.CompileOptions(passes=passes_))
+        mms = [n for n in g.nodes if n.op == "qmatmul" and n.attrs["layout"] == qtype]
+        assert mms and all(n.attrs.get("act") == "q8k" for n in mms), mode
+        assert all(("gemm" in n.attrs) == (mode == "prefill") for n in mms), mode
+    ids = [1, 200, 3, 77, 260, 9, 42, 5] * 3
+    ref = runtime.load(p, backend="interp", passes=passes_).logits(ids)
+    nat = runtime.load(p, backend="llvm", threads=2, use_cache=False, passes=passes_).logits(ids)
+    assert np.shape(nat) == (len(ids), 300)
+    assert np.abs(np.asarray(nat) - ref).max() <= 1e-5 * np.abs(ref).max()
     same_tokens_interp_and_native(p, passes_)
 
 
