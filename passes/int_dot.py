@@ -1,6 +1,6 @@
 """int_dot: decode-step ``qmatmul`` on 32-value block weights (Q8_0, Q4_0,
 Q5_0, Q4_1, Q5_1) takes the integer path (``act="q8"``), and on the
-K-quants Q4_K, Q5_K, Q6_K the same with 256-value activation blocks and
+K-quants Q2_K .. Q6_K the same with 256-value activation blocks and
 per-16 partial sums (``act="q8k"``, llama.cpp's Q8_K: ``ir.int_kquants``).
 
 A decode step is one matrix-vector product per weight: bandwidth-bound, and
@@ -52,7 +52,7 @@ GEMM_ROWS = 128
 def int_dot(graph: Graph) -> Graph:
     """Quantize activations per block for qmatmuls on 32-value block weights
     (``act="q8"``: Q8_0, Q4_0, Q5_0, Q4_1, Q5_1) and on K-quants
-    (``act="q8k"``: Q4_K, Q5_K, Q6_K); in a graph of decode rows, also
+    (``act="q8k"``: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K); in a graph of decode rows, also
     compute every row as decode does."""
     mode = graph.meta.get("mode")
     if mode not in ("prefill", "batch", "decode"):

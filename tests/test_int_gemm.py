@@ -24,7 +24,7 @@ from test_int_kquants import check_close as q8k_close, kq_weight
 
 _KERNELS: dict = {}
 TS = (1, 2, 3, 7, 17, 64)
-KQ_LAYOUTS = ["Q4_K", "Q5_K", "Q6_K"]
+KQ_LAYOUTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
 
 def act(layout: str) -> str:
@@ -78,7 +78,7 @@ def test_gemm_matches_reference(name, vw):
 
 
 @pytest.mark.parametrize("vw", [None, 8])
-@pytest.mark.parametrize("name", ["Q5_0", "Q8_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q5_0", "Q8_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q6_K"])
 def test_gemm_rows_are_chunk_invariant(name, vw):
     """A token's row has the same bits whatever T, its place in the chunk,
     the register block (``tokens``) and the K chunk (``kc``): chunked
@@ -97,7 +97,8 @@ def test_gemm_rows_are_chunk_invariant(name, vw):
         np.testing.assert_array_equal(got, full[7:30])
 
 
-@pytest.mark.parametrize("name,n,k", [("Q5_0", 4864, 896), ("Q6_K", 896, 4864)])
+@pytest.mark.parametrize("name,n,k", [("Q5_0", 4864, 896), ("Q6_K", 896, 4864), ("Q2_K", 896, 4864),
+                                      ("Q3_K", 4864, 1024)])
 def test_gemm_on_qwen_sized_weights(name, n, k):
     needs_gemm()
     rng = np.random.default_rng(33)
@@ -130,7 +131,7 @@ def test_gemm_scratch_covers_either_kernel():
     assert k_matmul_int.scratch_floats(sig) * 4 >= 64 * (896 + 8 * 28) + 28 * 16 * 40
 
 
-@pytest.mark.parametrize("name", ["Q5_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q5_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q6_K"])
 def test_gemm_broadcasts_activations_into_vpdpbusd(name):
     w = needs_gemm()
     asm = emit_assembly(gemm_kernel(1024, TensorType((64, 1024), "f32", name)).module)

@@ -9,6 +9,8 @@ threads, decode rows bit for bit); the ``int_dot`` pass; and a synthetic
 K-quant GGUF model through the interpreter and through native code."""
 from __future__ import annotations
 
+import gguf
+import gguf.quants
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -27,7 +29,9 @@ from test_kquants import random_blocks
 layouts._load_block_layouts()
 
 KQ = list(KQ_INT_LAYOUTS)
-BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+#: what the kernel adds to the signed quants to make them unsigned bytes
+OFFSET = {"Q3_K": 4, "Q6_K": 32}
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -41,9 +45,45 @@ def _f16(lo: int, hi: int) -> float:
     return float(np.frombuffer(bytes([lo, hi]), "<f2")[0])
 
 
-def slow_block(name: str, b: bytes) -> tuple[float, float, list[int], list[int]]:
+def slow_q3k_scales(p: bytes) -> list[int]:
+    """The sixteen signed scales of Q3_K as llama.cpp unpacks them: three
+    little-endian words, rearranged with kmask1 = 0x03030303 and kmask2 =
+    0x0f0f0f0f, read back as 16 bytes, minus 32."""
+    a = [int.from_bytes(p[4 * i:4 * i + 4], "little") for i in range(3)] + [0]
+    k1, k2 = 0x03030303, 0x0F0F0F0F
+    tmp = a[2]
+    a[2] = ((a[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4)
+    a[3] = ((a[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4)
+    a[0] = (a[0] & k2) | (((tmp >> 0) & k1) << 4)
+    a[1] = (a[1] & k2) | (((tmp >> 2) & k1) << 4)
+    return [((a[j // 4] >> (8 * (j % 4))) & 0xFF) - 32 for j in range(16)]
+
+
+def slow_low_bit_block(name: str, b: bytes) -> tuple[float, float, list[int], list[int], list[int]]:
+    """Q2_K and Q3_K as llama.cpp's dequantize_row_q2_K / _q3_K walk them:
+    two halves of 128 values, four shifts of each qs byte, 16 values per scale."""
+    q, sc, mn = [0] * 256, [0] * 256, [0] * 256
+    s3 = slow_q3k_scales(b[96:108]) if name == "Q3_K" else None
+    for v in range(256):
+        h, r = divmod(v, 128)
+        j, l = divmod(r, 32)
+        if name == "Q2_K":
+            q[v] = (b[16 + 32 * h + l] >> (2 * j)) & 3
+            sc[v], mn[v] = b[v // 16] & 15, b[v // 16] >> 4
+        else:
+            hm = b[l] & (1 << (4 * h + j))
+            q[v] = ((b[32 + 32 * h + l] >> (2 * j)) & 3) - (0 if hm else 4)
+            sc[v] = s3[v // 16]
+    if name == "Q2_K":
+        return _f16(b[80], b[81]), _f16(b[82], b[83]), sc, mn, q
+    return _f16(b[108], b[109]), 0.0, sc, mn, q
+
+
+def slow_block(name: str, b: bytes) -> tuple[float, float, list[int], list[int], list[int]]:
     """(d, dmin, per-value scale, per-value min) x 256 and the quants of one
     super-block, byte by byte: value v = d * scale[v] * q[v] - dmin * mins[v]."""
+    if name in ("Q2_K", "Q3_K"):
+        return slow_low_bit_block(name, b)
     if name == "Q6_K":
         q, sc = [0] * 256, []
         for v in range(256):
@@ -109,8 +149,8 @@ def slow_matvec(x: np.ndarray, w: WeightData) -> tuple[np.ndarray, np.ndarray]:
             s1 = sum(sc[v] * q[v] * qx[v] for v in range(256))
             s2 = sum(mn[v] * qx[v] for v in range(256))
             total += d * dx * s1 - dmin * dx * s2
-            # the kernel's terms: Q6_K adds sc * (u q_x) and -32 sc q_x with u = q + 32
-            bias = 32 if name == "Q6_K" else 0
+            # the kernel's terms: Q3_K / Q6_K add sc * (u q_x) and -bias sc q_x with u = q + bias
+            bias = OFFSET.get(name, 0)
             mag += abs(d * dx) * sum(abs(sc[v]) * (abs(q[v] + bias) + bias) * abs(qx[v]) for v in range(256))
             mag += abs(dmin * dx) * sum(mn[v] * abs(qx[v]) for v in range(256))
         out.append(total)
@@ -144,7 +184,8 @@ def test_reference_matches_slow_formula(name, scales):
 
 @pytest.mark.parametrize("name", KQ)
 def test_integers_give_the_dequantized_values(name):
-    """d * sc * q - dmin * m, rounded as the layout's dequantizer rounds, is its dequantization."""
+    """d * sc * q - dmin * m, rounded as llama.cpp's dequantizer rounds, is
+    its dequantization: ours and the ``gguf`` package's."""
     w = kq_weight(np.random.default_rng(5), name, 3, 512, "extreme")
     wi = kquant_ints(w)
     sub = 256 // wi.sc.shape[2]
@@ -154,6 +195,31 @@ def test_integers_give_the_dequantized_values(name):
         v = v - wi.dmin[:, :, None] * np.repeat(wi.m, sub, axis=2).astype(np.float32)
     with np.errstate(all="ignore"):
         np.testing.assert_array_equal(v.reshape(3, 512), w.to_f32())
+        want = gguf.quants.dequantize(np.asarray(w.raw), gguf.GGMLQuantizationType[name]).reshape(3, 512)
+        np.testing.assert_array_equal(v.reshape(3, 512), want)
+
+
+@pytest.mark.parametrize("name", KQ)
+def test_reference_is_the_float_product_of_rounded_x(name):
+    """Odd shapes against the ``gguf`` package's dequantization in float64:
+    the integer path differs from x @ W.T only by rounding x to its Q8_K
+    quants, at most d_x / 2 per value, so by sum_v |w_v| d_x(v) / 2, plus
+    the float32 rounding of the result."""
+    rng = np.random.default_rng(6)
+    for n, k, t in ((7, 256, 1), (13, 1280, 3), (3, 2304, 2)):
+        w = kq_weight(rng, name, n, k)
+        wf = gguf.quants.dequantize(np.asarray(w.raw), gguf.GGMLQuantizationType[name]).reshape(n, k)
+        x = rng.standard_normal((t, k)).astype(np.float32) * np.float32(4.0)
+        if k > 256:
+            x[0, :256] = 0.0                                               # a zero block
+        got = qmatmul_ref(x, w, layout=name, act="q8k")
+        exact = x.astype(np.float64) @ wf.astype(np.float64).T
+        dx, _, _ = quantize_q8k_rows(x)
+        half_step = np.repeat(dx.astype(np.float64), 256, axis=1) / 2    # [t, k]
+        # (1 + 1e-4): d_x and x * 127 / amax are float32 roundings themselves
+        bound = half_step @ np.abs(wf.astype(np.float64)).T * (1 + 1e-4) + 1e-7 * np.abs(exact) + 1e-30
+        assert np.all(np.abs(got - exact) <= bound), (name, n, k)
+        assert np.abs(got - exact).max() > 0            # x really was rounded
 
 
 def test_quantizer_scales_sums_and_rounding():
@@ -188,8 +254,8 @@ def test_shape_rule():
             q.infer([TensorType((512,)), wt], {"layout": name, "act": "q8"})
     with pytest.raises(ShapeError):
         q.infer([TensorType((64,)), TensorType((8, 64), "f32", "Q8_0")], {"layout": "Q8_0", "act": "q8k"})
-    with pytest.raises(ShapeError):   # Q2_K / Q3_K have no integer path (yet)
-        q.infer([TensorType((256,)), TensorType((8, 256), "f32", "Q3_K")], {"layout": "Q3_K", "act": "q8k"})
+    with pytest.raises(ShapeError):
+        q.infer([TensorType((256,)), TensorType((8, 256), "f32", "BF16")], {"layout": "BF16", "act": "q8k"})
 
 
 # --- the native kernel ----------------------------------------------------------------------------
@@ -212,14 +278,15 @@ def compiled(sig, vector_width=None, portable=False) -> CompiledKernel:
 
 def ref_size(x: np.ndarray, w: WeightData) -> np.ndarray:
     """The size of the terms the kernel adds in float32, per output:
-    sum over super-blocks of |d_w d_x| sum |sc| (u |q_x|) (+ 32 |sc q_x| for
-    Q6_K, u = q + 32) and |dmin_w d_x| sum m |q_x|."""
+    sum over super-blocks of |d_w d_x| sum |sc| (u |q_x|) (+ b |sc q_x| for
+    Q3_K, Q6_K: u = q + b, b = 4, 32) and |dmin_w d_x| sum m |q_x|."""
     k = int(w.type.shape[1])
     dx, qx, _ = quantize_q8k_rows(np.asarray(x, np.float32).reshape(-1, k))
     wi = kquant_ints(w)
     sub = 256 // wi.sc.shape[2]
     asc = np.abs(np.repeat(wi.sc, sub, axis=2)).astype(np.float64)
-    u = np.abs(wi.q.astype(np.float64) + (32 if wi.m is None else 0)) + (32 if wi.m is None else 0)
+    off = OFFSET.get(w.type.layout, 0)
+    u = np.abs(wi.q.astype(np.float64) + off) + off
     ax = np.abs(qx.astype(np.float64))
     s = np.einsum("nbv,mbv->mnb", asc * u, ax)
     s = np.einsum("mnb,nb,mb->mn", s, np.abs(wi.d.astype(np.float64)), np.abs(dx.astype(np.float64)))
@@ -329,23 +396,36 @@ def test_multiply_adds_in_assembly(name):
 
 
 # --- the pass and a whole model ------------------------------------------------------------------
-def test_q4_k_model_interpreter_and_native_agree(tmp_path):
-    """A synthetic Q4_K GGUF with the pass in the pipeline: the K-quant
-    matmuls take the q8k path, and greedy decoding through the interpreter
-    (the numpy reference) and through native code, the prompt through
-    prefill (prompt rows), gives the same tokens."""
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K"])
+def test_k_quant_model_interpreter_and_native_agree(tmp_path, qtype):
+    """A synthetic GGUF of each K-quant we can write, with the pass in the
+    pipeline: every matmul on its weights takes the q8k path (prompt chunks
+    the GEMM), the prompt's logits through the interpreter (the numpy
+    reference) and through native code agree to float rounding (the tiny
+    model's greedy tokens repeat the last one, so they alone say little),
+    and greedy decoding, the prompt through prefill, gives the same tokens."""
     import compiler.driver
+    import runtime
     from test_gguf_frontend import tiny
 
     passes_ = ("fuse_dequant", "int_dot")
-    p, _ = tiny(tmp_path, "Q4_K")
-    g = compiler.driver.model_graph(compiler.driver.load_model(p), "decode",
-                                    compiler.driver.CompileOptions(passes=passes_))
-    assert any(n.attrs.get("act") == "q8k" for n in g.nodes)
+    p, _ = tiny(tmp_path, qtype)
+    model = compiler.driver.load_model(p)
+    assert model.weights["blk.0.ffn_down"].type.layout == qtype
+    for mode in ("decode", "prefill"):
+        g = compiler.driver.model_graph(model, mode, compiler.driver.CompileOptions(passes=passes_))
+        mms = [n for n in g.nodes if n.op == "qmatmul" and n.attrs["layout"] == qtype]
+        assert mms and all(n.attrs.get("act") == "q8k" for n in mms), mode
+        assert all(("gemm" in n.attrs) == (mode == "prefill") for n in mms), mode
+    ids = [1, 200, 3, 77, 260, 9, 42, 5] * 3
+    ref = runtime.load(p, backend="interp", passes=passes_).logits(ids)
+    nat = runtime.load(p, backend="llvm", threads=2, use_cache=False, passes=passes_).logits(ids)
+    assert np.shape(nat) == (len(ids), 300)
+    assert np.abs(np.asarray(nat) - ref).max() <= 1e-5 * np.abs(ref).max()
     same_tokens_interp_and_native(p, passes_)
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q6_K"])
 def test_row_block_of_a_split_weight(name):
     """``qmatmul_rows`` (a row block of a weight split for streaming, the
     attributes of the split qmatmul kept): the kernel writes the block's

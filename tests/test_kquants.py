@@ -1,4 +1,4 @@
-"""GGUF K-quants (Q4_K, Q5_K, Q6_K): the numpy dequantizers against the
+"""GGUF K-quants (Q2_K .. Q6_K): the numpy dequantizers against the
 ``gguf`` package, and the fused native decoders (qmatmul decode / prefill,
 embedding) against the ``ir.ops`` references.
 
@@ -30,7 +30,7 @@ from kernel_checks import activations, check_dot, compiled, run_embedding, run_q
 # decoders do) would hide the rest. Load them all before any test runs.
 layouts._load_block_layouts()
 
-KQUANTS = ["Q4_K", "Q5_K", "Q6_K"]
+KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 #: byte offsets of the f16 super-block scales (d, then dmin where there is one)
 SCALE_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,)}
 #: one odd row count per K, so that kernels are shared between examples
@@ -71,7 +71,7 @@ def kquant_weight(rng, layout: str, n: int, k: int, scales: str = "normal") -> W
 
 
 # --- numpy dequantizers ----------------------------------------------------------------
-@pytest.mark.parametrize("layout", KQUANTS + ["Q2_K", "Q3_K"])
+@pytest.mark.parametrize("layout", KQUANTS)
 @pytest.mark.parametrize("scales", ["bytes", "extreme", "normal"])
 def test_dequant_matches_gguf(layout, scales):
     rng = np.random.default_rng(len(layout) * 100 + len(scales))
@@ -108,7 +108,7 @@ def test_roundtrip_gguf_quantizer():
         except NotImplementedError:
             continue
         pytest.fail(f"gguf.quants can quantize {layout} now: add its round trip here")
-    pytest.skip("gguf.quants cannot quantize Q4_K / Q5_K / Q6_K (NotImplementedError); "
+    pytest.skip("gguf.quants cannot quantize Q2_K .. Q6_K (NotImplementedError); "
                 "Q4_K's round trip uses frontends.quantize instead")
 
 
@@ -127,6 +127,41 @@ def test_roundtrip_q4_k_quantizer(seed, scale, shift):
     step = (xs.max(axis=1) - np.minimum(xs.min(axis=1), 0)) / 15
     err = np.abs(xs - ys).max(axis=1)
     assert np.all(err <= 0.6 * step + 1e-3 * np.abs(xs).max()), (err / step).max()
+
+
+@settings(max_examples=15, **SETTINGS)
+@given(seed=st.integers(0, 2**31), scale=st.floats(1e-3, 1e3), shift=st.floats(-5, 5))
+def test_roundtrip_q2_k_q3_k_quantizers(seed, scale, shift):
+    """frontends.quantize's Q2_K and Q3_K writers, read back by the gguf
+    package's dequantizer: every value within what the codes allow. Q2_K:
+    half a step of its 16 values, the min code's rounding (dmin / 2) and
+    the scale code's (3 d / 2 at the top of the range); Q3_K: a step (the
+    value opposite the largest in sign may need +4, clipped to 3) and the
+    signed scale code's rounding or clipping (at most d per step of 4)."""
+    from frontends.quantize import quantize_q2_k, quantize_q3_k
+
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((3, 512)) * scale + shift * scale).astype(np.float32)
+    tiny = 2e-3 * np.abs(x).max()                   # float16 d, dmin
+    for name, quantize in (("Q2_K", quantize_q2_k), ("Q3_K", quantize_q3_k)):
+        raw = quantize(x)
+        assert raw.shape == (3, 2 * get_layout(name).block_bytes)
+        y = gguf.quants.dequantize(raw.reshape(-1), gguf.GGMLQuantizationType[name]).reshape(x.shape)
+        np.testing.assert_array_equal(y, get_layout(name).dequantize(raw.reshape(-1), x.shape))
+        blk = raw.reshape(-1, get_layout(name).block_bytes)
+        xs, ys = x.reshape(-1, 16, 16).astype(np.float64), y.reshape(-1, 16, 16)
+        err = np.abs(xs - ys).max(axis=2)          # per 16 values
+        if name == "Q2_K":
+            d, dmin = (blk[:, at:at + 2].copy().view("<f2").astype(np.float64) for at in (80, 82))
+            step = d * (blk[:, 0:16] & 15)
+            bound = 0.5 * step + 0.5 * dmin + 1.5 * d
+        else:
+            from ir.layouts_kquants import scales_q3k
+
+            d = np.abs(blk[:, 108:110].copy().view("<f2").astype(np.float64))
+            step = d * np.abs(scales_q3k(blk[:, 96:108]).astype(np.float64))
+            bound = step + 4 * d
+        assert np.all(err <= bound + tiny), (name, (err - bound).max())
 
 
 # --- native kernels ------------------------------------------------------------------------
@@ -174,7 +209,7 @@ def test_embedding_kquants(layout, t, nt, scales, seed):
     ids = rng.integers(0, v, size=() if t is None else (t,)).astype(np.int32)
     got = run_embedding(w, ids, nt)
     want = embedding_ref(w, ids)
-    if layout == "Q6_K":   # q * (d*sc): the reference's own operations
+    if layout in ("Q3_K", "Q6_K"):   # q * (d*sc): the reference's own operations
         np.testing.assert_array_equal(got, want)
     else:                  # fma(q, d*sc, -dmin*m): one rounding instead of two
         f = w.to_f32()

@@ -377,8 +377,8 @@ def emit_int_matvec(kb: KernelBuilder, sig: KernelSig) -> None:
     group, then per weight tile every row, ``slots`` rows at a time sharing
     the unpacked weight blocks."""
     if sig.attr.get("act") == "q8k":
-        from .k_matmul_int_kquants import KQuantIntKernel
-        kern = KQuantIntKernel(kb, sig)
+        from .k_matmul_int_kquants import kquant_int_kernel
+        kern = kquant_int_kernel(kb, sig)
     else:
         kern = _IntKernel(kb, sig)
     from .k_matmul_int_gemm import emit_int_gemm, use_gemm

@@ -89,7 +89,7 @@ def scratch_bytes(sig: KernelSig) -> int:
     if sig.attr.get("act") == "q8k":
         from . import k_matmul_int_gemm_kquants as kq
         kc = min(int(sig.attr.get("kc", kq.KC_K)), k // kq.QK_K)
-        return int(sig.attr["gemm"]) * kq.act_slot_bytes(k) + kc * kq.block_bytes(16)
+        return int(sig.attr["gemm"]) * kq.act_slot_bytes(k) + kc * kq.block_bytes(16, sig.in_types[1].layout)
     kc = min(int(sig.attr.get("kc", _KC)), k // QK)
     return int(sig.attr["gemm"]) * act_slot_bytes(k) + kc * tile_block_bytes(16)
 

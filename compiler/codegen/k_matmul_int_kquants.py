@@ -1,5 +1,5 @@
 """The integer path of ``qmatmul`` on K-quant weights (``act="q8k"``: GGUF
-Q4_K, Q5_K, Q6_K), as llama.cpp's ``ggml_vec_dot_q*_K_q8_K``.
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), as llama.cpp's ``ggml_vec_dot_q*_K_q8_K``.
 
 The numbers are ``ir.int_kquants.qmatmul_q8k_ref``: x is quantized per
 256 values (Q8_K: float32 d_x, int8 q_x, per-16 sums of q_x) and each
@@ -14,28 +14,35 @@ each weight super-block once, unpacks it once, and multiplies it with every
 quantized row of the group, each row with the one-row code's operations in
 its order (bit for bit the decode step's result).
 
-Per super-block and weight row (shared by the rows of a group):
+A layout is a subclass (``FORMATS``) that says how its bytes become
+unsigned quants (``run``: 32 values) and integer sub-block scales and
+minimums (``scales``), its sub-block size, and whether its values carry a
+minimum (Q2_K, Q4_K, Q5_K: d sc q - dmin m) or an offset (Q3_K, Q6_K:
+signed quants stored or made unsigned as q + 4, q + 32). Per super-block
+and weight row (shared by the rows of a group):
 
-* quants made unsigned bytes (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63, the
-  stored u = q + 32), in chunks of CH = 64 values at vector width 16 (one
+* quants made unsigned bytes (Q2_K 0..3, Q3_K 0..7, Q4_K 0..15, Q5_K
+  0..31, Q6_K 0..63), in chunks of CH = 64 values at vector width 16 (one
   512-bit register), else 32. A chunk is a few runs of 32 values that the
   same byte operations produce (Q4_K: the low nibbles of 64 stored bytes
-  are runs 0 and 2); the activation slot stores x's runs in that order, so
-  the nibbles need no shuffle (Q5_K's and Q6_K's high bits are two 32-byte
-  pieces, shifted apart, then joined);
+  are runs 0 and 2; Q2_K: one shift of its 64 bytes of 2-bit fields gives
+  runs i and 4 + i); the activation slot stores x's runs in that order, so
+  the quants need no shuffle (high bits, as Q3_K's, Q5_K's and Q6_K's,
+  are two 32-byte pieces, shifted apart, then joined);
 * the sub-block scales as 16-bit lanes, one per pair of values of the chunk.
 
 Per row of the group: ``vpmaddubsw`` (unsigned weight bytes times signed
 activation bytes, adjacent pairs summed to int16: at most 2 * 63 * 127,
 never saturating) then ``vpmaddwd`` by the scale lanes, added to an int32
 accumulator (``vpdpwssd`` on VNNI hosts): two or three instructions per 64
-values. The sub-block minimums (Q4_K, Q5_K) are one ``vpmaddwd`` of the 16
-activation partial sums by the mins (each twice); Q6_K's -32 bias is one
-``vpdpwssd`` of the same sums by -32 sc into the integer sum. Then the
+values. The sub-block minimums are one ``vpmaddwd`` of the 16 activation
+partial sums by the minimum of each sum's sub-block; an offset is one
+``vpdpwssd`` of the same sums by -offset sc into the integer sum. Then the
 int32 lanes are converted once per super-block and multiplied into float
-accumulators with d_w d_x (Q4_K, Q5_K: the sum's lanes folded to 8, beside
-the 8 lanes of the minimums' sum, so that one convert and one FMA with
-d_w d_x x8, -dmin_w d_x x8 do both); one horizontal sum per row at the end.
+accumulators with d_w d_x (with minimums: the sum's lanes folded to 8,
+beside the 8 lanes of the minimums' sum, so that one convert and one FMA
+with d_w d_x x8, -dmin_w d_x x8 do both); one horizontal sum per row at
+the end.
 
 Without the x86 instructions (other targets; tests force it) the same
 int16 and int32 lanes come from portable widening multiplies: exact, the
@@ -49,19 +56,16 @@ import llvmlite.ir as ir
 
 from .emit import F32, FAST, I32, KernelBuilder, i64
 from .k_matmul import HALF, PREFETCH_BYTES, _tuned, out_rows
+from .k_matmul_kquants import Q3K_SCALES_AT, q3k_scales
 from .kernels import KernelSig
 from .target import host_target
 
 QK_K = 256
 RUN = 32
+#: values per activation partial sum
+BSUM = 16
 I8 = ir.IntType(8)
 I16 = ir.IntType(16)
-#: layout -> bytes per super-block
-BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-#: layout -> the runs of 32 values in each 64-value chunk (vector width 16):
-#: runs one byte operation on 64 consecutive stored bytes produces
-RUNS_64 = {"Q4_K": [(0, 2), (1, 3), (4, 6), (5, 7)], "Q5_K": [(0, 2), (1, 3), (4, 6), (5, 7)],
-           "Q6_K": [(0, 1), (2, 3), (4, 5), (6, 7)]}
 _UNROLL = 1
 
 
@@ -83,7 +87,7 @@ def slot_bytes(k: int) -> int:
 
 def chunk_runs(layout: str, vw: int) -> list[tuple[int, ...]]:
     """The runs of 32 values of each chunk, in the order the slot stores them."""
-    return RUNS_64[layout] if vw >= 16 else [(r,) for r in range(QK_K // RUN)]
+    return FORMATS[layout].runs_64 if vw >= 16 else [(r,) for r in range(QK_K // RUN)]
 
 
 def _x86_names(nbytes: int) -> tuple[str, str, str | None] | None:
@@ -182,33 +186,72 @@ def quantize_q8k_block(kb: KernelBuilder, at: ir.Value) -> tuple[ir.Value, ir.Va
     return q, d, v
 
 
+class KScales(NamedTuple):
+    """A super-block's integer sub-block factors and its float ones."""
+
+    sc: ir.Value            # <S x i16>: the scales of its S = 256 / sub sub-blocks
+    m: ir.Value | None      # <S x i16>: their minimums (layouts with minimums)
+    f2: ir.Value            # <2 x float>: d_w, and -dmin_w (0 without minimums)
+
+
 class _Weights(NamedTuple):
     """One super-block of one weight row, unpacked for every row of a group."""
 
     u: list[ir.Value]          # per chunk <CH x i8>: unsigned quants
     sc: list[ir.Value]         # per chunk <CH/2 x i16>: the sub-block scale of each pair
-    bias: ir.Value             # mins (Q4_K, Q5_K: <16 x i16>, m[s] twice each) or -32 sc (Q6_K: <2L x i16>)
-    f: ir.Value                # float factors: <16 x float> d_w x8, -dmin_w x8 (Q4_K, Q5_K); <L x float> d_w (Q6_K)
+    off: ir.Value | None       # <2L x i16>: -offset sc of each 16-value partial sum (Q3_K, Q6_K)
+    mins: ir.Value | None      # <16 x i16>: the minimum of each 16-value partial sum (Q2_K, Q4_K, Q5_K)
+    f: ir.Value                # float factors: <16 x float> d_w x8, -dmin_w x8 (minimums); <L x float> d_w
+
+
+#: layout -> its kernel class (``_format``)
+FORMATS: dict[str, type] = {}
+
+
+def _format(name: str):
+    def deco(cls: type) -> type:
+        FORMATS[name] = cls
+        return cls
+    return deco
+
+
+def kquant_int_kernel(kb: KernelBuilder, sig: KernelSig) -> "KQuantIntKernel":
+    """The kernel class of the weight's layout."""
+    layout = sig.in_types[1].layout
+    if layout not in FORMATS:
+        raise NotImplementedError(f"q8k matvec on a {layout} weight")
+    return FORMATS[layout](kb, sig)
 
 
 class KQuantIntKernel:
-    """``slot`` / ``quantize`` / ``tile`` for ``k_matmul_int.emit_int_matvec``."""
+    """``slot`` / ``quantize`` / ``tile`` for ``k_matmul_int.emit_int_matvec``;
+    a layout's subclass says how its bytes become unsigned quants (``run``)
+    and sub-block factors (``scales``), and what they mean:"""
+
+    #: bytes per super-block
+    block_bytes = 0
+    #: values per sub-block (one scale, one minimum)
+    sub = 32
+    #: added to the signed quants to make them unsigned bytes (Q3_K 4, Q6_K 32)
+    offset = 0
+    #: value = d sc q - dmin m (Q2_K, Q4_K, Q5_K)
+    minimums = False
+    #: the runs of 32 values in each 64-value chunk (vector width 16):
+    #: runs that one byte operation on 64 consecutive stored bytes produces
+    runs_64: list[tuple[int, int]] = []
 
     def __init__(self, kb: KernelBuilder, sig: KernelSig) -> None:
         xt, wt = sig.in_types[:2]
         self.layout = wt.layout
-        if self.layout not in BLOCK_BYTES:
-            raise NotImplementedError(f"q8k matvec on a {self.layout} weight")
         self.kb, self.b = kb, kb.b
         self.n, self.k = int(wt.shape[0]), int(wt.shape[1])
         if self.k % QK_K:
             raise NotImplementedError(f"row length {self.k} is not a multiple of {QK_K}")
         self.nb = self.k // QK_K
-        self.bb = BLOCK_BYTES[self.layout]
+        self.bb = self.block_bytes
         self.runs = chunk_runs(self.layout, kb.vw)
         self.CH = RUN * len(self.runs[0])
         self.L = self.CH // 4                  # int32 lanes of a chunk's sums
-        self.minimums = self.layout != "Q6_K"  # Q4_K, Q5_K: value = d sc q - dmin m
         self.A = 16 if self.minimums else self.L   # float accumulator lanes
         self.out, self.n_out = out_rows(kb, sig)
         self.U = _tuned(kb, sig.attr, "unroll", _UNROLL)
@@ -238,7 +281,7 @@ class KQuantIntKernel:
             kb.vstore(v, sl.bs, b.mul(j, i64(16)))
             kb.store(d, sl.dx, j)
 
-    # --- step 2: weights ------------------------------------------------------------------
+    # --- step 2: weights (a layout's ``run`` and ``scales``) -------------------------------
     def _block_ptr(self, row: ir.Value, j: ir.Value) -> ir.Value:
         b = self.b
         return self.kb.gep(self.w, b.mul(b.add(b.mul(row, i64(self.nb)), j), i64(self.bb)))
@@ -255,58 +298,38 @@ class KQuantIntKernel:
             return b.lshr(v, _vc(I8, [-sh] * v.type.count))
         return v
 
-    def _run(self, bp: ir.Value, r: int) -> ir.Value:
-        """<32 x i8>: the unsigned quants of values 32r .. 32r+31."""
-        b = self.b
-        lo15 = _vc(I8, [15] * RUN)
-        if self.layout == "Q6_K":
-            h, i = divmod(r, 4)
-            ql = self._bytes(bp, 64 * h + 32 * (i % 2))
-            ql = b.lshr(ql, _vc(I8, [4] * RUN)) if i >= 2 else b.and_(ql, lo15)
-            qh = self._shift_to(self._bytes(bp, 128 + 32 * h), 4 - 2 * i)   # bits 2i, 2i+1 -> 4, 5
-            return b.or_(ql, b.and_(qh, _vc(I8, [0x30] * RUN)))
-        at = 16 if self.layout == "Q4_K" else 48
-        q = self._bytes(bp, at + 32 * (r // 2))
-        q = b.lshr(q, _vc(I8, [4] * RUN)) if r % 2 else b.and_(q, lo15)
-        if self.layout == "Q5_K":
-            qh = self._shift_to(self._bytes(bp, 16), 4 - r)                 # bit r -> bit 4
-            q = b.or_(q, b.and_(qh, _vc(I8, [16] * RUN)))
-        return q
+    def _bits(self, v: ir.Value, lo: int, mask: int) -> ir.Value:
+        """(v >> lo) & mask, bytewise."""
+        return self.b.and_(self._shift_to(v, -lo), _vc(I8, [mask] * v.type.count))
 
-    def scales(self, bp: ir.Value) -> tuple[ir.Value, ir.Value]:
-        """The super-block's integer sub-block scales as <16 x i16> (Q6_K:
-        its 16 scales; Q4_K / Q5_K: 8 scales, then 8 minimums) and its float
-        factors <2 x float>: d, and -dmin (Q6_K: 0)."""
-        kb, b = self.kb, self.b
-        if self.layout == "Q6_K":
-            sc = b.sext(self._bytes(bp, 192, 16), ir.VectorType(I16, 16))
-            d = b.fpext(b.load(b.bitcast(kb.gep(bp, 208), ir.PointerType(HALF)), align=1), F32)
-            return sc, b.insert_element(_vc(F32, [0.0, 0.0]), d, i64(0))
-        s = self._bytes(bp, 4, 16)   # 12 scale bytes + 4 quant bytes (still in the block)
-        # s < 4: sc = b[s] & 63, m = b[s+4] & 63
-        # s >= 4: sc = b[s+4] & 15 | (b[s-4] >> 6) << 4, m = b[s+4] >> 4 | (b[s] >> 6) << 4
-        lo = _shuffle(b, s, None, [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])
-        hi = _shuffle(b, s, None, [0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7])
-        v = b.or_(b.and_(lo, _vc(I8, [63] * 4 + [15] * 4 + [63] * 4 + [0] * 4)),
-                  b.and_(b.lshr(lo, _vc(I8, [4] * 16)), _vc(I8, [0] * 12 + [15] * 4)))
-        v = b.or_(v, b.and_(b.lshr(hi, _vc(I8, [2] * 16)), _vc(I8, ([0] * 4 + [0x30] * 4) * 2)))
-        dd = b.fpext(b.load(b.bitcast(bp, ir.PointerType(ir.VectorType(HALF, 2))), align=1), ir.VectorType(F32, 2))
-        return b.zext(v, ir.VectorType(I16, 16)), b.fmul(dd, _vc(F32, [1.0, -1.0]))
+    def run(self, bp: ir.Value, r: int) -> ir.Value:
+        """<32 x i8>: the unsigned quants (q + offset) of values 32r .. 32r+31."""
+        raise NotImplementedError
+
+    def scales(self, bp: ir.Value) -> KScales:
+        """The super-block's sub-block scales (and minimums) and float factors."""
+        raise NotImplementedError
 
     def _weights(self, bp: ir.Value) -> _Weights:
-        kb, b = self.kb, self.b
-        u = [_concat(b, [self._run(bp, r) for r in c]) for c in self.runs]
-        sc, f2 = self.scales(bp)
-        if self.layout == "Q6_K":
-            lanes = [[2 * r] * 8 + [2 * r + 1] * 8 for r in range(8)]
-            bias = self._widen16(b.mul(sc, _vc(I16, [-32] * 16)))
-            f = _shuffle(b, f2, None, [0] * self.L)
-        else:                                               # sc: lanes 0-7 scales, 8-15 mins
-            lanes = [[r] * 16 for r in range(8)]
-            bias = _shuffle(b, sc, None, [8 + i // 2 for i in range(16)])
-            f = _shuffle(b, f2, None, [0] * 8 + [1] * 8)
-        scs = [_shuffle(b, sc, None, [i for r in c for i in lanes[r]]) for c in self.runs]
-        return _Weights(u, scs, bias, f)
+        b = self.b
+        u = [_concat(b, [self.run(bp, r) for r in c]) for c in self.runs]
+        ks = self.scales(bp)
+        per_bsum = [BSUM * i // self.sub for i in range(16)]     # the sub-block of each partial sum
+
+        def pairs(r: int) -> list[int]:                           # the sub-block of each pair of run r
+            return [(RUN * r + 2 * p) // self.sub for p in range(RUN // 2)]
+
+        scs = [_shuffle(b, ks.sc, None, [s for r in c for s in pairs(r)]) for c in self.runs]
+        off = mins = None
+        if self.offset:
+            sc16 = _shuffle(b, ks.sc, None, per_bsum)
+            off = self._widen16(b.mul(sc16, _vc(I16, [-self.offset] * 16)))
+        if self.minimums:
+            mins = _shuffle(b, ks.m, None, per_bsum)
+            f = _shuffle(b, ks.f2, None, [0] * 8 + [1] * 8)
+        else:
+            f = _shuffle(b, ks.f2, None, [0] * self.L)
+        return _Weights(u, scs, off, mins, f)
 
     def _widen16(self, v: ir.Value) -> ir.Value:
         """<16 x i16> -> <2L x i16>, zeros above (one register like a chunk's products)."""
@@ -322,15 +345,15 @@ class KQuantIntKernel:
         out = []
         for sl, acc in zip(slots, accs):
             bs = kb.vload(sl.bs, b.mul(j, i64(16)), 16)
-            # Q6_K: -32 sc bsum belongs to the same integer sum; Q4_K / Q5_K: m bsum is its own
-            s = dpwssd(kb, izero, self._widen16(bs), wt.bias) if self.minimums is False else izero
+            # -offset sc bsum belongs to the same integer sum; m bsum is its own
+            s = dpwssd(kb, izero, self._widen16(bs), wt.off) if wt.off is not None else izero
             for c, (u, sc) in enumerate(zip(wt.u, wt.sc)):
                 xq = kb.vload(sl.q, b.add(b.mul(j, i64(QK_K)), i64(c * self.CH)), self.CH)
                 s = dpwssd(kb, s, maddubs(kb, u, xq), sc)
-            if self.minimums:   # 8 lanes of the sum beside the 8 of sum m bsum: one convert, one FMA
+            if wt.mins is not None:   # 8 lanes of the sum beside the 8 of sum m bsum: one convert, one FMA
                 if L > 8:
                     s = b.add(_shuffle(b, s, None, list(range(8))), _shuffle(b, s, None, list(range(8, 16))))
-                s = _shuffle(b, s, maddwd(kb, bs, wt.bias), list(range(16)))
+                s = _shuffle(b, s, maddwd(kb, bs, wt.mins), list(range(16)))
             n = s.type.count
             acc = kb.fma(b.sitofp(s, ir.VectorType(F32, n)), b.fmul(wt.f, kb.splat(kb.load(sl.dx, j), n)), acc)
             out.append(acc)
@@ -375,3 +398,136 @@ class KQuantIntKernel:
                 for u in range(1, U):
                     v = b.fadd(v, accs[at(i, u, p)], flags=FAST)
                 kb.store(kb.hsum(v), self.out, b.add(b.mul(ts[p], i64(self.n_out)), rows[i]))
+
+
+# --- the layouts ------------------------------------------------------------------------------
+def _f16s(kb: KernelBuilder, bp: ir.Value, at: int, n: int) -> ir.Value:
+    """``n`` float16 at byte ``at`` of the block -> <n x float>."""
+    b = kb.b
+    h = b.load(b.bitcast(kb.gep(bp, at), ir.PointerType(ir.VectorType(HALF, n))), align=1)
+    return b.fpext(h, ir.VectorType(F32, n))
+
+
+def _d_only(kb: KernelBuilder, bp: ir.Value, at: int) -> ir.Value:
+    """<2 x float> (d, 0) from the f16 d at byte ``at``."""
+    d = kb.b.extract_element(_f16s(kb, bp, at, 1), i64(0))
+    return kb.b.insert_element(_vc(F32, [0.0, 0.0]), d, i64(0))
+
+
+class _ScaleMin(KQuantIntKernel):
+    """Q4_K / Q5_K: f16 d, f16 dmin, eight packed 6-bit (scale, min) pairs
+    at byte 4, sub-blocks of 32."""
+
+    minimums = True
+    runs_64 = [(0, 2), (1, 3), (4, 6), (5, 7)]
+
+    def scales(self, bp):
+        kb, b = self.kb, self.b
+        s = self._bytes(bp, 4, 16)   # 12 scale bytes + 4 quant bytes (still in the block)
+        # s < 4: sc = b[s] & 63, m = b[s+4] & 63
+        # s >= 4: sc = b[s+4] & 15 | (b[s-4] >> 6) << 4, m = b[s+4] >> 4 | (b[s] >> 6) << 4
+        lo = _shuffle(b, s, None, [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])
+        hi = _shuffle(b, s, None, [0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7])
+        v = b.or_(b.and_(lo, _vc(I8, [63] * 4 + [15] * 4 + [63] * 4 + [0] * 4)),
+                  b.and_(b.lshr(lo, _vc(I8, [4] * 16)), _vc(I8, [0] * 12 + [15] * 4)))
+        v = b.or_(v, b.and_(b.lshr(hi, _vc(I8, [2] * 16)), _vc(I8, ([0] * 4 + [0x30] * 4) * 2)))
+        v = b.zext(v, ir.VectorType(I16, 16))
+        f2 = b.fmul(_f16s(kb, bp, 0, 2), _vc(F32, [1.0, -1.0]))
+        return KScales(_shuffle(b, v, None, list(range(8))), _shuffle(b, v, None, list(range(8, 16))), f2)
+
+    def _nibbles(self, bp: ir.Value, at: int, r: int) -> ir.Value:
+        """Run r's nibbles: the low (r even) or high nibble of 32 bytes at at + 32 (r // 2)."""
+        q = self._bytes(bp, at + 32 * (r // 2))
+        return self._bits(q, 4, 15) if r % 2 else self._bits(q, 0, 15)
+
+
+@_format("Q4_K")
+class _Q4K(_ScaleMin):
+    """144 bytes: d, dmin, 12 scale bytes, 128 bytes of nibbles."""
+
+    block_bytes = 144
+
+    def run(self, bp, r):
+        return self._nibbles(bp, 16, r)
+
+
+@_format("Q5_K")
+class _Q5K(_ScaleMin):
+    """176 bytes: as Q4_K with 32 bytes of fifth bits (bit r of byte l for value 32r + l)."""
+
+    block_bytes = 176
+
+    def run(self, bp, r):
+        qh = self._shift_to(self._bytes(bp, 16), 4 - r)                 # bit r -> bit 4
+        return self.b.or_(self._nibbles(bp, 48, r), self.b.and_(qh, _vc(I8, [16] * RUN)))
+
+
+@_format("Q6_K")
+class _Q6K(KQuantIntKernel):
+    """210 bytes: 128 of low nibbles, 64 of high 2-bit parts, 16 int8 scales, f16 d."""
+
+    block_bytes = 210
+    sub = 16
+    offset = 32
+    runs_64 = [(0, 1), (2, 3), (4, 5), (6, 7)]
+
+    def run(self, bp, r):
+        b = self.b
+        h, i = divmod(r, 4)
+        ql = self._bytes(bp, 64 * h + 32 * (i % 2))
+        ql = self._bits(ql, 4, 15) if i >= 2 else self._bits(ql, 0, 15)
+        qh = self._shift_to(self._bytes(bp, 128 + 32 * h), 4 - 2 * i)   # bits 2i, 2i+1 -> 4, 5
+        return b.or_(ql, b.and_(qh, _vc(I8, [0x30] * RUN)))
+
+    def scales(self, bp):
+        sc = self.b.sext(self._bytes(bp, 192, 16), ir.VectorType(I16, 16))
+        return KScales(sc, None, _d_only(self.kb, bp, 208))
+
+
+#: Q2_K / Q3_K: one shift of the 64 bytes of 2-bit fields gives runs i and 4 + i
+_RUNS_2BIT = [(0, 4), (1, 5), (2, 6), (3, 7)]
+
+
+@_format("Q2_K")
+class _Q2K(KQuantIntKernel):
+    """84 bytes: 16 bytes (scale | min << 4) per 16 values, 64 bytes of
+    2-bit quants (value 128h + 32i + l: bits 2i, 2i+1 of byte 16 + 32h + l),
+    f16 d, f16 dmin."""
+
+    block_bytes = 84
+    sub = 16
+    minimums = True
+    runs_64 = _RUNS_2BIT
+
+    def run(self, bp, r):
+        h, i = divmod(r, 4)
+        return self._bits(self._bytes(bp, 16 + 32 * h), 2 * i, 3)
+
+    def scales(self, bp):
+        b = self.b
+        s = self._bytes(bp, 0, 16)
+        v16 = ir.VectorType(I16, 16)
+        f2 = b.fmul(_f16s(self.kb, bp, 80, 2), _vc(F32, [1.0, -1.0]))
+        return KScales(b.zext(self._bits(s, 0, 15), v16), b.zext(self._bits(s, 4, 15), v16), f2)
+
+
+@_format("Q3_K")
+class _Q3K(KQuantIntKernel):
+    """110 bytes: 32 bytes of high bits (bit r of byte l for value 32r + l),
+    64 bytes of 2-bit low parts (as Q2_K's), 12 bytes of packed 6-bit scales,
+    f16 d. The quant is low + 4 hbit - 4: unsigned, low | hbit << 2."""
+
+    block_bytes = 110
+    sub = 16
+    offset = 4
+    runs_64 = _RUNS_2BIT
+
+    def run(self, bp, r):
+        h, i = divmod(r, 4)
+        low = self._bits(self._bytes(bp, 32 + 32 * h), 2 * i, 3)
+        hb = self.b.and_(self._shift_to(self._bytes(bp, 0), 2 - r), _vc(I8, [4] * RUN))   # bit r -> bit 2
+        return self.b.or_(low, hb)
+
+    def scales(self, bp):
+        sc = q3k_scales(self.b, self._bytes(bp, Q3K_SCALES_AT, 16))
+        return KScales(sc, None, _d_only(self.kb, bp, 108))

@@ -1,4 +1,4 @@
-"""Decoders for GGUF's K-quants (Q4_K, Q5_K, Q6_K): 256-value super-blocks
+"""Decoders for GGUF's K-quants (Q2_K .. Q6_K): 256-value super-blocks
 -> float32 vectors in registers, for the matmul / qmatmul / embedding loops
 of ``k_matmul``. Byte layouts and value order: ``ir/layouts_kquants.py``.
 
@@ -8,8 +8,9 @@ sub-block at an offset known when the code is generated. Per call:
 
 * the sub-block factors are computed once, with vector integer ops on the
   packed scale bytes (Q4_K / Q5_K: the eight 6-bit scale / min pairs of
-  llama.cpp's ``get_scale_min_k4``, unpacked together as 16 bytes), turned
-  into float32 ``d*sc`` and ``dmin*m``, and stored to a small stack buffer;
+  llama.cpp's ``get_scale_min_k4``, unpacked together as 16 bytes; Q2_K:
+  sixteen 4-bit pairs; Q3_K: sixteen 6-bit signed scales), turned into
+  float32 ``d*sc`` and ``dmin*m``, and stored to a small stack buffer;
 * each piece loads its quant bytes as a ``<w x i8>`` vector, extracts its
   bits with and / shift / or in the byte domain (narrow ops; Q6_K's more
   numerous ones on 32 bytes at a time for 16-lane pieces), widens,
@@ -25,7 +26,7 @@ the stores to them (which turns them back into shuffles) nor merges two
 loads of one factor into one register (which keeps it from folding them).
 
 Numerics: a value is ``fma(q, d*sc, -dmin*m)``, one rounding instead of
-the numpy reference's two (Q6_K: ``q * (d*sc)``, exactly the reference).
+the numpy reference's two (Q3_K, Q6_K: ``q * (d*sc)``, exactly the reference).
 """
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ from .k_matmul import HALF, Decoder, register_decoder
 #: auto-loading the others)
 QK_K = 256
 I8 = ir.IntType(8)
+I16 = ir.IntType(16)
+#: where Q3_K's scales are read: 16 bytes ending with the 12 scale bytes
+#: at 96 .. 107 and d (two quant bytes before them), never past the block
+Q3K_SCALES_AT = 94
 
 
 def _vconst(t: ir.Type, values: list[int]) -> ir.Constant:
@@ -51,6 +56,19 @@ def _i8s(w: int, v: int) -> ir.Constant:
 
 def _shuffle(b: ir.IRBuilder, v: ir.Value, idx: list[int]) -> ir.Value:
     return b.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), _vconst(I32, idx))
+
+
+def q3k_scales(b: ir.IRBuilder, s: ir.Value) -> ir.Value:
+    """Q3_K's sixteen scales (6 bits, minus 32) as <16 x i16>, from the 16
+    bytes at ``Q3K_SCALES_AT`` (packed byte p in lane 2 + p): scale j is the
+    low (j < 8) or high nibble of byte j % 8, with bits 2(j // 4), 2(j // 4) + 1
+    of byte 8 + j % 4 above it (llama.cpp's kmask1 / kmask2 unpacking)."""
+    v16 = ir.VectorType(I16, 16)
+    lo = b.zext(_shuffle(b, s, [2 + j % 8 for j in range(16)]), v16)
+    hi = b.zext(_shuffle(b, s, [10 + j % 4 for j in range(16)]), v16)
+    lo = b.and_(b.lshr(lo, _vconst(I16, [4 * (j // 8) for j in range(16)])), _vconst(I16, [15] * 16))
+    hi = b.and_(b.lshr(hi, _vconst(I16, [2 * (j // 4) for j in range(16)])), _vconst(I16, [3] * 16))
+    return b.sub(b.or_(lo, b.shl(hi, _vconst(I16, [4] * 16))), _vconst(I16, [32] * 16))
 
 
 class _VolatileLoad(ir.LoadInstr):
@@ -147,8 +165,8 @@ class KQuantDecoder(Decoder):
         it = ir.VectorType(I32, w)
         return b.sitofp(b.sext(q, it) if signed else b.zext(q, it), self.kb.vtype(w))
 
-    def store_factors(self, vec: ir.Value) -> None:
-        self.kb.vstore(vec, self.slots, 0)
+    def store_factors(self, vec: ir.Value, at: int = 0) -> None:
+        self.kb.vstore(vec, self.slots, at)
 
     def factor(self, blk: _Block, i: int, w: int, shared: bool = False) -> ir.Value:
         """Factor ``i`` of the call splat to ``w`` lanes (see the module
@@ -257,6 +275,70 @@ class Q6KDecoder(KQuantDecoder):
         def factors():  # d * sc for the 16 sub-blocks
             sc = self.widen(blk.bytes(192, 16), signed=True)
             d = self.kb.splat(b.extract_element(blk.f16s(208, 1), i64(0)), 16)
+            self.store_factors(b.fmul(d, sc))
+        blk.once("factors", factors)
+        return b.fmul(self.widen(q, signed=True), self.factor(blk, io // 16, w))
+
+
+def _shift_bits(b: ir.IRBuilder, v: ir.Value, sh: int) -> ir.Value:
+    """Bytes of v shifted left by sh (right by -sh)."""
+    w = v.type.count
+    if sh > 0:
+        return b.shl(v, _i8s(w, sh))
+    return b.lshr(v, _i8s(w, -sh)) if sh < 0 else v
+
+
+@register_decoder("Q2_K")
+class Q2KDecoder(KQuantDecoder):
+    """84 bytes: 16 (scale | min << 4) bytes, one per 16 values, 64 bytes of
+    2-bit quants (value 128h + 32i + l: bits 2i, 2i+1 of qs[32h + l]), f16
+    d, f16 dmin: ``d*sc*q - dmin*m``."""
+
+    block_bytes = 84
+    sub = 16
+
+    def factors(self, blk: _Block) -> None:
+        """Buffer lanes 0-15: ``d*sc[s]``; lanes 16-31: ``dmin*m[s]``."""
+        def make():
+            b = self.kb.b
+            s = blk.bytes(0, 16)
+            dd = blk.f16s(80, 2)
+            d, dmin = (self.kb.splat(b.extract_element(dd, i64(i)), 16) for i in (0, 1))
+            self.store_factors(b.fmul(d, self.widen(b.and_(s, _i8s(16, 15)))))
+            self.store_factors(b.fmul(dmin, self.widen(b.lshr(s, _i8s(16, 4)))), 16)
+        blk.once("factors", make)
+
+    def piece(self, blk, io, w):
+        b = self.kb.b
+        h, r = divmod(io, 128)
+        i, l0 = divmod(r, 32)
+        q = b.and_(_shift_bits(b, blk.bytes(16 + 32 * h + l0, w), -2 * i), _i8s(w, 3))
+        self.factors(blk)
+        f = self.factor(blk, io // 16, w)
+        m = b.fneg(self.factor(blk, 16 + io // 16, w))
+        return self.kb.intrinsic("llvm.fmuladd", [self.widen(q), f, m])
+
+
+@register_decoder("Q3_K")
+class Q3KDecoder(KQuantDecoder):
+    """110 bytes: 32 bytes of high bits (bit 4h + i of hmask[l] for value
+    128h + 32i + l), 64 bytes of 2-bit low parts (as Q2_K's), 12 bytes of
+    packed 6-bit scales, f16 d: ``d*(sc - 32)*q`` with q = low + 4 hbit - 4."""
+
+    block_bytes = 110
+    sub = 16
+
+    def piece(self, blk, io, w):
+        b = self.kb.b
+        h, r = divmod(io, 128)
+        i, l0 = divmod(r, 32)
+        low = b.and_(_shift_bits(b, blk.bytes(32 + 32 * h + l0, w), -2 * i), _i8s(w, 3))
+        hb = b.and_(_shift_bits(b, blk.bytes(l0, w), 2 - (4 * h + i)), _i8s(w, 4))   # bit 4h+i -> bit 2
+        q = b.sub(b.or_(low, hb), _i8s(w, 4))
+
+        def factors():  # d * (sc - 32) for the 16 sub-blocks
+            sc = b.sitofp(q3k_scales(b, blk.bytes(Q3K_SCALES_AT, 16)), self.kb.vtype(16))
+            d = self.kb.splat(b.extract_element(blk.f16s(108, 1), i64(0)), 16)
             self.store_factors(b.fmul(d, sc))
         blk.once("factors", factors)
         return b.fmul(self.widen(q, signed=True), self.factor(blk, io // 16, w))

@@ -11,8 +11,8 @@ becomes a kernel attribute the emitter reads, so a variant needs no edit.
 
 Every run checks the kernel against the op's numpy reference in
 ``ir.ops`` on random data (quantized weights come from ``gguf.quants``, our
-Q4_K writer, llama2.c's Q8 writer, or random blocks with sane scales where
-no quantizer exists), then times it the way the runtime runs a step: N
+Q2_K / Q3_K / Q4_K writers, llama2.c's Q8 writer, or random blocks with
+sane scales where no quantizer exists), then times it the way the runtime runs a step: N
 threads, workers waiting in native code, a barrier after every call
 (``compiler.codegen.harness.ThreadedKernel``). The median over batches of
 calls (after warm-up) gives GB/s (bytes the op must read and write per call
@@ -278,9 +278,9 @@ def _operand_bytes(p: Problem) -> int:
 def make_weight(rng: np.random.Generator, layout: str, n: int, k: int) -> WeightData:
     """An [n, k] weight stored in ``layout``: normal values (sd 0.05, as in
     trained models) quantized by the format's own quantizer where we have
-    one (gguf.quants, our Q4_K and llama2.c Q8 writers, a layout's own
-    ``quantize`` such as QSF's); random quants with
-    small positive and negative super-block scales otherwise (Q5_K, Q6_K)."""
+    one (gguf.quants, our Q2_K / Q3_K / Q4_K and llama2.c Q8 writers, a
+    layout's own ``quantize`` such as QSF's); random quants with small
+    positive and negative super-block scales otherwise (Q5_K, Q6_K)."""
     t = TensorType((n, k), "f32", layout)
     data = (rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.05))
     if layout == "F32":
@@ -292,10 +292,10 @@ def make_weight(rng: np.random.Generator, layout: str, n: int, k: int) -> Weight
         import gguf.quants
 
         raw = gguf.quants.quantize(data, gguf.GGMLQuantizationType[layout])
-    elif layout == "Q4_K":
-        from frontends.quantize import quantize_q4_k
+    elif layout in ("Q2_K", "Q3_K", "Q4_K"):
+        from frontends.quantize import K_QUANTIZERS
 
-        raw = quantize_q4_k(data)
+        raw = K_QUANTIZERS[layout](data)
     elif layout.startswith("L2C_Q8G"):
         from frontends.llama2c_writer import quantize_q8
 
