@@ -44,13 +44,33 @@ KINDS = ("matvec", "matmul", "qmatvec", "qmatmul", "rmsnorm", "rope", "attention
 MATRIX_KINDS = ("matvec", "matmul", "qmatvec", "qmatmul")
 Q_KINDS = ("qmatvec", "qmatmul")
 VECTOR_WIDTHS = (4, 8, 16)
-#: the rotated copies of a weight add up to at least this (several times a
-#: large last-level cache), so no call finds its weight in cache
+#: the rotated copies of a weight add up to at least this, or twice the
+#: last-level cache where that is larger (``cold_bytes``), so no call finds
+#: its weight in cache
 COLD_BYTES = 256 << 20
 #: operands larger than this are refused (the lab allocates them all)
 MAX_BYTES = 4 << 30
 #: the bandwidth probe's buffer: as COLD_BYTES, several times the caches
 PROBE_BYTES = 256 << 20
+
+
+@functools.cache
+def cold_bytes() -> int:
+    """COLD_BYTES, or twice the largest cache the kernel reports if that is
+    more: some servers have last-level caches of hundreds of MiB (this
+    project's CI machine reports 480 MiB), where 256 MiB of copies would be
+    partly read from cache and overstate the memory bandwidth."""
+    import glob
+
+    llc = 0
+    for f in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            s = open(f).read().strip().upper()
+            shift = {"K": 10, "M": 20, "G": 30}.get(s[-1:], 0)
+            llc = max(llc, int(s[:-1] if shift else s) << shift)
+        except (OSError, ValueError, KeyError):
+            continue
+    return max(COLD_BYTES, 2 * llc)
 PROBE_RUNS = 3
 #: how long one timed batch of calls should take
 BATCH_SECONDS = 0.004
@@ -385,8 +405,8 @@ def build_case(p: Problem, int_dot: bool) -> Case:
         case = Case(op, [xt, w.type], attrs, [x, w], want, lambda g: check(g, want),
                     w.raw.nbytes + x.nbytes, want.nbytes, 2 * R * C * B, T=B)
         case.rotate = 1
-        if not p.hot and w.raw.nbytes < COLD_BYTES:
-            case.copies = -(-COLD_BYTES // w.raw.nbytes)
+        if not p.hot and w.raw.nbytes < cold_bytes():
+            case.copies = -(-cold_bytes() // w.raw.nbytes)
         return case
     if kind == "rmsnorm":
         x = rng.standard_normal((R, C), dtype=np.float32) * np.float32(3.0)
@@ -560,7 +580,7 @@ def machine(threads: int) -> dict[str, Any]:
     from compiler.codegen.target import host_target
 
     t = host_target()
-    bw = max(measure_read_bandwidth(threads, PROBE_BYTES, 3) for _ in range(PROBE_RUNS))
+    bw = max(measure_read_bandwidth(threads, max(PROBE_BYTES, cold_bytes()), 3) for _ in range(PROBE_RUNS))
     return {"cpu": t.cpu, "vector_width": t.vector_width, "threads": threads,
             "read_gb_s": round(bw, 2), "peak_gflop_s": round(measure_peak_gflops(threads), 1)}
 
