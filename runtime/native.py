@@ -91,8 +91,13 @@ class NativeExecutor(PagedBatch):
             self._map = WeightImage(model_path, regions_of(m["image"]), int(m["image"]["size"]), skip)
             self._weights = self._map.array
         else:
-            with open(model_path, "rb") as f:
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            if self.stream:   # the streamed layers are read into buffers: the mapping holds the rest
+                with open(model_path, "rb") as f:
+                    self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            else:
+                from .weight_map import map_weights
+
+                self._map = map_weights(model_path)
             self._weights = np.frombuffer(self._map, np.uint8)
         self.chunk = int(m["prefill_chunk"])
         self.arena = _aligned(max(64, int(m["arena_bytes"])))
