@@ -19,6 +19,7 @@ import numpy as np
 
 from .int_kquants import KQ_INT_LAYOUTS, qmatmul_q8k_ref
 from .layouts import get_layout
+from .layouts_repacked import base_layout, split_repacked
 from .layouts_kquants import QK_K
 from .types import Dim, TensorType
 
@@ -43,6 +44,14 @@ class WeightData:
         layout = get_layout(self.type.layout or "F32")
         shape = tuple(int(d) for d in self.type.shape)
         return layout.dequantize_rows(self.raw, shape, idx)
+
+
+def unrepacked(w: WeightData) -> WeightData:
+    """A repacked weight (``ir/layouts_repacked.py``) as its file layout's bytes."""
+    base = base_layout(w.type.layout)
+    rows, cols = int(w.type.shape[0]), int(w.type.shape[1])
+    raw = get_layout(w.type.layout).unrepack(np.asarray(w.raw), rows, cols)
+    return WeightData(raw, TensorType(w.type.shape, w.type.dtype, base))
 
 
 def f32_of(x: Any) -> np.ndarray:
@@ -128,7 +137,8 @@ def _matmul(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     if act is not None:
         _need(act in ACT_LAYOUTS, f"qmatmul: unknown activation quantization act={act!r}")
         layouts, block = ACT_LAYOUTS[act], ACT_BLOCK[act]
-        _need(w.layout in layouts, f"qmatmul act={act} needs a {'/'.join(layouts)} weight, got {w.layout}")
+        _need(base_layout(w.layout) in layouts,
+              f"qmatmul act={act} needs a {'/'.join(layouts)} weight, got {w.layout}")
         _need(isinstance(w.shape[1], int) and w.shape[1] % block == 0,
               f"qmatmul act={act}: row length {w.shape[1]} is not a multiple of {block}")
     if "decode_rows" in attrs:
@@ -297,6 +307,8 @@ def qmatmul_ref(x: np.ndarray, w: WeightData, *, layout: str, act: str | None = 
     float64, then rounded once to float32. ``decode_rows``: as ``matmul_ref``.
     ``gemm`` (prompt chunks, ``passes/int_dot``) names the kernel, not the
     numbers: every row is computed on its own here either way."""
+    if split_repacked(layout):   # the same numbers as the file's layout (ir/layouts_repacked.py)
+        w, layout = unrepacked(w), base_layout(layout)
     if decode_rows and np.ndim(x) > 1:
         return _decode_rows(x, lambda r: qmatmul_ref(r, w, layout=layout, act=act))
     if act is None:
@@ -357,7 +369,8 @@ ACT_BLOCK = {"q8": QK8, "q8k": QK_K}
 def int_act(layout: str | None) -> str | None:
     """The integer path's activation quantization for a weight layout
     ("q8" for the 32-value blocks, "q8k" for the K-quants), None if none."""
-    return next((a for a, lays in ACT_LAYOUTS.items() if layout in lays), None)
+    base = base_layout(layout)
+    return next((a for a, lays in ACT_LAYOUTS.items() if base in lays), None)
 
 
 def quantize_q8_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

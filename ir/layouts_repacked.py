@@ -1,0 +1,383 @@
+"""Repacked weights: a quantized matrix regrouped W rows at a time for the
+integer GEMM (W = 16: one AVX-512 register of int32 lanes; 8 on hosts whose
+VNNI is 256 bits wide).
+
+Why: ``vpdpbusd`` multiplies 4 weight bytes by 4 activation bytes per int32
+lane. With W output rows in the lanes, each lane holding 4 consecutive
+values of its row, one instruction does 4W products and the sums stay in
+lanes: no horizontal sums, and a broadcast activation serves every row. A
+file's row-major blocks have to be transposed into that order first; the
+GEMM of prompt chunks (``k_matmul_int_gemm``) does it per call, which a
+decode step of one token cannot afford (2-3x the time of the row-major
+decode kernel). So the runtime does it once, at load, into this layout, and
+then decode, prompt chunks, batches of decode rows and speculative checks
+all run the same kernel (``k_matmul_repacked``): every row of every step is
+computed with one arithmetic, whatever else shares the call.
+
+A repacked tensor is ``rows / W`` tiles, each the tile's blocks in order;
+a tile block is the W rows' block j (32 values; 256 for the K-quants),
+quants first. "A vector" is 4W bytes, byte 4r + c holding value 4i + c of
+row r for the vector's i (the GEMM's VNNI order):
+
+    Q8_0  8 vectors of q + 128 (unsigned), d[W] f16                       34W bytes
+    Q4_0  4 vectors of nibble pairs, d[W]                                 18W
+    Q4_1  as Q4_0, then m[W] f16                                          20W
+    Q5_0  as Q4_0, 8 masks of 4W bits (bit 4r + c: the fifth bit of
+          vector i's value), d[W]                                         22W
+    Q5_1  as Q5_0, then m[W]                                              24W
+
+Nibble pair vector v: the low nibble is value 4v + c, the high nibble value
+16 + 4v + c, which is the file's quant byte 4v + c of the row unchanged.
+The quants keep the file's unsigned form (Q4_0 q + 8, Q5_0 q + 16; Q8_0 is
+made unsigned here), which the kernel's bias correction expects.
+
+K-quants (per super-block of 256 values; runs of 32 values, run 2g and
+2g + 1 sharing nibble pair vectors):
+
+    Q4_K  32 vectors (g, i): low nibble run 2g, high run 2g + 1, value
+          32 run + 4i + c (the file's quant byte 32g + 4i + c);
+          d[W] f16, dmin[W] f16, sc[8][W] u8, m[8][W] u8                 148W
+    Q6_K  per group g: 8 nibble pair vectors of the low 4 bits of u =
+          q + 32, as Q4_K's, then 4 vectors k of 2-bit high parts, bits
+          2t, 2t + 1 of a byte for vector 4k + t of the group (0..7 run
+          2g, 8..15 run 2g + 1); then sc[16][W] i8, d[W] f16             210W
+          (the groups one after the other: one sequential stream)
+
+Scales and minimums are stored unpacked, one byte per row and sub-block,
+so the kernel reads W of them with one load.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .layouts import Layout, get_layout, register_layout
+from .layouts_kquants import scale_min_k4
+from .types import Dim
+
+#: base layouts that have a repacked form, and the tile widths
+REPACKABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
+WIDTHS = (8, 16)
+_BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q4_K": 256, "Q6_K": 256}
+_BASE_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q6_K": 210}
+_TILE_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 148, "Q6_K": 212}
+
+
+def repacked_name(base: str, width: int) -> str:
+    """``Q5_0`` at width 16 -> ``Q5_0x16``."""
+    return f"{base}x{width}"
+
+
+def split_repacked(name: str | None) -> tuple[str, int] | None:
+    """``Q5_0x16`` -> (``Q5_0``, 16); None for any other name."""
+    if not name or "x" not in name:
+        return None
+    base, _, w = name.rpartition("x")
+    if base in REPACKABLE and w.isdigit() and int(w) in WIDTHS:
+        return base, int(w)
+    return None
+
+
+def base_layout(name: str | None) -> str | None:
+    """The file layout behind a layout name (itself when not repacked)."""
+    s = split_repacked(name)
+    return s[0] if s else name
+
+
+def can_repack(base: str | None, rows: int, cols: int, width: int) -> bool:
+    """Whether a [rows, cols] weight of layout ``base`` has a repacked form at ``width``."""
+    return (base in REPACKABLE and width in WIDTHS and rows > 0 and rows % width == 0
+            and cols > 0 and cols % _BLOCK[base] == 0)
+
+
+@dataclass(frozen=True)
+class RepackedLayout(Layout):
+    """A ``base`` layout's blocks, ``width`` rows at a time (module docstring)."""
+
+    base: str = "Q8_0"
+    width: int = 16
+
+    @property
+    def block(self) -> int:
+        return _BLOCK[self.base]
+
+    @property
+    def tile_block_bytes(self) -> int:
+        """Bytes of one block of a W-row tile."""
+        return _TILE_BYTES[self.base] * self.width
+
+    def nbytes(self, shape: tuple[Dim, ...]) -> int:
+        rows, cols = int(shape[0]), int(shape[-1])
+        if len(shape) != 2 or not can_repack(self.base, rows, cols, self.width):
+            raise ValueError(f"{self.name}: a [{rows}, {cols}] weight has no {self.width}-row repacked form")
+        return rows // self.width * (cols // self.block) * self.tile_block_bytes
+
+    def repack(self, raw: np.ndarray, rows: int, cols: int, out: np.ndarray | None = None) -> np.ndarray:
+        """The base layout's bytes of a [rows, cols] weight -> this layout's
+        (into ``out`` when given: uint8 of ``nbytes``). Rows [a, b) of whole
+        tiles repack on their own into bytes [a / W, b / W) x the tile's
+        bytes: callers may split a large weight between threads."""
+        nb, W = cols // self.block, self.width
+        src = np.asarray(raw, np.uint8)[: rows * nb * _BASE_BYTES[self.base]]
+        dst = np.empty(self.nbytes((rows, cols)), np.uint8) if out is None else out
+        blocks = src.reshape(rows // W, W, nb, _BASE_BYTES[self.base])                  # tile, r, j, byte
+        tiles = dst.reshape(rows // W, nb, self.tile_block_bytes)                        # tile, j, byte
+        step = max(1, _CHUNK_BYTES // (W * nb * _BASE_BYTES[self.base]))
+        for lo in range(0, rows // W, step):     # a few MB at a time: temporaries stay small
+            _PACK[self.base](blocks[lo:lo + step], tiles[lo:lo + step], W)
+        return dst
+
+    def unrepack(self, raw: np.ndarray, rows: int, cols: int) -> np.ndarray:
+        """This layout's bytes -> the base layout's (the inverse of ``repack``)."""
+        nb, W = cols // self.block, self.width
+        tiles = np.asarray(raw, np.uint8)[: self.nbytes((rows, cols))].reshape(rows // W, nb, self.tile_block_bytes)
+        blocks = _UNPACK[self.base](tiles, W)                       # tile, j, r, byte
+        return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3)).reshape(-1)
+
+    def dequantize(self, raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        rows, cols = int(shape[0]), int(shape[1])
+        return get_layout(self.base).dequantize(self.unrepack(raw, rows, cols), shape)
+
+    def dequantize_rows(self, raw: np.ndarray, shape: tuple[int, ...], rows: np.ndarray) -> np.ndarray:
+        n, cols = int(shape[0]), int(shape[1])
+        return get_layout(self.base).dequantize_rows(self.unrepack(raw, n, cols), shape, rows)
+
+
+#: source bytes repacked per numpy pass
+_CHUNK_BYTES = 256 << 10
+
+
+# --- the 32-value layouts -----------------------------------------------------------------------
+def _vectors(q: np.ndarray, nvec: int) -> np.ndarray:
+    """[..., W, 4 nvec] bytes per row -> [..., nvec * 4W]: vector i holds bytes 4i..4i+3 of every row."""
+    *lead, W, n = q.shape
+    return q.reshape(*lead, W, nvec, 4).swapaxes(-3, -2).reshape(*lead, nvec * 4 * W)
+
+
+def _unvectors(v: np.ndarray, W: int, nvec: int) -> np.ndarray:
+    """The inverse of ``_vectors``: [..., nvec * 4W] -> [..., W, 4 nvec]."""
+    *lead, _ = v.shape
+    return v.reshape(*lead, nvec, W, 4).swapaxes(-3, -2).reshape(*lead, W, 4 * nvec)
+
+
+def _masks(qh: np.ndarray) -> np.ndarray:
+    """[..., W, 4] bytes of each row's 32 fifth bits -> [..., 8 * W / 2]: mask i
+    has bit 4r + c = bit 4i + c of row r (the nibble i of its qh)."""
+    *lead, W, _ = qh.shape
+    h = qh.view("<u4")[..., 0]                                         # [..., W]
+    nib = (h[..., None, :] >> (4 * np.arange(8, dtype=np.uint32))[:, None]) & 15   # [..., 8, W]
+    nib = nib.astype(np.uint8).reshape(*lead, 8, W // 2, 2)
+    return (nib[..., 0] | (nib[..., 1] << 4)).reshape(*lead, 4 * W)
+
+
+def _unmasks(m: np.ndarray, W: int) -> np.ndarray:
+    *lead, _ = m.shape
+    b = m.reshape(*lead, 8, W // 2)
+    nib = np.stack([b & 15, b >> 4], axis=-1).reshape(*lead, 8, W).astype(np.uint32)   # [..., 8, W]
+    h = (nib << (4 * np.arange(8, dtype=np.uint32))[:, None]).sum(axis=-2, dtype=np.uint32)
+    return np.ascontiguousarray(h).view(np.uint8).reshape(*lead, W, 4)
+
+
+def _f16s(blk: np.ndarray, at: int) -> np.ndarray:
+    """[..., W, bytes] -> [..., 2W]: the float16 at byte ``at`` of every row, in row order."""
+    *lead, W, _ = blk.shape
+    return np.ascontiguousarray(blk[..., at:at + 2]).reshape(*lead, 2 * W)
+
+
+def _unf16s(v: np.ndarray, W: int) -> np.ndarray:
+    *lead, _ = v.shape
+    return v.reshape(*lead, W, 2)
+
+
+def _unpack32(base: str):
+    offset = base in ("Q4_1", "Q5_1")
+    five = base in ("Q5_0", "Q5_1")
+    qs_at = _BASE_BYTES[base] - 16
+
+    def unpack(t: np.ndarray, W: int) -> np.ndarray:
+        out = np.empty(t.shape[:-1] + (W, _BASE_BYTES[base]), np.uint8)
+        if base == "Q8_0":
+            out[..., 2:34] = _unvectors(t[..., :32 * W], W, 8) ^ np.uint8(0x80)
+            out[..., 0:2] = _unf16s(t[..., 32 * W:34 * W], W)
+            return out
+        out[..., qs_at:qs_at + 16] = _unvectors(t[..., :16 * W], W, 4)
+        at = 16 * W
+        if five:
+            out[..., 4 if offset else 2:(4 if offset else 2) + 4] = _unmasks(t[..., at:at + 4 * W], W)
+            at += 4 * W
+        out[..., 0:2] = _unf16s(t[..., at:at + 2 * W], W)
+        if offset:
+            out[..., 2:4] = _unf16s(t[..., at + 2 * W:at + 4 * W], W)
+        return out
+
+    return unpack
+
+
+# --- K-quants -----------------------------------------------------------------------------------
+def _pair_vectors(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Low and high 4-bit parts [..., W, 4 groups, 32] (run 2g, run 2g + 1)
+    -> [..., 4 * 8 * 4W]: vector (g, i) lane (r, c) = lo[r, g, 4i + c] | hi[r, g, 4i + c] << 4."""
+    *lead, W, G, n = lo.shape
+    b = (lo | (hi << 4)).reshape(*lead, W, G, 8, 4)
+    return np.moveaxis(b, -4, -2).reshape(*lead, G * 8 * 4 * W)       # g, i, r, c
+
+
+def _unpair_vectors(v: np.ndarray, W: int) -> tuple[np.ndarray, np.ndarray]:
+    *lead, _ = v.shape
+    b = np.moveaxis(v.reshape(*lead, 4, 8, W, 4), -2, -4).reshape(*lead, W, 4, 32)
+    return b & 15, b >> 4
+
+
+def _rows_bytes(x: np.ndarray) -> np.ndarray:
+    """[..., W, S] one byte per row and sub-block -> [..., S * W], sub-block major."""
+    *lead, W, S = x.shape
+    return x.swapaxes(-1, -2).reshape(*lead, S * W)
+
+
+def _unrows_bytes(v: np.ndarray, W: int, S: int) -> np.ndarray:
+    *lead, _ = v.shape
+    return v.reshape(*lead, S, W).swapaxes(-1, -2)
+
+
+def _pack_scale_min_k4(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """(scales, mins) uint8 [..., 8] -> the 12 packed bytes (``scale_min_k4``'s inverse)."""
+    out = np.empty(sc.shape[:-1] + (12,), np.uint8)
+    out[..., 0:4] = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
+    out[..., 4:8] = (mn[..., 0:4] & 63) | ((mn[..., 4:8] >> 4) << 6)
+    out[..., 8:12] = (sc[..., 4:8] & 15) | ((mn[..., 4:8] & 15) << 4)
+    return out
+
+
+def _unpack_q4k(t: np.ndarray, W: int) -> np.ndarray:
+    out = np.empty(t.shape[:-1] + (W, 144), np.uint8)
+    lo, hi = _unpair_vectors(t[..., :128 * W], W)
+    out[..., 16:144] = (lo | (hi << 4)).reshape(*out.shape[:-1], 128)
+    out[..., 0:2] = _unf16s(t[..., 128 * W:130 * W], W)
+    out[..., 2:4] = _unf16s(t[..., 130 * W:132 * W], W)
+    sc = _unrows_bytes(t[..., 132 * W:140 * W], W, 8)
+    mn = _unrows_bytes(t[..., 140 * W:148 * W], W, 8)
+    out[..., 4:16] = _pack_scale_min_k4(sc, mn)
+    return out
+
+
+def _q6k_values(blk: np.ndarray) -> np.ndarray:
+    """[..., 210] -> the unsigned quants u = q + 32 (0..63) [..., 256] in value order."""
+    lead = blk.shape[:-1]
+    ql = blk[..., 0:128].reshape(*lead, 2, 2, 32)
+    qh = blk[..., 128:192].reshape(*lead, 2, 1, 32)
+    lo = np.concatenate([ql & 15, ql >> 4], axis=-2)                     # h, i, l
+    hi = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+    return (lo | (hi << 4)).reshape(*lead, 256)
+
+
+def _q6k_bytes(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of ``_q6k_values``: (ql [..., 128], qh [..., 64])."""
+    lead = u.shape[:-1]
+    v = u.reshape(*lead, 2, 4, 32)
+    lo, hi = v & 15, v >> 4
+    ql = lo[..., 0:2, :] | (lo[..., 2:4, :] << 4)
+    qh = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)
+    return ql.reshape(*lead, 128), qh.reshape(*lead, 64)
+
+
+def _unpack_q6k(t: np.ndarray, W: int) -> np.ndarray:
+    lead = t.shape[:-1]
+    out = np.empty(lead + (W, 210), np.uint8)
+    groups = t[..., 20 * W:].reshape(*lead, 4, 48 * W)
+    lo, hi = _unpair_vectors(np.ascontiguousarray(groups[..., :32 * W]).reshape(*lead, 128 * W), W)
+    hv = np.moveaxis(groups[..., 32 * W:].reshape(*lead, 4, 4, W, 4), -2, -4)   # r, g, k, c
+    h = (hv[..., None, :] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3      # r, g, k, t, c
+    h = h.reshape(*lead, W, 4, 2, 32)
+    u = np.stack([lo, hi], axis=-2) | (h << 4)                            # r, g, h, value
+    ql, qh = _q6k_bytes(u.reshape(*lead, W, 256))
+    out[..., 0:128], out[..., 128:192] = ql, qh
+    out[..., 192:208] = _unrows_bytes(t[..., :16 * W], W, 16)
+    out[..., 208:210] = _unf16s(t[..., 16 * W:18 * W], W)
+    return out
+
+
+
+# --- packing: file blocks [tile, r, j, byte] straight into tile blocks [tile, j, byte] --------------
+def _u32s(src: np.ndarray, lo: int, n: int) -> np.ndarray:
+    """Bytes [lo, lo + 4n) of every block of [tile, r, j, byte], as uint32 [tile, r, j, n]."""
+    return np.ascontiguousarray(src[..., lo:lo + 4 * n]).view("<u4")
+
+
+def _put_vectors(dst: np.ndarray, at: int, words: np.ndarray, W: int) -> None:
+    """uint32 [tile, r, j, n] (4 bytes of row r each) -> n vectors of 4W bytes at
+    byte ``at`` of each tile block: vector i lane r = word i of row r."""
+    t, _, nb, n = words.shape
+    dst[..., at:at + 4 * W * n].view("<u4").reshape(t, nb, n, W)[...] = words.transpose(0, 2, 3, 1)
+
+
+def _put_rows(dst: np.ndarray, at: int, vals: np.ndarray, W: int) -> None:
+    """[tile, r, j, n] values of any dtype -> n runs of W (one per row) at byte ``at``."""
+    t, _, nb, n = vals.shape
+    size = vals.dtype.itemsize
+    dst[..., at:at + size * W * n].view(vals.dtype).reshape(t, nb, n, W)[...] = vals.transpose(0, 2, 3, 1)
+
+
+def _put_masks(dst: np.ndarray, at: int, qh: np.ndarray, W: int) -> None:
+    """The 4 bytes of fifth bits per row [tile, r, j, 4] -> 8 masks of 4W bits:
+    mask i bit 4r + c = bit 4i + c of row r, so byte k of a mask holds
+    nibble i of rows 2k (low) and 2k + 1 (high)."""
+    t, _, nb, _ = qh.shape
+    nib = np.stack([qh & 15, qh >> 4], axis=-1).reshape(t, W // 2, 2, nb, 8)   # nibble i = 2b + (0, 1)
+    pairs = nib[:, :, 0] | (nib[:, :, 1] << 4)                                   # [t, k, j, i]
+    dst[..., at:at + 4 * W].reshape(t, nb, 8, W // 2)[...] = pairs.transpose(0, 2, 3, 1)
+
+
+def _pack32(base: str):
+    offset = base in ("Q4_1", "Q5_1")
+    five = base in ("Q5_0", "Q5_1")
+    qs_at = _BASE_BYTES[base] - 16
+
+    def pack(src: np.ndarray, dst: np.ndarray, W: int) -> None:
+        if base == "Q8_0":
+            _put_vectors(dst, 0, _u32s(src, 2, 8) ^ np.uint32(0x80808080), W)
+            _put_rows(dst, 32 * W, _u32s(src, 0, 1).view("<u2")[..., :1], W)
+            return
+        _put_vectors(dst, 0, _u32s(src, qs_at, 4), W)
+        at = 16 * W
+        if five:
+            _put_masks(dst, at, src[..., 4 if offset else 2:][..., :4], W)
+            at += 4 * W
+        halves = np.ascontiguousarray(src[..., 0:4]).view("<u2")              # d, and m for the offset layouts
+        _put_rows(dst, at, halves[..., :2 if offset else 1], W)
+
+    return pack
+
+
+def _pack_q4k(src: np.ndarray, dst: np.ndarray, W: int) -> None:
+    _put_vectors(dst, 0, _u32s(src, 16, 32), W)
+    _put_rows(dst, 128 * W, _u32s(src, 0, 1).view("<u2"), W)               # d, dmin
+    t, _, nb, _ = src.shape
+    sc, mn = scale_min_k4(np.ascontiguousarray(src[..., 4:16]).reshape(-1, 12))
+    _put_rows(dst, 132 * W, sc.reshape(t, W, nb, 8), W)
+    _put_rows(dst, 140 * W, mn.reshape(t, W, nb, 8), W)
+
+
+def _pack_q6k(src: np.ndarray, dst: np.ndarray, W: int) -> None:
+    t, _, nb, _ = src.shape
+    u = _q6k_values(src).reshape(t, W, nb, 4, 2, 32)                          # g, run 2g + h, value
+    nib = (u[..., 0, :] & 15) | ((u[..., 1, :] & 15) << 4)                    # [t, r, j, g, 32]
+    h = (u >> 4).reshape(t, W, nb, 4, 4, 4, 4)                                # g, k, t, c: vector 4k + t
+    hb = h[..., 0, :] | (h[..., 1, :] << 2) | (h[..., 2, :] << 4) | (h[..., 3, :] << 6)   # [t, r, j, g, k, c]
+    _put_rows(dst, 0, np.ascontiguousarray(src[..., 192:208]), W)            # sc
+    _put_rows(dst, 16 * W, np.ascontiguousarray(src[..., 208:210]).view("<u2"), W)   # d
+    dst[..., 18 * W:20 * W] = 0
+    groups = dst[..., 20 * W:].reshape(t, nb, 4, 48 * W)
+    nw = np.ascontiguousarray(nib).view("<u4")                                # [t, r, j, g, 8]
+    groups[..., :32 * W].view("<u4").reshape(t, nb, 4, 8, W)[...] = nw.transpose(0, 2, 3, 4, 1)
+    hw = np.ascontiguousarray(hb).reshape(t, W, nb, 4, 16).view("<u4")        # [t, r, j, g, 4]
+    groups[..., 32 * W:].view("<u4").reshape(t, nb, 4, 4, W)[...] = hw.transpose(0, 2, 3, 4, 1)
+
+_PACK = {b: _pack32(b) for b in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")}
+_UNPACK = {b: _unpack32(b) for b in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")}
+_PACK.update(Q4_K=_pack_q4k, Q6_K=_pack_q6k)
+_UNPACK.update(Q4_K=_unpack_q4k, Q6_K=_unpack_q6k)
+
+for _base in REPACKABLE:
+    for _w in WIDTHS:
+        register_layout(RepackedLayout(repacked_name(_base, _w), 1, "u1", _base, _w))
