@@ -144,6 +144,9 @@ def scratch_floats(sig: KernelSig) -> int:
     (``gemm``), enough for the GEMM's too."""
     act = sig.attr.get("act")
     if sig.op in ("qmatmul", "qmatmul_rows") and act in ("q8", "q8k"):
+        from .k_matmul_repacked import is_repacked, scratch_bytes as repacked_scratch
+        if is_repacked(sig.in_types[1]):
+            return repacked_scratch(sig) // 4 + 16
         k = int(sig.in_types[1].shape[1])
         if act == "q8k":
             from .k_matmul_int_kquants import slot_bytes as kq_slot_bytes
@@ -376,6 +379,9 @@ def emit_int_matvec(kb: KernelBuilder, sig: KernelSig) -> None:
     x [K] (decode), or [T, K] in groups of ``slot_count`` rows: quantize the
     group, then per weight tile every row, ``slots`` rows at a time sharing
     the unpacked weight blocks."""
+    from .k_matmul_repacked import emit_repacked, is_repacked
+    if is_repacked(sig.in_types[1]):      # weights in VNNI order since load: one kernel for every row count
+        return emit_repacked(kb, sig)
     if sig.attr.get("act") == "q8k":
         from .k_matmul_int_kquants import kquant_int_kernel
         kern = kquant_int_kernel(kb, sig)

@@ -136,11 +136,11 @@ class GemmBase:
     unit = QK
 
     def __init__(self, kb: KernelBuilder, sig: KernelSig, kern, slot_bytes: int, block_bytes: int,
-                 kc: int) -> None:
+                 kc: int, width: int | None = None) -> None:
         self.kb, self.b, self.kern = kb, kb.b, kern
-        self.W = gemm_width(kb.vw)
+        self.W = width or gemm_width(kb.vw)
         self.k, self.nb = kern.k, kern.nb
-        self.ts = int(sig.attr["gemm"])
+        self.ts = int(sig.attr.get("gemm", 1))   # a repacked weight's kernel has no tile in scratch
         self.P = _tuned(kb, sig.attr, "tokens", _P)
         self.kc = min(_tuned(kb, sig.attr, "kc", kc), self.nb)
         self.slot_bytes, self.block_bytes = slot_bytes, block_bytes
@@ -151,6 +151,12 @@ class GemmBase:
 
     def slot(self, s: ir.Value) -> ir.Value:
         return self.kb.gep(self.kb.scratch, self.b.mul(s, i64(self.slot_bytes)))
+
+    def block_source(self, r0: ir.Value, j: ir.Value, jj: ir.Value) -> ir.Value:
+        """Where block j of the tile at row r0 is read from (the ``jj``-th of
+        its K chunk): the unpacked tile in scratch (a repacked weight: the
+        weight itself, ``k_matmul_repacked``)."""
+        return self.tile_block(jj)
 
     def tile_block(self, jj: ir.Value) -> ir.Value:
         return self.kb.gep(self.tile, self.b.mul(jj, i64(self.block_bytes)))
@@ -182,7 +188,8 @@ class GemmBase:
         slots = [self.slot(b.add(s0, i64(p))) for p in range(P)]
         accs = [ir.Constant(self.vf, [0.0] * W)] * P if c0 == 0 else [kb.vload(o, 0, W) for o in outs]
         with kb.loop_carry(0, nblk, accs, name="gb") as (jj, cur, setv):
-            setv(self.block(b.add(jj, i64(c0)), self.tile_block(jj), slots, list(cur)))
+            j = b.add(jj, i64(c0))
+            setv(self.block(j, self.block_source(r0, j, jj), slots, list(cur)))
         for o, v in zip(outs, kb.last_carry):
             kb.vstore(v, o, 0)
 
@@ -256,13 +263,18 @@ class Q8Gemm(GemmBase):
                 kb.store(b.mul(sx, ir.Constant(I32, -kern.bias)), cor, j)
             kb.store(d, dxp, j)
 
+    def weights(self, tb: ir.Value) -> tuple[list[ir.Value], ir.Value, ir.Value | None]:
+        """The unpacked block at tb: 8 weight vectors <4W x i8>, the W scales
+        d_w and (offset layouts) the W minimums m_w, as float32."""
+        kb, W = self.kb, self.W
+        ws = [kb.vload(tb, 4 * W * i, 4 * W) for i in range(8)]
+        return ws, self.vec(tb, 32 * W), self.vec(tb, 36 * W) if self.kern.offset else None
+
     def block(self, j: ir.Value, tb: ir.Value, slots: list[ir.Value], accs: list[ir.Value]) -> list[ir.Value]:
         """Block j (unpacked at tb) into every slot's accumulator: 8 weight
         vectors loaded once, per token 8 ``vpdpbusd``, convert, FMA."""
         kb, b, kern, W = self.kb, self.b, self.kern, self.W
-        ws = [kb.vload(tb, 4 * W * i, 4 * W) for i in range(8)]
-        sc = self.vec(tb, 32 * W)
-        mw = self.vec(tb, 36 * W) if kern.offset else None
+        ws, sc, mw = self.weights(tb)
         new = []
         for sp, acc in zip(slots, accs):
             cor = kb.gep(sp, b.add(i64(self.k), b.mul(j, i64(4))))

@@ -72,8 +72,9 @@ class KQGemm(GemmBase):
     differs between them is the decode kernel's (``kern``): its runs and
     scales, the sub-block size, minimums or an offset."""
 
-    def __init__(self, kb: KernelBuilder, sig: KernelSig, kern) -> None:
-        super().__init__(kb, sig, kern, act_slot_bytes(kern.k), block_bytes(gemm_width(kb.vw), kern.layout), KC_K)
+    def __init__(self, kb: KernelBuilder, sig: KernelSig, kern, width: int | None = None) -> None:
+        w = width or gemm_width(kb.vw)
+        super().__init__(kb, sig, kern, act_slot_bytes(kern.k), block_bytes(w, kern.layout), KC_K, width=w)
         self.minimums, self.offset, self.sub = kern.minimums, kern.offset, kern.sub
         self.n_sub = QK_K // self.sub
 
@@ -118,6 +119,15 @@ class KQGemm(GemmBase):
         m = b.fmul(b.sitofp(ks.m, vf), _shuffle(b, ks.f2, [1] * self.n_sub))
         return b.shuffle_vector(f, m, _vc(I32, list(range(2 * self.n_sub))))
 
+    def sub_weights(self, tb: ir.Value, s: int) -> tuple[list[ir.Value], ir.Value, ir.Value | None]:
+        """Sub-block s of the unpacked super-block at tb: its sub / 4 weight
+        vectors <4W x i8>, d sc_s and (layouts with minimums) -dmin m_s, W lanes each."""
+        kb, W, per = self.kb, self.W, self.sub
+        ws = [kb.vload(tb, 4 * W * (per // 4 * s + i), 4 * W) for i in range(per // 4)]
+        scv = self.vec(tb, 256 * W + 4 * W * s)
+        mv = self.vec(tb, 256 * W + 4 * W * (self.n_sub + s)) if self.minimums else None
+        return ws, scv, mv
+
     def block(self, j: ir.Value, tb: ir.Value, slots: list[ir.Value], accs: list[ir.Value]) -> list[ir.Value]:
         kb, b, W = self.kb, self.b, self.W
         zero_f = ir.Constant(self.vf, [0.0] * W)
@@ -127,9 +137,7 @@ class KQGemm(GemmBase):
         cors = [kb.gep(sp, b.add(i64(self.k), b.mul(j, i64(64)))) for sp in slots]
         n_sub, per = self.n_sub, self.sub
         for s in range(n_sub):
-            ws = [kb.vload(tb, 4 * W * (per // 4 * s + i), 4 * W) for i in range(per // 4)]
-            scv = self.vec(tb, 256 * W + 4 * W * s)
-            mv = self.vec(tb, 256 * W + 4 * W * (n_sub + s)) if self.minimums else None
+            ws, scv, mv = self.sub_weights(tb, s)
             for p in range(len(slots)):
                 seed = self.bcast(kb.gep(cors[p], 4 * s), I32) if self.offset else zero_i
                 a = self.dots(seed, ws, kb.gep(qs[p], per * s))

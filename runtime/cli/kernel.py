@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from .common import _threads, whole_number
@@ -70,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         raise KernelLabError(f"--style is for rope, not {args.kind}")
     batch = args.batch if args.batch is not None else (16 if args.kind in ("matmul", "qmatmul") else 1)
     qtype = args.qtype.upper() if args.qtype else None
+    if qtype and re.fullmatch(r".+X(8|16)", qtype):   # a repacked layout: Q5_0x16
+        qtype = qtype[:qtype.rindex("X")] + "x" + qtype[qtype.rindex("X") + 1:]
     p = Problem(args.kind, args.rows, args.cols, batch, qtype, args.threads or os.cpu_count() or 1,
                 args.head_dim, args.kv_heads, args.style or "interleaved", args.seed, args.hot)
     prm = Params(args.vector_width, args.unroll, rows, tokens, args.int_dot, args.prefetch)

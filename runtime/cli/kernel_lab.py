@@ -172,9 +172,12 @@ def supported_layouts() -> tuple[str, ...]:
     from compiler.codegen.kernels import load_emitters
 
     load_emitters()
+    from ir.layouts_repacked import REPACKABLE, repacked_name
+
     names = {"F32", "F16", *DECODERS}
     ordered = [n for n in _ORDER if n in names] + sorted(names - set(_ORDER))
-    return tuple(ordered) + ("L2C_Q8G64",)
+    # the runtime's repacked forms (integer path only)
+    return tuple(ordered) + ("L2C_Q8G64",) + tuple(repacked_name(b, w) for b in REPACKABLE for w in (16, 8))
 
 
 def _layout(name: str):
@@ -199,6 +202,8 @@ def default_int_dot(p: Problem) -> bool:
 
 def validate(p: Problem, prm: Params) -> None:
     """Everything that can be said before building anything; one line each."""
+    from ir.layouts_repacked import split_repacked
+
     kind = p.kind
     if kind not in KINDS:
         raise KernelLabError(f"unknown kernel kind {kind!r} (one of {', '.join(KINDS)})")
@@ -213,6 +218,13 @@ def validate(p: Problem, prm: Params) -> None:
         if p.qtype not in supported_layouts() and not p.qtype.startswith("L2C_Q8G"):
             raise KernelLabError(f"--qtype {p.qtype} has no native matmul kernel "
                                  f"(supported: {', '.join(supported_layouts())})")
+        if split_repacked(p.qtype):
+            if not default_int_dot(p) or prm.int_dot is False:
+                raise KernelLabError(f"--qtype {p.qtype} is read by the integer path only "
+                                     "(a host with VNNI, without --float-dot)")
+            if p.rows % split_repacked(p.qtype)[1]:
+                raise KernelLabError(f"--rows {p.rows} is not a multiple of {p.qtype}'s "
+                                     f"{split_repacked(p.qtype)[1]}-row tiles")
         block = getattr(lay, "block", 1)
         if p.cols % block:
             raise KernelLabError(f"--cols {p.cols} is not a multiple of {p.qtype}'s block of {block} values")
@@ -301,6 +313,12 @@ def make_weight(rng: np.random.Generator, layout: str, n: int, k: int) -> Weight
     one (gguf.quants, our Q2_K / Q3_K / Q4_K and llama2.c Q8 writers, a
     layout's own ``quantize`` such as QSF's); random quants with small
     positive and negative super-block scales otherwise (Q5_K, Q6_K)."""
+    from ir.layouts_repacked import split_repacked
+
+    if split_repacked(layout):   # the file layout's weight, repacked as the runtime does at load
+        base = make_weight(rng, split_repacked(layout)[0], n, k)
+        raw = _layout(layout).repack(np.asarray(base.raw), n, k)
+        return WeightData(raw, TensorType((n, k), "f32", layout))
     t = TensorType((n, k), "f32", layout)
     data = (rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.05))
     if layout == "F32":

@@ -1,0 +1,233 @@
+"""``qmatmul`` on a repacked weight (``ir/layouts_repacked.py``): the integer
+GEMM of ``k_matmul_int_gemm`` reading its weight vectors straight from the
+weight, which the runtime put in VNNI order once at load.
+
+Every row count takes this kernel: a decode step (x [K]), a prompt chunk, a
+batch of decode rows, a speculative check. Per token the accumulator is one
+FMA chain over the blocks in order (the GEMM's, see its docstring), so a
+row's result does not depend on how many rows share the call or where it
+sits among them: decode, prefill, batched and verify rows agree bit for
+bit, and with the GEMM on the file's layout too (same operations, the
+weights decoded from the repacked bytes instead of the unpacked tile).
+
+Per call (one thread): quantize up to ``TOKENS`` token rows into its
+scratch (every thread all of them, as the GEMM), then per tile of W rows of
+its share and per K chunk of blocks, every token ``P`` at a time. A tile's
+blocks are contiguous and the tiles of a thread's share follow each other:
+the weights are one sequential stream per thread, read once per step in a
+decode, with a software prefetch ahead of it.
+
+Per block the weight vectors come out of the repacked bytes with a few
+instructions: Q8_0 as they are; Q4 nibble pairs by an AND and a shift (4
+loads give the 8 vectors); Q5's fifth bits from a 4W-bit mask per vector
+(``select`` of 16 or 0 on the mask bits); the K-quants likewise per
+sub-block, their factors d sc_s and -dmin m_s as the products of a W-byte
+load of the integer scales (exact in float32, so the GEMM's bits).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import llvmlite.ir as ir
+
+from ir.layouts import get_layout
+from ir.layouts_repacked import repacked_name, split_repacked
+from ir.types import TensorType
+
+from .emit import F32, I32, KernelBuilder, i64
+from .k_matmul import HALF, PREFETCH_BYTES, _tuned
+from .k_matmul_int import _IntKernel
+from .k_matmul_int_gemm import GemmBase, Q8Gemm, act_slot_bytes as q8_slot_bytes
+from .k_matmul_int_gemm_kquants import KQGemm, act_slot_bytes as q8k_slot_bytes
+from .k_matmul_int_kquants import QK_K, kquant_int_kernel
+from .kernels import KernelSig
+
+I8 = ir.IntType(8)
+I1 = ir.IntType(1)
+#: token rows quantized at once (scratch: a slot each)
+TOKENS = 64
+#: blocks per K chunk of prompt rows (q8, q8k): the P tokens' activations
+#: for a chunk stay in L1 while the tile's blocks stream through
+KC = {"q8": 32, "q8k": 4}
+
+
+def _base_sig(sig: KernelSig) -> tuple[KernelSig, str, int]:
+    """The signature with the file's layout (the decode kernel classes
+    read it), the base layout and the tile width."""
+    wt = sig.in_types[1]
+    base, width = split_repacked(wt.layout)
+    types = (sig.in_types[0], dataclasses.replace(wt, layout=base), *sig.in_types[2:])
+    attrs = tuple((k, base if k == "layout" else v) for k, v in sig.attrs)
+    return KernelSig(sig.op, types, sig.out_type, attrs), base, width
+
+
+def tokens_per_call(sig: KernelSig) -> int:
+    """Token rows quantized at once: 1 for a decode step, else ``TOKENS``."""
+    return 1 if len(sig.in_types[0].shape) < 2 else TOKENS
+
+
+def scratch_bytes(sig: KernelSig) -> int:
+    """Per-thread scratch: a quantized activation slot per token row at once."""
+    k = int(sig.in_types[1].shape[1])
+    per = q8k_slot_bytes(k) if sig.attr.get("act") == "q8k" else q8_slot_bytes(k)
+    return tokens_per_call(sig) * per
+
+
+def _vc(t: ir.Type, values: list) -> ir.Constant:
+    return ir.Constant(ir.VectorType(t, len(values)), values)
+
+
+class _Repacked:
+    """What the 32-value and K-quant repacked kernels share: the weight
+    pointer of a tile block, W-lane loads of float16 and byte fields."""
+
+    def _setup(self, base: str, width: int, sig: KernelSig) -> None:
+        self.tb_bytes = get_layout(repacked_name(base, width)).tile_block_bytes
+        self.base = base
+        self.ahead = int(sig.attr.get("prefetch", PREFETCH_BYTES))
+
+    def block(self, j: ir.Value, tb: ir.Value, slots: list[ir.Value], accs: list[ir.Value]) -> list[ir.Value]:
+        """The layout's ``block``, after asking for the weight stream ``ahead`` bytes on."""
+        if self.ahead:
+            self.kb.prefetch(self.kb.gep(tb, self.ahead), self.tb_bytes)
+        return super().block(j, tb, slots, accs)
+
+    def block_source(self, r0: ir.Value, j: ir.Value, jj: ir.Value) -> ir.Value:
+        b, W = self.b, self.W
+        tile = b.sdiv(r0, i64(W))
+        return self.kb.gep(self.kern.w, b.mul(b.add(b.mul(tile, i64(self.nb)), j), i64(self.tb_bytes)))
+
+    def f16_lanes(self, tb: ir.Value, at: int) -> ir.Value:
+        """W float16 at byte ``at`` of the tile block, as float32."""
+        b, W = self.b, self.W
+        p = b.bitcast(self.kb.gep(tb, at), ir.PointerType(ir.VectorType(HALF, W)))
+        return b.fpext(b.load(p, align=1), ir.VectorType(F32, W))
+
+    def byte_lanes(self, tb: ir.Value, at: int, signed: bool) -> ir.Value:
+        """W bytes at byte ``at`` of the tile block, as float32 (exact)."""
+        b, W = self.b, self.W
+        p = b.bitcast(self.kb.gep(tb, at), ir.PointerType(ir.VectorType(I8, W)))
+        v = b.load(p, align=1)
+        return b.sitofp(b.sext(v, ir.VectorType(I32, W)) if signed else b.zext(v, ir.VectorType(I32, W)),
+                        ir.VectorType(F32, W))
+
+    def nibble_pairs(self, tb: ir.Value, at: int) -> tuple[ir.Value, ir.Value]:
+        """The 4W-byte vector at ``at`` split into its low and high nibbles."""
+        kb, b, W = self.kb, self.b, self.W
+        v = kb.vload(kb.gep(tb, at), 0, 4 * W)
+        return b.and_(v, _vc(I8, [0x0F] * 4 * W)), b.lshr(v, _vc(I8, [4] * 4 * W))
+
+    def with_bits(self, v: ir.Value, tb: ir.Value, at: int, value: int) -> ir.Value:
+        """v with ``value`` or'ed into the bytes whose bit is set in the 4W-bit mask at ``at``."""
+        b, W = self.b, self.W
+        it = ir.IntType(4 * W)
+        bits = b.load(b.bitcast(self.kb.gep(tb, at), ir.PointerType(it)), align=1)
+        hit = b.bitcast(bits, ir.VectorType(I1, 4 * W))
+        return b.or_(v, b.select(hit, _vc(I8, [value] * 4 * W), _vc(I8, [0] * 4 * W)))
+
+
+class RepackedQ8(_Repacked, Q8Gemm):
+    """Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 repacked: the GEMM's ``block`` on weight
+    vectors decoded from the repacked block."""
+
+    def __init__(self, kb: KernelBuilder, sig: KernelSig, kern: _IntKernel, base: str, width: int) -> None:
+        GemmBase.__init__(self, kb, sig, kern, q8_slot_bytes(kern.k), 0, KC["q8"], width=width)
+        self._setup(base, width, sig)
+
+    def weights(self, tb: ir.Value) -> tuple[list[ir.Value], ir.Value, ir.Value | None]:
+        kb, W, base = self.kb, self.W, self.base
+        if base == "Q8_0":
+            return [kb.vload(tb, 4 * W * i, 4 * W) for i in range(8)], self.f16_lanes(tb, 32 * W), None
+        pairs = [self.nibble_pairs(tb, 4 * W * v) for v in range(4)]
+        ws = [lo for lo, _ in pairs] + [hi for _, hi in pairs]
+        at = 16 * W
+        if base in ("Q5_0", "Q5_1"):
+            ws = [self.with_bits(w, tb, at + W // 2 * i, 16) for i, w in enumerate(ws)]
+            at += 4 * W
+        mw = self.f16_lanes(tb, at + 2 * W) if base in ("Q4_1", "Q5_1") else None
+        return ws, self.f16_lanes(tb, at), mw
+
+
+class RepackedKQ(_Repacked, KQGemm):
+    """Q4_K and Q6_K repacked: the K-quant GEMM's ``block`` on sub-block
+    weight vectors and factors decoded from the repacked super-block."""
+
+    def __init__(self, kb: KernelBuilder, sig: KernelSig, kern, base: str, width: int) -> None:
+        KQGemm.__init__(self, kb, sig, kern, width=width)
+        self.kc = min(_tuned(kb, sig.attr, "kc", KC["q8k"]), self.nb)
+        self._setup(base, width, sig)
+
+    def _run_vector(self, tb: ir.Value, run: int, i: int) -> ir.Value:
+        """Vector i (values 4i .. 4i + 3 of each row) of run ``run`` (32 values)."""
+        W = self.W
+        g, h = divmod(run, 2)
+        group = 20 * W + 48 * W * g if self.base == "Q6_K" else 32 * W * g
+        lo, hi = self.nibble_pairs(tb, group + 4 * W * i)
+        v = hi if h else lo
+        if self.base == "Q6_K":   # bits 4, 5 from the group's high vector k, bits 2t: vector 4k + t = 8h + i
+            b = self.b
+            k, t = divmod(8 * h + i, 4)
+            hv = self.kb.vload(self.kb.gep(tb, group + 32 * W + 4 * W * k), 0, 4 * W)
+            top = b.and_(b.lshr(hv, _vc(I8, [2 * t] * 4 * W)), _vc(I8, [3] * 4 * W))
+            v = b.or_(v, b.shl(top, _vc(I8, [4] * 4 * W)))
+        return v
+
+    def sub_weights(self, tb: ir.Value, s: int) -> tuple[list[ir.Value], ir.Value, ir.Value | None]:
+        b, W = self.b, self.W
+        if self.base == "Q4_K":      # sub-blocks of 32: sub-block s is run s
+            ws = [self._run_vector(tb, s, i) for i in range(8)]
+            scv = b.fmul(self.byte_lanes(tb, 132 * W + W * s, False), self.f16_lanes(tb, 128 * W))
+            dmin = b.fmul(self.f16_lanes(tb, 130 * W), ir.Constant(ir.VectorType(F32, W), [-1.0] * W))
+            mv = b.fmul(self.byte_lanes(tb, 140 * W + W * s, False), dmin)
+            return ws, scv, mv
+        run, half = divmod(s, 2)     # Q6_K: sub-blocks of 16, two to a run
+        ws = [self._run_vector(tb, run, 4 * half + i) for i in range(4)]
+        scv = b.fmul(self.byte_lanes(tb, W * s, True), self.f16_lanes(tb, 16 * W))
+        return ws, scv, None
+
+
+def emit_repacked(kb: KernelBuilder, sig: KernelSig) -> None:
+    """Per ``tokens_per_call`` token rows: quantize them; per tile of this
+    thread's share and K chunk, every token P at a time (the rest in blocks
+    of the powers of two below P), prefetching the weight stream ahead."""
+    bsig, base, width = _base_sig(sig)
+    if sig.attr.get("act") == "q8k":
+        g = RepackedKQ(kb, bsig, kquant_int_kernel(kb, bsig), base, width)
+    else:
+        g = RepackedQ8(kb, bsig, _IntKernel(kb, bsig), base, width)
+    kern = g.kern
+    b, W = kb.b, g.W
+    one = len(sig.in_types[0].shape) < 2
+    ts = tokens_per_call(sig)
+    P = 1 if one else g.P
+    kc = g.nb if one else g.kc            # a decode row: one chain, one pass over the tile
+    lo, hi = kb.thread_share(kern.n // W)
+    m = kb.rows_of(kern.xt.shape)
+    tokens = g.tokens
+
+    with kb.loop(0, m, step=ts, name="rts") as t0:
+        left = b.sub(m, t0)
+        n = b.select(b.icmp_signed("<", left, i64(ts)), left, i64(ts))
+        with kb.loop(0, n, name="rquant") as s:
+            g.quantize(b.mul(b.add(t0, s), i64(kern.k)), s)
+        with kb.loop(lo, hi, name="rtile") as tile:
+            r0 = b.mul(tile, i64(W))
+            for c0 in range(0, kern.nb, kc):
+                nblk = min(kc, kern.nb - c0)
+                if P == 1:
+                    with kb.loop(0, n, name="rtok") as s0:
+                        tokens(r0, c0, nblk, s0, t0, 1)
+                    continue
+                rest = b.srem(n, i64(P))
+                n_main = b.sub(n, rest)
+                with kb.loop(0, n_main, step=P, name="rtok") as s0:
+                    tokens(r0, c0, nblk, s0, t0, P)
+                q = 1 << max(0, (P - 1).bit_length() - 1)
+                while q >= 1:
+                    with kb.if_then(b.icmp_signed("!=", b.and_(rest, i64(q)), i64(0))):
+                        tokens(r0, c0, nblk, b.add(n_main, b.and_(rest, i64(-2 * q))), t0, q)
+                    q //= 2
+
+
+def is_repacked(t: TensorType) -> bool:
+    return split_repacked(t.layout) is not None
