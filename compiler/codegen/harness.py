@@ -42,7 +42,7 @@ class CompiledKernel:
         b.ret_void()
         self.module = m
         self.obj = emit_object(m, target, level)
-        self.code = LoadedCode(self.obj, target)
+        self.code = LoadedCode(self.obj, target, shared=True)
         self.fn = _CFUNC(self.code.address("lmc_kernel"))
 
     def __call__(self, out: np.ndarray, inputs: Sequence[Any], pos: int = 0, T: int = 1, tid: int = 0,
@@ -130,7 +130,7 @@ class ThreadedKernel:
         self.tuning: dict[str, int] = {}
         fn = emit_kernel(low.module, sig, self.vector_width, self.tuning)
         low.entry_points([self._step(low, fn)])
-        self.code = LoadedCode(emit_object(low.module, target, level), target)
+        self.code = LoadedCode(emit_object(low.module, target, level), target, shared=True)
         self._run = _RUN(self.code.address("lmc_run"))
         self._worker = _WORKER(self.code.address("lmc_worker"))
         self._stop = _RUN(self.code.address("lmc_stop"))

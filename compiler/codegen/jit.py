@@ -76,8 +76,12 @@ class LoadedCode:
 
     ``shared=True``: as a shared library from the system linker (cached by
     the object code's hash), falling back to MCJIT; ``self.how`` says which
-    ("shared" or "mcjit"). ``shared=False``: MCJIT, for code compiled in this
-    process anyway (kernel harnesses), which need not litter the cache."""
+    ("shared" or "mcjit"). Kernel harnesses (``lmc kernel``, the tests) link
+    this way too: MCJIT places each object's sections where mmap puts them,
+    and in a process that has mapped a few GB (models, weight images) a
+    32-bit relative relocation between them can overflow, which LLVM answers
+    with abort() (seen after hundreds of kernels in one test process).
+    ``shared=False``: MCJIT."""
 
     def __init__(self, obj: bytes, target: Target | None = None, shared: bool = False) -> None:
         self.lib: ctypes.CDLL | None = None

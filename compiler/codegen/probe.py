@@ -81,7 +81,7 @@ class _Probe:
         self.width = target.vector_width
         self.step = self.width * ACCUMULATORS
         # O2: we want our loop as written, not re-vectorised or unrolled away
-        self.code = LoadedCode(emit_object(_probe_module(self.width), target, 2), target)
+        self.code = LoadedCode(emit_object(_probe_module(self.width), target, 2), target, shared=True)
         self.fn = _PROTO(self.code.address("lmc_probe_sum"))
 
 
@@ -204,7 +204,7 @@ class _FmaProbe:
         target = host_target()
         self.width = target.vector_width
         self.flops_per_iter = 2 * self.width * FMA_CHAINS
-        self.code = LoadedCode(emit_object(_fma_module(self.width), target, 2), target)
+        self.code = LoadedCode(emit_object(_fma_module(self.width), target, 2), target, shared=True)
         self.fn = _FMA_PROTO(self.code.address("lmc_probe_fma"))
 
 
