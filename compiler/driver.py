@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from frontends.arch import ModelError, build_graph
 from frontends.loader import LoadedModel, load_model
 from ir.graph import Graph
+from ir.layouts_repacked import split_repacked
+from ir.printer import print_graph
 
 from .pipeline import default_pipeline, run_pipeline
 
 __all__ = ["BatchOptions", "CompileOptions", "LoadedModel", "ModelError", "build_graphs", "load_model",
-           "model_graph"]
+           "model_graph", "repack_width"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,21 @@ class CompileOptions:
     split_rows: dict[str, int] | None = None  # weights streamed in row blocks (memory plan)
     batch: BatchOptions | None = None  # build the paged batch graphs instead of decode/prefill
     verify: bool = False               # also the ``verify`` graph (speculative decoding)
+    #: tile width of repacked weights (``passes/repack``; ``repack_width()``), None: none repacked
+    repack_width: int | None = None
+
+
+def repack_width(vector_width: int | None = None) -> int | None:
+    """The width the ``repack`` pass tiles weights to on this host at this
+    vector width (16 with AVX-512 VNNI, 8 with 256-bit VNNI), None without
+    VNNI or with ``LMC_REPACK=0`` (weights as the file stores them: for
+    comparisons)."""
+    if os.environ.get("LMC_REPACK", "1") == "0":
+        return None
+    from .codegen.k_matmul_int_gemm import gemm_width
+    from .codegen.target import host_target
+
+    return gemm_width(vector_width or host_target().vector_width)
 
 
 def pass_names(options: CompileOptions) -> tuple[str, ...]:
@@ -82,6 +99,8 @@ def model_graph(model: LoadedModel, mode: str, options: CompileOptions | None = 
                     kv_type=options.kv_type, **paged)
     if mode == "batch":
         g.meta.update(max_batch=bo.max_batch, decode_rows=decode_rows)
+    if options.repack_width:
+        g.meta["repack_width"] = options.repack_width
     if not run_passes:
         return g
     # prefill and prefill_all (the batch graphs too) share a graph name; their dumps must not
@@ -121,6 +140,8 @@ def _rows_as_decode(g: Graph) -> None:
     for node in g.nodes:
         if node.op not in ("matmul", "qmatmul", "qmatmul_rows") or "decode_rows" in node.attrs:
             continue
+        if split_repacked(node.inputs[1].type.layout):   # one arithmetic for every row count already
+            continue
         attrs = {k: v for k, v in node.attrs.items() if k != "gemm"}
         node.attrs = {**attrs, "decode_rows": PROMPT_ROWS if "gemm" in node.attrs else VERIFY_ROWS}
 
@@ -136,7 +157,11 @@ def build_graphs(model: LoadedModel, options: CompileOptions | None = None) -> d
     token (at most ``max_batch``), every matmul computing each row as the
     decode step does, integer path included, so a served sequence decodes
     to the single stream's numbers; prompt chunks stay on the float
-    ``batch``/``batch_last``. With ``options.verify``, also ``verify``: a
+    ``batch``/``batch_last``. (Where every matmul reads repacked weights,
+    ``passes/repack``, each row has the decode step's numbers in ``batch``
+    already, and ``batch_decode`` would be the same graph: it is left out
+    and the runtime runs decode rows through ``batch``.) With
+    ``options.verify``, also ``verify``: a
     prefill returning every row, each row computed as the decode step
     computes it, so that speculative decoding's batched check of drafted
     tokens gives plain decoding's logits bit for bit."""
@@ -147,7 +172,8 @@ def build_graphs(model: LoadedModel, options: CompileOptions | None = None) -> d
         }
         if "int_dot" in pass_names(options):
             g = model_graph(model, "batch", options, all_logits=True, decode_rows=True)
-            if any(n.attrs.get("act") for n in g.nodes):   # else it is ``batch`` again
+            # else it is ``batch`` again: no integer path, or every matmul on repacked weights
+            if any(n.attrs.get("act") for n in g.nodes) and print_graph(g) != print_graph(graphs["batch"]):
                 graphs["batch_decode"] = g
         return graphs
     graphs = {

@@ -27,13 +27,13 @@ from ir.ops import get_op
 from ir.printer import print_graph
 from passes.plan_arena import plan_arena
 
-from . import cache, key_memo
+from . import cache, key_memo, repack_cache
 from .artifact import FORMAT_VERSION, KINDS, Artifact, ArtifactError, file_fingerprint
 from .codegen.ctl import PROFILE_HEADER
 from .codegen.target import Target, host_target
 from .memory import plan_manifest
 from .objpack import pack
-from .driver import BatchOptions, CompileOptions, build_graphs, max_blocks_per_seq
+from .driver import BatchOptions, CompileOptions, build_graphs, max_blocks_per_seq, repack_width
 
 if TYPE_CHECKING:
     from .kernel_build import KernelStats
@@ -126,7 +126,9 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
                 "codegen": codegen_fingerprint(), "llvmlite": llvmlite.__version__}
     # a warm start skips planning when it compiled these inputs before (the
     # planned graphs are then not returned: dumps and profiles plan anyway)
-    memo = key_memo.memo_key(model, o, versions) if o.use_cache and not (o.dump_dir or o.profile) else None
+    # (the repack width follows the host and LMC_REPACK, not the options)
+    memo = (key_memo.memo_key(model, o, {**versions, "repack": repack_width(o.vector_width)})
+            if o.use_cache and not (o.dump_dir or o.profile) else None)
     known = key_memo.recall(memo) if memo else None
     if known is not None:
         hit = _cached(known, model)
@@ -162,8 +164,13 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
     # hashes the model file on a thread) while they compile kernels
     kernels = KernelBuild(sigs, target, o.vector_width or target.vector_width, o.opt_level, codegen_fingerprint(),
                           use_cache=o.use_cache, jobs=o.jobs, progress=o.progress)
+    regions = packed_regions(w.ref for g in graphs.values() for w in g.weights.values())
+    _check_disjoint(regions)
     try:
         fingerprint = _in_background(file_fingerprint, model.path)
+        # repacked weights are built now, beside LLVM, and cached for the runtime to map
+        repacked = (_in_background(_prepare_repacked, model, fingerprint, regions)
+                    if o.use_cache and repack_cache.repack_regions(regions) else None)
         module, entries, state_offsets, state_bytes = lower_graphs(graphs, plans, target, o.vector_width,
                                                                    profile=o.profile, stream=sched,
                                                                    symbols=planned.symbols, external_kernels=True)
@@ -208,15 +215,30 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
         manifest["memory"] = plan_manifest(memory, sched)
     if planned.batch is not None:
         manifest["batch"] = batch_manifest(planned.batch, ctx, planned.symbols["T"], next(iter(graphs.values())))
-    regions = packed_regions(w.ref for w in model.weights.values())
-    if regions:  # compressed layers: the runtime builds the weight image (runtime/weight_image.py)
+    if regions:  # compressed layers, repacked weights: the runtime builds the weight image (runtime/weight_image.py)
         manifest["image"] = {"size": max(r.image_offset + r.size for r in regions),
                              "regions": [dataclasses.asdict(r) for r in regions]}
+    if repacked is not None:
+        repacked()
     art = Artifact(manifest, obj)
     path = cache.store(key, art) if o.use_cache else None
     if path and memo:
         key_memo.remember(memo, key)
     return CompileResult(art, False, time.perf_counter() - t0, path, graphs, kernels.stats)
+
+
+def _check_disjoint(regions: list) -> None:
+    """The image regions of all graphs, in image order, must not overlap:
+    every graph of a model places a weight at the same offset."""
+    for a, b in zip(regions, regions[1:]):
+        if b.image_offset < a.image_offset + a.size:
+            raise RuntimeError(f"weight image regions overlap at {b.image_offset}: the graphs disagree "
+                               "on where a repacked or decompressed weight lies")
+
+
+def _prepare_repacked(model: LoadedModel, fingerprint: Callable[[], Any], regions: list) -> None:
+    repack_cache.prepare(model.path, repack_cache.cache_key({"format": model.format, **fingerprint()}, regions),
+                         regions)
 
 
 def _cached(key: str, model: LoadedModel) -> Artifact | None:
@@ -277,9 +299,11 @@ def plan_native(model: LoadedModel, o: NativeOptions) -> NativePlan:
     batch = o.batch.resolved(ctx) if o.batch is not None else None
     if batch is not None and (o.mem_budget is not None or o.stream):
         raise ValueError("batched serving (a paged KV pool) does not take a memory budget or streamed weights yet")
+    # streamed weights are read from the file as they are: repacked only when all stay resident
+    rw = None if (o.mem_budget is not None or o.stream) else repack_width(o.vector_width)
     graphs = build_graphs(model, CompileOptions(backend="llvm", ctx=ctx, dump_dir=o.dump_dir, passes=o.passes,
                                                 kv_type=o.kv_type, dump_after=o.dump_after, batch=batch,
-                                                verify=o.verify and batch is None))
+                                                verify=o.verify and batch is None, repack_width=rw))
     # a batch step takes a decode row per sequence or one sequence's prompt chunk
     symbols = {"T": max(chunk, batch.max_batch) if batch is not None else chunk}
     plans = {name: plan_arena(g, symbols) for name, g in graphs.items()}

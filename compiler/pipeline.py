@@ -18,12 +18,14 @@ def default_pipeline(backend: str = "interp") -> tuple[str, ...]:
     """The passes for a backend on this host. Native code on a CPU with int8
     dot products (VNNI) also runs ``int_dot``: matmuls on 32-block weights
     and K-quants (decode and prompt rows) quantize x per block and use
-    integer dot products, as llama.cpp does. The interpreter stays on the float
+    integer dot products, as llama.cpp does; and ``repack``: their weights
+    are regrouped at load for one GEMM kernel of every row count (when the
+    graph says the width, ``CompileOptions.repack_width``). The interpreter stays on the float
     reference path unless given the passes."""
     if backend == "llvm":
         from .codegen.k_matmul_int import host_has_int_dot
         if host_has_int_dot():
-            return DEFAULT_PIPELINE[:-1] + ("int_dot",) + DEFAULT_PIPELINE[-1:]
+            return DEFAULT_PIPELINE[:-1] + ("int_dot", "repack") + DEFAULT_PIPELINE[-1:]
     return DEFAULT_PIPELINE
 
 

@@ -16,7 +16,8 @@ from .types import TensorType
 
 @dataclass(frozen=True)
 class PackedRegion:
-    """Bytes stored compressed in the file (a QSF layer's data). The model's
+    """Bytes stored compressed in the file (a QSF layer's data), or a weight
+    stored in another order than the file's (``passes/repack``). The model's
     weight image is the file with each packed region appended, decompressed,
     past its end: image bytes ``[image_offset, image_offset + size)`` are
     ``codec``-decompressed file bytes ``[file_offset, file_offset + stored)``."""
@@ -26,6 +27,10 @@ class PackedRegion:
     stored: int
     image_offset: int
     size: int
+    #: codec "repack": the region is the file's [rows, cols] weight in this
+    #: repacked layout (``ir/layouts_repacked.py``), built at load
+    layout: str = ""
+    shape: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

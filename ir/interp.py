@@ -10,6 +10,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .graph import Graph, PackedRegion, Value, WeightRef
+from .layouts import get_layout
 from .ops import WeightData, get_op
 from .types import DTYPES, TensorType
 
@@ -17,7 +18,8 @@ from .types import DTYPES, TensorType
 class WeightStore:
     """Memory-maps each model file once and hands out weights' raw bytes.
     Weights in a compressed region (``ref.packed``) come from ``unpack``,
-    which returns the region's decompressed bytes (kept once read)."""
+    which returns the region's decompressed bytes (kept once read); a
+    repacked weight's region is built here from the file's bytes."""
 
     def __init__(self, unpack: Callable[[str, PackedRegion], np.ndarray] | None = None) -> None:
         self._maps: dict[str, np.memmap] = {}
@@ -39,6 +41,9 @@ class WeightStore:
     def _packed(self, ref: WeightRef) -> np.ndarray:
         p = ref.packed
         key = (ref.path, p)
+        if key not in self._regions and p.codec == "repack":   # the file's bytes, repacked (passes/repack)
+            src = self.raw(WeightRef(ref.path, p.file_offset, p.stored))
+            self._regions[key] = get_layout(p.layout).repack(src, *p.shape)
         if key not in self._regions:
             if self._unpack is None:
                 raise ValueError(f"{ref.path}: weights in a {p.codec}-compressed region need a decompressor")

@@ -39,8 +39,12 @@ def print_graph(graph: Graph) -> str:
              + ", ".join(f"{ref(v)}: {v.type}" for v in graph.inputs) + ") {"]
     for v in graph.weights.values():
         r = v.ref
-        lines.append(f"  weight {ref(v)} : {v.type} = file({r.path.rsplit('/', 1)[-1]!r}, "
-                     f"offset={r.offset}, bytes={r.nbytes})")
+        src = f"file({r.path.rsplit('/', 1)[-1]!r}, offset={r.offset}, bytes={r.nbytes})"
+        if r.packed is not None and r.packed.codec == "repack":   # built at load from the file's bytes
+            p = r.packed
+            src = (f"repacked(file({r.path.rsplit('/', 1)[-1]!r}, offset={p.file_offset}, bytes={p.stored}), "
+                   f"image_offset={r.offset}, bytes={r.nbytes})")
+        lines.append(f"  weight {ref(v)} : {v.type} = {src}")
     for v in graph.states.values():
         lines.append(f"  state {ref(v)} : {v.type}")
     for node in graph.nodes:

@@ -88,7 +88,10 @@ class NativeExecutor(PagedBatch):
             from .weight_image import WeightImage, regions_of
 
             skip = frozenset((self.stream or {}).get("packed_image_offsets", []))
-            self._map = WeightImage(model_path, regions_of(m["image"]), int(m["image"]["size"]), skip)
+            from compiler.repack_cache import cache_key
+
+            key = cache_key(m["model"], m["image"].get("regions", []))
+            self._map = WeightImage(model_path, regions_of(m["image"]), int(m["image"]["size"]), skip, key)
             self._weights = self._map.array
         else:
             if self.stream:   # the streamed layers are read into buffers: the mapping holds the rest

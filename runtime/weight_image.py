@@ -1,4 +1,5 @@
-"""The weight image of a model with compressed layers (QSF).
+"""The weight image of a model with compressed layers (QSF) or repacked
+weights (``passes/repack``).
 
 Compiled code addresses every weight as one base pointer plus a constant
 offset. A compressed layer has no place in the file where its plain bytes
@@ -28,8 +29,13 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10
+_MADV_DONTNEED = 4
+_MADV_HUGEPAGE = 14
+_HUGE = 2 << 20
+_PAGE = mmap.PAGESIZE
 
 _LZ4 = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int)
 _ZSTD = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t)
@@ -44,13 +50,24 @@ class Region:
     stored: int
     image_offset: int
     size: int
+    layout: str = ""                 # codec "repack": the repacked layout and the weight's shape
+    shape: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))   # a list, from JSON
 
 
 class WeightImage:
     """The file, then its decompressed regions, at one address."""
 
-    def __init__(self, path: str, regions: list[Region], image_size: int, skip: frozenset[int] = frozenset()) -> None:
+    def __init__(self, path: str, regions: list[Region], image_size: int, skip: frozenset[int] = frozenset(),
+                 repack_key: str | None = None) -> None:
+        """``repack_key``: names the repacked regions' bytes in the cache
+        (``compiler.repack_cache``): mapped from there when present, else
+        built and stored there for the next load."""
         self.path = path
+        #: how the repacked weights got here: "mapped" (the cache), "built" (repacked now), None (none)
+        self.repacked: str | None = None
         with open(path, "rb") as f:
             fsize = os.fstat(f.fileno()).st_size
             self.size = max(image_size, fsize, 1)
@@ -65,16 +82,62 @@ class WeightImage:
                     self.close()
                     raise OSError(ctypes.get_errno(), f"{path}: cannot map the file into the weight image")
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * self.size).from_address(base))
+        past = -(-fsize // _HUGE) * _HUGE
+        if self.size > past:   # what every step reads: on 2 MiB pages where the kernel allows
+            _libc.madvise(ctypes.c_void_p(base + past), ctypes.c_size_t(self.size - past), _MADV_HUGEPAGE)
+        todo = [r for r in regions if r.image_offset not in skip]
+        r = None
         try:
-            for r in regions:
-                if r.image_offset in skip:
-                    continue
+            for r in todo:
                 if r.file_offset + r.stored > fsize or r.image_offset < fsize or r.image_offset + r.size > self.size:
                     raise CodecError(f"region {r.file_offset}+{r.stored} -> {r.image_offset}+{r.size} does not fit")
-                self._unpack(r)
-        except CodecError as e:
+            for r in todo:
+                if r.codec != "repack":
+                    self._unpack(r)
+            r = None
+            repack = [r for r in todo if r.codec == "repack"]
+            if repack:
+                self._repacked(repack, repack_key)
+        except (CodecError, ValueError) as e:
             self.close()
-            raise OSError(f"{path}: a compressed layer at byte {r.file_offset}: {e}") from None
+            where = f"a {r.codec} region at byte {r.file_offset}" if r is not None else "its repacked weights"
+            raise OSError(f"{path}: {where}: {e}") from None
+
+    def _repacked(self, regions: list[Region], key: str | None) -> None:
+        """The repacked weights: the compiler's cached bytes mapped over
+        their span of the image (``compiler.repack_cache``), or repacked
+        here, the file pages they were read from handed back (they stay in
+        the page cache, out of this process's resident set), and cached."""
+        from compiler import repack_cache
+
+        lo, hi = repack_cache.span(regions)
+        if key is not None and self._map_cached(repack_cache.lookup(key, hi - lo), lo, hi - lo):
+            self.repacked = "mapped"
+            return
+        self.repacked = "built"
+        repack_cache.repack_into(self.array, self.array[lo:hi], regions, lo)
+        for r in regions:
+            a = -(-r.file_offset // _PAGE) * _PAGE
+            b = (r.file_offset + r.stored) // _PAGE * _PAGE
+            if b > a:
+                _libc.madvise(ctypes.c_void_p(self.address + a), ctypes.c_size_t(b - a), _MADV_DONTNEED)
+        if key is not None:
+            repack_cache.store(key, self.array[lo:hi])
+
+    def _map_cached(self, path: str | None, lo: int, size: int) -> bool:
+        """Map the cache entry at ``path`` read-only over image bytes [lo, lo + size)."""
+        if path is None:
+            return False
+        from .weight_map import map_weights
+
+        try:
+            map_weights(path).close()      # its page cache on large folios, if it can be
+            with open(path, "rb") as f:
+                got = _libc.mmap(self.address + lo, size, mmap.PROT_READ, mmap.MAP_PRIVATE | _MAP_FIXED,
+                                 f.fileno(), 0)
+            return got == self.address + lo
+        except OSError:
+            return False
 
     def _unpack(self, r: Region) -> None:
         src, dst = self.address + r.file_offset, self.address + r.image_offset

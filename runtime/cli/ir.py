@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     """The graph as text, DOT, SVG or PNG, after any pass of the pipeline.
     Everything is produced in memory first: an error writes nothing."""
-    from compiler.driver import CompileOptions, load_model, model_graph
+    from compiler.driver import CompileOptions, load_model, model_graph, repack_width
     from compiler.pipeline import default_pipeline
     from ir.dot import to_dot
     from ir.printer import print_graph
@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(args.layer, int) and not 0 <= args.layer < n:
         raise CliError(f"--layer {args.layer}: {m.name} has {n} layers (0-{n - 1})")
     opts = CompileOptions(backend=args.backend, ctx=args.ctx or min(m.config.seq_len, DEFAULT_CTX),
-                          kv_type=args.kv_type or "f32")
+                          kv_type=args.kv_type or "f32",
+                          repack_width=repack_width() if args.backend == "llvm" else None)
     g = model_graph(m, args.mode, opts, stop_after=args.after, run_passes=not args.no_passes)
     ran = () if args.no_passes else names[:names.index(args.after) + 1] if args.after else names
     stage = f"after {', '.join(ran)} ({args.backend} pipeline)" if ran else "as the frontend built it, no passes"

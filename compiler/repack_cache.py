@@ -1,0 +1,159 @@
+"""Repacked weights kept between runs (``passes/repack``): the image bytes
+of a model's repacked weights, one cache file per model file and repack plan.
+
+Repacking reads the weights once and rewrites them (about a second for the
+0.5 GB of Qwen2.5-Coder-0.5B). It is part of compiling: ``compile_native``
+writes the entry on a thread while LLVM works, and a warm start maps it
+read-only over its place in the weight image (``runtime.weight_image``),
+as it maps the model file itself: page cache memory that the kernel may drop
+and read again, shared between processes, on 2 MiB pages where the file
+system gives large folios. The runtime repacks in place only when there is
+no entry (the cache is off, an artifact came from elsewhere). The key
+covers the model file's fingerprint, the plan's regions and the repacking
+code itself, so a changed file, plan or byte format never maps stale bytes.
+``LMC_REPACK_CACHE=0`` turns the cache off.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import numpy as np
+
+from frontends.cache_dir import cache_root, write_entry
+from ir.layouts import get_layout
+
+#: rows of a large weight repacked per job (the threads share a 150 MB head)
+ROW_BLOCK = 8192
+_PAGE = mmap.PAGESIZE
+
+
+def enabled() -> bool:
+    return os.environ.get("LMC_REPACK_CACHE", "1") != "0"
+
+
+def _get(r: Any, name: str) -> Any:
+    return r[name] if isinstance(r, dict) else getattr(r, name)
+
+
+def repack_regions(regions: Sequence[Any]) -> list[Any]:
+    """The regions (dicts of a manifest, or region records) with codec repack."""
+    return [r for r in regions if _get(r, "codec") == "repack"]
+
+
+def span(regions: Sequence[Any]) -> tuple[int, int]:
+    """[lo, hi) of the image the repacked regions cover, lo on a page."""
+    lo = min(_get(r, "image_offset") for r in regions) // _PAGE * _PAGE
+    return lo, max(_get(r, "image_offset") + _get(r, "size") for r in regions)
+
+
+def cache_key(model: dict[str, Any], regions: Sequence[Any]) -> str | None:
+    """The key of a manifest's repacked regions (``model``: the manifest's
+    model fingerprint); None when the cache is off or there are none."""
+    from ir.digest import sha256
+    import ir.layouts_repacked as layouts
+
+    rp = repack_regions(regions)
+    if not enabled() or not rp:
+        return None
+    with open(layouts.__file__, "rb") as f:
+        code = sha256(f.read()).hexdigest()
+    rows = [{k: list(v) if isinstance(v, tuple) else v for k, v in
+             ((n, _get(r, n)) for n in ("file_offset", "stored", "image_offset", "size", "layout", "shape"))}
+            for r in rp]
+    ident = {k: v for k, v in model.items() if k != "path"}
+    what = json.dumps({"model": ident, "regions": rows, "code": code}, sort_keys=True)
+    return sha256(what.encode()).hexdigest()[:32]
+
+
+def entry_path(key: str) -> str:
+    return os.path.join(cache_root(), "repacked", f"{key}.bin")
+
+
+def lookup(key: str, size: int) -> str | None:
+    """The entry of ``key`` if it is there whole (``size`` bytes)."""
+    path = entry_path(key)
+    try:
+        return path if os.path.getsize(path) == size else None
+    except OSError:
+        return None
+
+
+def _jobs(regions: Sequence[Any]) -> list[tuple[Any, int, int]]:
+    """(region, first row, rows): the regions in row blocks of whole tiles, largest first."""
+    jobs = []
+    for r in sorted(regions, key=lambda r: -_get(r, "size")):
+        n = int(_get(r, "shape")[0])
+        jobs += [(r, a, min(ROW_BLOCK, n - a)) for a in range(0, n, ROW_BLOCK)]
+    return jobs
+
+
+def _rows(r: Any, row0: int, rows: int) -> tuple[int, int, int, int]:
+    """Source offset and length in the file, destination offset (image) and length of a row block."""
+    n = int(_get(r, "shape")[0])
+    sr, dr = _get(r, "stored") // n, _get(r, "size") // n     # bytes per row: whole tiles are contiguous in both
+    return _get(r, "file_offset") + row0 * sr, rows * sr, _get(r, "image_offset") + row0 * dr, rows * dr
+
+
+def _in_threads(fn, jobs: list) -> None:
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        for f in [pool.submit(fn, *job) for job in jobs]:
+            f.result()
+
+
+def repack_into(src: np.ndarray, dst: np.ndarray, regions: Sequence[Any], lo: int) -> None:
+    """Repack each region from the file's bytes ``src`` into ``dst``, which
+    holds image bytes [lo, lo + len(dst)), in row blocks on a thread per
+    core (numpy's copies release the GIL)."""
+    def run(r: Any, row0: int, rows: int) -> None:
+        s0, sn, d0, dn = _rows(r, row0, rows)
+        get_layout(_get(r, "layout")).repack(src[s0:s0 + sn], rows, int(_get(r, "shape")[1]),
+                                             out=dst[d0 - lo:d0 - lo + dn])
+
+    _in_threads(run, _jobs(regions))
+
+
+def store(key: str, data: np.ndarray) -> bool:
+    """Keep ``data`` as the entry of ``key`` (whole or not at all; best effort)."""
+    return write_entry(entry_path(key), memoryview(np.ascontiguousarray(data)))
+
+
+def prepare(model_path: str, key: str | None, regions: Sequence[Any]) -> None:
+    """Make sure the entry of ``key`` exists (the compiler's part): each row
+    block read from the model file, repacked and written at its place in a
+    new entry, so the compiling process holds a few blocks at a time, not
+    the model. Best effort: a failure leaves the runtime to repack at load."""
+    import threading
+
+    rp = repack_regions(regions)
+    if key is None or not rp:
+        return
+    lo, hi = span(rp)
+    path = entry_path(key)
+    if lookup(key, hi - lo):
+        return
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident():x}.part"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(model_path, "rb") as src, open(tmp, "wb") as dst:
+            dst.truncate(hi - lo)            # the gaps between regions read as zeros
+
+            def run(r: Any, row0: int, rows: int) -> None:
+                s0, sn, d0, dn = _rows(r, row0, rows)
+                raw = os.pread(src.fileno(), sn, s0)
+                if len(raw) != sn:
+                    raise OSError(f"{model_path}: short read at byte {s0}")
+                out = get_layout(_get(r, "layout")).repack(np.frombuffer(raw, np.uint8), rows,
+                                                           int(_get(r, "shape")[1]))
+                os.pwrite(dst.fileno(), out.data, d0 - lo)
+
+            _in_threads(run, _jobs(rp))
+        os.replace(tmp, path)
+    except (OSError, ValueError):
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
