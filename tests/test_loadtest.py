@@ -96,6 +96,9 @@ def _sane_latencies(r: dict) -> None:
     assert 0 <= itl["p50"] <= itl["p90"] <= itl["p99"] <= r["wall_s"]
     assert r["aggregate_tok_s"] == pytest.approx(r["completion_tokens_total"] / r["wall_s"])
     assert r["per_stream_tok_s"]["p50"] > 0
+    # TPOT: a request's time per token after its first; decode tok/s: the clients at that pace
+    assert r["tpot_s"]["mean"] > 0 and r["tpot_s"]["p50"] > 0
+    assert r["decode_tok_s"] == pytest.approx(min(r["clients"], r["requests"]) / r["tpot_s"]["mean"])
 
 
 def test_chat_streams_complete_and_count_the_servers_tokens(server):

@@ -272,6 +272,7 @@ def _report(url: str, model: str | None, endpoint: str, clients: int, requests: 
     itl = [b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:])]
     per_stream = [(r.tokens - 1) / (r.chunks[-1] - r.chunks[0]) for r in ok
                   if len(r.chunks) >= 2 and r.chunks[-1] > r.chunks[0]]
+    tpot = [1.0 / v for v in per_stream]     # time per output token after the first (vLLM's TPOT)
     completion = sum(r.tokens for r in ok)
     prompt_counts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     cached_counts = [r.cached_tokens for r in ok if r.cached_tokens is not None]
@@ -283,6 +284,9 @@ def _report(url: str, model: str | None, endpoint: str, clients: int, requests: 
         "itl_s": _percentiles(itl, (50, 90, 99)),
         "aggregate_tok_s": completion / wall if wall > 0 else None,
         "per_stream_tok_s": _percentiles(per_stream, (50,)),
+        "tpot_s": {**_percentiles(tpot, (50,)), "mean": float(np.mean(tpot)) if tpot else None},
+        # what the server delivers while every client is decoding: clients / mean TPOT
+        "decode_tok_s": min(clients, requests) / float(np.mean(tpot)) if tpot else None,
         "prompt_tokens_total": sum(prompt_counts) if prompt_counts else None,
         "cached_prompt_tokens_total": sum(cached_counts) if cached_counts else None,
         "completion_tokens_total": completion,

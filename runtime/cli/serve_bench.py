@@ -90,7 +90,8 @@ def request_context(tokenizer: Any, seq_len: int, prompt_words: int, gen_tokens:
 
 def _summary(r: dict[str, Any]) -> dict[str, Any]:
     """The figures of one load test that the bench reports."""
-    out = {"aggregate_tok_s": r["aggregate_tok_s"], "ttft_p50_s": r["ttft_s"]["p50"],
+    out = {"aggregate_tok_s": r["aggregate_tok_s"], "decode_tok_s": r["decode_tok_s"],
+           "tpot_mean_s": r["tpot_s"]["mean"], "ttft_p50_s": r["ttft_s"]["p50"],
            "ttft_p99_s": r["ttft_s"]["p99"], "itl_p50_s": r["itl_s"]["p50"],
            "per_stream_tok_s_p50": r["per_stream_tok_s"]["p50"], "clients": r["clients"],
            "requests": r["requests"], "completed": r["completed"], "errors": r["errors"],
@@ -126,10 +127,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
-def _scaling(rows: dict[int, dict[str, Any]]) -> float | None:
-    """Aggregate tok/s at 8 streams over 1 stream: how well batching pays."""
+def _scaling(rows: dict[int, dict[str, Any]], key: str = "aggregate_tok_s") -> float | None:
+    """``key`` (tok/s) at 8 streams over 1 stream: how well batching pays."""
     if 1 in rows and 8 in rows:
-        return _ratio(rows[8]["aggregate_tok_s"], rows[1]["aggregate_tok_s"])
+        return _ratio(rows[8][key], rows[1][key])
     return None
 
 
@@ -177,8 +178,10 @@ def run_serve_bench(model: str, tokenizer: str | None, threads: int, streams: li
         rows.append(row)
     out["rows"] = rows
     out["lmc_scaling_8_vs_1"] = _scaling(ours)
+    out["lmc_decode_scaling_8_vs_1"] = _scaling(ours, "decode_tok_s")
     if compare_llamacpp:
         out["llamacpp_scaling_8_vs_1"] = _scaling(theirs)
+        out["llamacpp_decode_scaling_8_vs_1"] = _scaling(theirs, "decode_tok_s")
     return out
 
 
@@ -192,7 +195,8 @@ def _ms(seconds: float | None, fmt: str) -> str:
 
 def format_table(r: dict[str, Any]) -> str:
     """One line per stream count and server: what the JSON says, for a reader."""
-    head = ("streams", "server", "tok/s all", "tok/s each", "TTFT p50", "TTFT p99", "ITL p50", "vs llama.cpp")
+    head = ("streams", "server", "tok/s all", "decode tok/s", "tok/s each", "TTFT p50", "TTFT p99", "ITL p50",
+            "vs llama.cpp")
     lines = [head]
     for row in r["rows"]:
         for name, key in (("lmc", "lmc"), ("llama.cpp", "llamacpp")):
@@ -201,7 +205,7 @@ def format_table(r: dict[str, Any]) -> str:
             s = row[key] or {}                # None: llama.cpp's server did not start
             ratio = _fmt(row.get("ratio_aggregate"), "{:.2f}x") if key == "lmc" and "llamacpp" in row else ""
             lines.append((str(row["streams"]), name, _fmt(s.get("aggregate_tok_s"), "{:.1f}"),
-                          _fmt(s.get("per_stream_tok_s_p50"), "{:.1f}"),
+                          _fmt(s.get("decode_tok_s"), "{:.1f}"), _fmt(s.get("per_stream_tok_s_p50"), "{:.1f}"),
                           _ms(s.get("ttft_p50_s"), "{:.0f} ms"), _ms(s.get("ttft_p99_s"), "{:.0f} ms"),
                           _ms(s.get("itl_p50_s"), "{:.1f} ms"), ratio))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
@@ -211,7 +215,10 @@ def format_table(r: dict[str, Any]) -> str:
               f"prompts, {r['gen_tokens']} tokens per request (ignore_eos), context {r['ctx_per_request']} per "
               f"request")]
     if r.get("lmc_scaling_8_vs_1") is not None:
-        notes.append(f"lmc serve, 8 streams vs 1: {r['lmc_scaling_8_vs_1']:.2f}x the tokens per second")
+        notes.append(f"lmc serve, 8 streams vs 1: {r['lmc_scaling_8_vs_1']:.2f}x the tokens per second in all, "
+                     f"{_fmt(r.get('lmc_decode_scaling_8_vs_1'), '{:.2f}x')} in decode")
+    notes.append("tok/s all: completion tokens / wall time, prefill included; decode tok/s: streams / mean "
+                 "time per output token after the first (TPOT)")
     if r.get("llamacpp_error"):
         notes.append(f"llama.cpp: {r['llamacpp_error']}")
     return "\n".join(notes[:1] + [text] + notes[1:])
