@@ -82,12 +82,14 @@ def pass_names(options: CompileOptions) -> tuple[str, ...]:
 
 def model_graph(model: LoadedModel, mode: str, options: CompileOptions | None = None,
                 all_logits: bool = False, stop_after: str | None = None, run_passes: bool = True,
-                decode_rows: bool = False) -> Graph:
+                decode_rows: bool = False, select: bool = False) -> Graph:
     """One graph of ``model`` (decode, prefill or batch), after the pass pipeline.
     ``decode_rows``: a batch graph whose every row is a sequence's next token
     (``batch_decode``), which passes may treat as decode steps (``int_dot``);
     a prefill graph (with ``all_logits``) whose every row is computed as the
-    decode step computes it (``verify``, see ``verify_graph``)."""
+    decode step computes it (``verify``, see ``verify_graph``). ``select``:
+    a batch graph returning the logits of the rows an input names, as many
+    as ``max_batch`` (``batch_sel``)."""
     options = options or CompileOptions()
     paged = {}
     if mode == "batch":
@@ -95,6 +97,8 @@ def model_graph(model: LoadedModel, mode: str, options: CompileOptions | None = 
             raise ValueError("a batch graph needs CompileOptions.batch")
         bo = options.batch.resolved(options.ctx or model.config.seq_len)
         paged = dict(block_size=bo.block_size, n_blocks=bo.n_blocks)
+    if select:
+        paged["select"] = bo.max_batch
     g = build_graph(model.config, model.weights, mode, ctx=options.ctx, all_logits=all_logits, name=model.name,
                     kv_type=options.kv_type, **paged)
     if mode == "batch":
@@ -105,7 +109,7 @@ def model_graph(model: LoadedModel, mode: str, options: CompileOptions | None = 
         return g
     # prefill and prefill_all (the batch graphs too) share a graph name; their dumps must not
     if mode == "batch":
-        suffix = "_decode" if decode_rows else "" if all_logits else "_last"
+        suffix = "_decode" if decode_rows else "_sel" if select else "" if all_logits else "_last"
     else:
         suffix = "_verify" if decode_rows else "_all" if all_logits else ""
     dump = os.path.join(options.dump_dir, g.name + suffix) if options.dump_dir else None
@@ -160,7 +164,10 @@ def build_graphs(model: LoadedModel, options: CompileOptions | None = None) -> d
     ``batch``/``batch_last``. (Where every matmul reads repacked weights,
     ``passes/repack``, each row has the decode step's numbers in ``batch``
     already, and ``batch_decode`` would be the same graph: it is left out
-    and the runtime runs decode rows through ``batch``.) With
+    and the runtime runs decode rows through ``batch``.) Without
+    ``batch_decode``, also ``batch_sel``: ``batch`` returning only the
+    logits of the rows an input names (up to ``max_batch``), so one step
+    runs decode rows and prompt chunks together. With
     ``options.verify``, also ``verify``: a
     prefill returning every row, each row computed as the decode step
     computes it, so that speculative decoding's batched check of drafted
@@ -175,6 +182,8 @@ def build_graphs(model: LoadedModel, options: CompileOptions | None = None) -> d
             # else it is ``batch`` again: no integer path, or every matmul on repacked weights
             if any(n.attrs.get("act") for n in g.nodes) and print_graph(g) != print_graph(graphs["batch"]):
                 graphs["batch_decode"] = g
+        if "batch_decode" not in graphs:   # decode rows have batch's numbers: they may share a step with prompts
+            graphs["batch_sel"] = model_graph(model, "batch", options, select=True)
         return graphs
     graphs = {
         "decode": model_graph(model, "decode", options),

@@ -330,7 +330,8 @@ class _Builder:
 
 def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "decode",
                 ctx: int | None = None, all_logits: bool = False, name: str = "model",
-                kv_type: str = "f32", block_size: int | None = None, n_blocks: int | None = None) -> Graph:
+                kv_type: str = "f32", block_size: int | None = None, n_blocks: int | None = None,
+                select: int | None = None) -> Graph:
     """The token-step graph. ``decode`` takes one ``token``; ``prefill`` takes
     ``tokens[T]`` (matrix-matrix products), returning the last row's logits or,
     with ``all_logits``, one row per token. The KV cache holds ``ctx`` positions
@@ -343,9 +344,14 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
     Every row's K/V is written before any row attends, so rows of one
     sequence in one batch see each other causally. ``all_logits`` gives a
     row per row (a decode batch); without it the last row's (a prompt chunk
-    of one sequence)."""
+    of one sequence); with ``select`` = R, the rows that an input
+    ``rows[R]`` names (a step mixing decode rows and prompt chunks needs
+    logits for the decode rows and each finished prompt's last row only:
+    the head, the largest matmul, runs for those alone)."""
     if mode not in ("decode", "prefill", "batch"):
         raise ValueError(f"unknown graph mode {mode!r}")
+    if select is not None and (mode != "batch" or all_logits or not (isinstance(select, int) and select > 0)):
+        raise ValueError(f"select={select!r}: a positive row count, for a batch graph without all_logits")
     check_kv_type(cfg, kv_type, name)
     s = cfg.spec
     ctx = ctx or cfg.seq_len
@@ -362,6 +368,8 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
         tok = g.add_input("tokens", TensorType(("T",), "i32"))
         pos = g.add_input("positions", TensorType(("T",), "i32"))
         tables = g.add_input("block_tables", TensorType(("T", max_blocks), "i32"))
+        if select is not None:
+            rows = g.add_input("rows", TensorType((int(select),), "i32"))
         paged = dict(block_size=block_size)
         pool = n_blocks * block_size
     else:
@@ -431,7 +439,9 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
             f = b.op("rmsnorm", f, b.w(p + "post_ffw_norm"), eps=eps)
         x = b.op("add", x, f)
 
-    if mode != "decode" and not all_logits:
+    if select is not None:
+        x = b.op("take_rows", x, rows)
+    elif mode != "decode" and not all_logits:
         x = b.op("take_last", x)
     x = b.norm(x, "output_norm", eps)
     logits = b.linear(x, "token_embd" if cfg.tied_output else "output")

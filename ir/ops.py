@@ -250,6 +250,14 @@ def _take_last(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     return TensorType(x.shape[1:], "f32")
 
 
+def _take_rows(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    x, rows = ts
+    _need(x.rank == 2, f"take_rows needs [T, n], got {x}")
+    _need(rows.rank == 1 and rows.dtype == "i32" and isinstance(rows.shape[0], int),
+          f"take_rows needs a fixed number of i32 row indices, got {rows}")
+    return TensorType((rows.shape[0], x.shape[1]), "f32")
+
+
 # --- references -----------------------------------------------------------------
 @register("embedding", 2, _embedding)
 def embedding_ref(w: WeightData, ids: np.ndarray) -> np.ndarray:
@@ -795,6 +803,13 @@ def pos_embedding_ref(w: WeightData, pos: Any, tokens: Any) -> np.ndarray:
 @register("take_last", 1, _take_last)
 def take_last_ref(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, np.float32)[-1].copy()
+
+
+@register("take_rows", 2, _take_rows)
+def take_rows_ref(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The rows of x the indices name (each in [0, T): the runtime checks
+    them, as every index native code uses)."""
+    return np.asarray(x, np.float32)[np.asarray(rows, np.int64)].copy()
 
 
 def _softmax(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:

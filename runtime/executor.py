@@ -62,11 +62,17 @@ class InterpExecutor(PagedBatch):
                   self.weights)
         return out["logits"]
 
+    def _entry_names(self):
+        return self.graphs
+
     def _batch_step(self, tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray,
-                    last_only: bool, decode: bool = False) -> np.ndarray:
-        name = "batch_last" if last_only else "batch_decode" if decode and "batch_decode" in self.graphs else "batch"
-        g = self.graphs[name]
-        out = run(g, {"tokens": tokens, "positions": positions, "block_tables": tables}, self.state, self.weights)
+                    last_only: bool, decode: bool = False, rows: np.ndarray | None = None) -> np.ndarray:
+        name = "batch_last" if last_only else "batch_decode" if decode and "batch_decode" in self.graphs else \
+            "batch_sel" if rows is not None else "batch"
+        feeds = {"tokens": tokens, "positions": positions, "block_tables": tables}
+        if rows is not None:
+            feeds["rows"] = rows
+        out = run(self.graphs[name], feeds, self.state, self.weights)
         return out["logits"]
 
     def _copy_block_rows(self, src: int, dst: int) -> None:

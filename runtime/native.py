@@ -281,11 +281,18 @@ class NativeExecutor(PagedBatch):
         return self._step("verify", pos, len(ids))
 
     # --- batched serving (runtime.paged checked the inputs) ---------------------------
+    def _entry_names(self):
+        return self.entries
+
     def _batch_step(self, tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray,
-                    last_only: bool, decode: bool = False) -> np.ndarray:
-        name = "batch_last" if last_only else "batch_decode" if decode and "batch_decode" in self.entries else "batch"
+                    last_only: bool, decode: bool = False, rows: np.ndarray | None = None) -> np.ndarray:
+        name = "batch_last" if last_only else "batch_decode" if decode and "batch_decode" in self.entries else \
+            "batch_sel" if rows is not None else "batch"
         at = self.entries[name]["inputs"]
-        for key, a in (("tokens", tokens), ("positions", positions), ("block_tables", tables)):
+        feeds = (("tokens", tokens), ("positions", positions), ("block_tables", tables))
+        if rows is not None:
+            feeds += (("rows", rows),)
+        for key, a in feeds:
             raw = np.ascontiguousarray(a, np.int32).view(np.uint8).reshape(-1)
             self.io[at[key]: at[key] + raw.size] = raw
         return self._step(name, 0, len(tokens))

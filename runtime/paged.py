@@ -103,7 +103,13 @@ class PagedBatch:
     def max_batch(self) -> int | None:
         return self.pool.max_batch if self.pool.max_batch is not None else self.pool.max_rows
 
-    def batch(self, tokens, positions, tables, last_only: bool = False, decode: bool = False) -> np.ndarray:
+    @property
+    def can_select(self) -> bool:
+        """Whether ``batch(..., select=...)`` runs in one step (a ``batch_sel`` entry)."""
+        return "batch_sel" in self._entry_names()
+
+    def batch(self, tokens, positions, tables, last_only: bool = False, decode: bool = False,
+              select=None) -> np.ndarray:
         """Run one step: row r is token ``tokens[r]`` of the sequence whose
         block table is ``tables[r]``, at position ``positions[r]``; its K/V
         rows go into the pool and it attends over its sequence's positions
@@ -118,8 +124,31 @@ class PagedBatch:
         model has it (built where ``int_dot`` runs: each row's matmuls are
         the decode step's, integer path included, so its logits are, bit
         for bit, what that sequence's own decode step gives), else as
-        ``batch``."""
+        ``batch``.
+
+        ``select`` (row indices, at most ``max_batch``; ``can_select``):
+        only those rows' logits, [len(select), vocab], in one step of at most
+        ``max_rows`` rows: decode rows and prompt chunks of several sequences
+        together, each row with the numbers ``batch`` gives it."""
         tok, pos, tab = check_batch(self.pool, tokens, positions, tables)
+        if select is not None:
+            if last_only or decode:
+                raise BatchError("select names the rows whose logits come back: not with last_only or decode")
+            sel = np.asarray(select)
+            if sel.ndim != 1 or sel.size == 0 or not np.issubdtype(sel.dtype, np.integer):
+                raise BatchError(f"select must be a non-empty vector of row indices, got {select!r}")
+            if not self.can_select:
+                raise BatchError("this model has no step that selects rows (its decode rows need batch_decode)")
+            if sel.size > self.max_batch:
+                raise BatchError(f"select names {sel.size} rows, more than this model's {self.max_batch}")
+            if sel.min() < 0 or sel.max() >= len(tok):
+                raise BatchIndexError(f"select: a row index outside the step's {len(tok)} rows")
+            if self.pool.max_rows is not None and len(tok) > self.pool.max_rows:
+                raise BatchError(f"a batch of {len(tok)} rows is more than this model's {self.pool.max_rows} rows "
+                                 f"per step (split it)")
+            rows = np.zeros(self.max_batch, np.int32)
+            rows[: sel.size] = sel
+            return np.array(self._batch_step(tok, pos, tab, False, rows=rows)[: sel.size], np.float32)
         if decode:
             if last_only:
                 raise BatchError("decode rows give every row's logits: decode and last_only do not go together")

@@ -5,10 +5,11 @@ thread owns everything else. Each step it
 
 1. admits waiting requests while their blocks fit the paged KV pool
    (a prompt sharing full blocks with one seen before starts past them),
-2. runs one chunk of the oldest unfinished prompt (``prefill_chunk``
-   tokens), so a long prompt never stalls the others' tokens for long,
+2. runs up to ``prefill_chunk`` tokens of the oldest unfinished prompts,
+   so a long prompt never stalls the others' tokens for long,
 3. runs one native step for every sequence that is generating: B rows,
-   one token each, every weight read once for all of them; a speculating
+   one token each, every weight read once for all of them (with the
+   prompt chunks in the same call where the model allows: ``step``); a speculating
    request adds the tokens a drafter proposes (``runtime.pool_drafters``:
    the server's draft model, or prompt lookup when ``Request.lookup`` asks)
    as rows of its own while the step has room, and keeps those the model
@@ -250,11 +251,15 @@ class Engine:
         return self.drafter
 
     def step(self) -> None:
-        """One scheduling step (public for tests that drive the engine by hand):
-        one native call runs a row for every generating sequence; when a
-        prompt is pending, a second runs the next chunk of the oldest one
-        (its own call, so each row keeps the arithmetic of a single stream's
-        decode or prefill step)."""
+        """One scheduling step (public for tests that drive the engine by hand).
+        Where the executor can select rows (``batch_sel``: every row of a
+        batch has the decode step's numbers) and nobody speculates, one
+        native call runs a row for every generating sequence and up to
+        ``prefill_chunk`` prompt tokens of the oldest unfinished prompts,
+        returning logits only for the rows that need them (as vLLM's chunked
+        prefill does). Otherwise one call runs the generating rows and a
+        second the next chunk of the oldest prompt, each row with the
+        arithmetic of a single stream's decode or prefill step."""
         self._intake()
         for s in [s for s in list(self.running) + list(self.waiting) if s.cancelled]:
             self._finish(s, None)
@@ -265,7 +270,7 @@ class Engine:
         self._admit()
         # oldest first: a sequence may only preempt younger ones, so each later
         # one checks it is still running
-        decoding, prefilling = [], None
+        decoding, prefilling = [], []
         for s in sorted(self.running, key=lambda x: x.key):
             if s not in self.running:
                 continue
@@ -274,25 +279,75 @@ class Engine:
                     decoding.append(s)
                 else:
                     self._preempt_self(s)
-            elif prefilling is None:
-                prefilling = s
-        decoding = [s for s in decoding if s in self.running]
-        chunk: range | None = None
-        if prefilling is not None and prefilling in self.running:
-            lo = prefilling.computed
-            hi = min(len(prefilling.tokens), lo + self.prefill_chunk)
-            if self._writable(prefilling, range(lo, hi)):
-                chunk = range(lo, hi)
             else:
-                self._preempt_self(prefilling)
-            decoding = [s for s in decoding if s in self.running]
-        if decoding:
-            self._decode(decoding)
-        if chunk is not None:
-            self._prefill(prefilling, chunk)
+                prefilling.append(s)
+        decoding = [s for s in decoding if s in self.running]
+        mixed = self._can_mix(decoding + prefilling)
+        rows = self.ex.max_rows or self.prefill_chunk
+        budget = min(self.prefill_chunk, rows - len(decoding)) if mixed else self.prefill_chunk
+        chunks: list[tuple[_Seq, range]] = []
+        for s in prefilling:
+            if budget <= 0 or (chunks and not mixed):
+                break
+            if s not in self.running:
+                continue
+            lo = s.computed
+            hi = min(len(s.tokens), lo + budget)
+            if self._writable(s, range(lo, hi)):
+                chunks.append((s, range(lo, hi)))
+                budget -= hi - lo
+            else:
+                self._preempt_self(s)
+        decoding = [s for s in decoding if s in self.running]
+        chunks = [(s, c) for s, c in chunks if s in self.running]
+        if mixed and chunks:    # (decode rows alone: ``_decode``, whose head runs for their rows only)
+            self._mixed(decoding, chunks)
+        else:
+            if decoding:
+                self._decode(decoding)
+            for s, chunk in chunks:
+                self._prefill(s, chunk)
         self.steps += 1
         if self.metrics:
             self.metrics.observe(self)
+
+    def _can_mix(self, seqs: list["_Seq"]) -> bool:
+        """One call for decode rows and prompt chunks: the executor selects
+        rows, and no sequence drafts (drafted rows need their own logits)."""
+        return (getattr(self.ex, "can_select", False) and self.drafter is None
+                and all(s.drafter is None for s in seqs))
+
+    def _mixed(self, decoding: list["_Seq"], chunks: list[tuple["_Seq", range]]) -> None:
+        """One native call: a row for every generating sequence, then the
+        prompt chunks; logits come back for the generating rows and the last
+        row of each prompt that this step finishes."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        tables: list[list[int]] = []
+        select: list[int] = []
+        for s in decoding:
+            select.append(len(tokens))
+            tokens.append(s.tokens[-1])
+            positions.append(len(s.tokens) - 1)
+            tables.append(self.blocks.table(s.key))
+        for s, chunk in chunks:
+            tokens += s.tokens[chunk.start: chunk.stop]
+            positions += list(chunk)
+            tables += [self.blocks.table(s.key)] * len(chunk)
+            if chunk.stop == len(s.tokens):
+                select.append(len(tokens) - 1)
+        logits = self.ex.batch(tokens, positions, _padded(tables), select=select or [0])
+        if self.metrics and decoding:
+            self.metrics.batch_size.observe(len(decoding))
+        for i, s in enumerate(decoding):
+            s.computed = len(s.tokens)
+            self._commit(s, s.tokens)
+            self._sampled(s, logits[i])
+        r = len(decoding)
+        for s, chunk in chunks:
+            done = chunk.stop == len(s.tokens)
+            self._prefilled(s, chunk, logits[r] if done else None)
+            r += done
 
     def _decode(self, seqs: list["_Seq"]) -> None:
         """One native call for every generating sequence: a row each, with
@@ -386,11 +441,16 @@ class Engine:
                                [self.blocks.table(s.key)] * len(chunk), last_only=True)
         if self.drafter is not None:
             self.drafter.prefill(s, chunk.stop, self.blocks.table(s.key))
+        self._prefilled(s, chunk, logits if chunk.stop == len(s.tokens) else None)
+
+    def _prefilled(self, s: "_Seq", chunk: range, logits: np.ndarray | None) -> None:
+        """A chunk of ``s``'s prompt is in the pool; ``logits``: its last
+        row's, when the chunk finished the prompt."""
         s.computed = chunk.stop
         self._commit(s, s.tokens)
         if self.metrics:
             self.metrics.prompt_tokens.inc(len(chunk))
-        if chunk.stop == len(s.tokens):
+        if logits is not None:
             self._sampled(s, logits)
 
     def _admit(self) -> None:

@@ -512,6 +512,32 @@ def test_long_prompt_runs_in_pieces(paths):
 
 
 # --- compiling, the manifest, the API -------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["interp", "llvm"])
+@pytest.mark.parametrize("name", ["stories", "q4_k"])
+def test_select_gives_the_named_rows_of_batch(paths, name, backend):
+    """``batch(..., select=rows)``: those rows' logits, bit for bit the rows
+    ``batch`` gives, rows of several sequences at several positions in one
+    step; bad selections are refused before native code runs."""
+    if backend == "llvm":
+        ex = native(paths, name, "f32")
+    else:
+        ex = interp_batch(paths, name, "f32")
+    if not ex.can_select:
+        pytest.skip("decode rows need batch_decode here (no VNNI for repacked weights)")
+    tok = [5, 9, 31, 7, 64, 2, 11, 40, 3]
+    pos = [0, 1, 2, 3, 4, 0, 1, 2, 0]
+    tab = [[0, 1, 2, 3]] * 5 + [[4, 5, 6, 7]] * 3 + [[8, 9, 10, 11]]
+    full = np.array(ex.batch(tok, pos, tab))
+    for sel in ([4], [7, 4, 8], [0, 0, 2, 8]):
+        np.testing.assert_array_equal(ex.batch(tok, pos, tab, select=sel), full[sel])
+    for bad, err in (([9], BatchIndexError), ([-1], BatchIndexError), ([0] * 5, BatchError), ([], BatchError),
+                     ([1.5], BatchError)):
+        with pytest.raises(err):
+            ex.batch(tok, pos, tab, select=bad)
+    with pytest.raises(BatchError, match="last_only or decode"):
+        ex.batch(tok, pos, tab, last_only=True, select=[0])
+
+
 def test_artifact_manifest_and_cache_key(paths):
     m = loaded(paths, "stories")
     plain = compile_native(m, NativeOptions(ctx=CTX)).artifact.manifest
@@ -521,14 +547,18 @@ def test_artifact_manifest_and_cache_key(paths):
     assert len({plain["cache_key"], art["cache_key"], other["cache_key"]}) == 3
     assert "batch" not in plain and set(plain["entries"]) == {"decode", "prefill", "prefill_all"}
     assert plain["entries"]["decode"]["inputs"] == {"token": 0}
-    assert set(art["entries"]) == {"batch", "batch_last"}
+    # decode rows run through batch (no integer path here), so steps may mix them with prompts
+    assert set(art["entries"]) == {"batch", "batch_last", "batch_sel"}
     b = art["batch"]
     assert (b["block_size"], b["n_blocks"], b["max_batch"], b["max_blocks_per_seq"], b["max_rows"]) == \
         (BS, NB, 4, CTX // BS, 16)
     assert other["batch"]["max_rows"] == 32
     io = art["entries"]["batch"]["inputs"]
     assert io == {"tokens": 0, "positions": 64, "block_tables": 128}
-    assert art["io_bytes"] == 128 + 16 * (CTX // BS) * 4
+    rows_at = 128 + 16 * (CTX // BS) * 4
+    assert art["entries"]["batch_sel"]["inputs"] == {**io, "rows": rows_at}     # a row index per sequence
+    assert art["entries"]["batch_sel"]["output_shape"] == [4, m.config.vocab_size]
+    assert art["io_bytes"] == rows_at + 64          # each input on a cache line
     cfg = m.config
     assert art["state_bytes"] == 2 * cfg.n_layers * NB * BS * cfg.kv_dim * 4
     assert sum(b["block_bytes"].values()) * NB == art["state_bytes"]

@@ -144,6 +144,17 @@ def test_take_last(T, n, nt):
     np.testing.assert_array_equal(got, ops.take_last_ref(x))
 
 
+# --- take_rows -------------------------------------------------------------------
+@given(T=st.integers(1, 9), n=st.integers(1, 50), r=st.integers(1, 6), nt=threads, data=st.data())
+@settings(deadline=None, max_examples=30)
+def test_take_rows(T, n, r, nt, data):
+    x = act(T, n)
+    rows = np.array(data.draw(st.lists(st.integers(0, T - 1), min_size=r, max_size=r)), np.int32)
+    sig = sig_for("take_rows", [f32("T", n), i32(r)])
+    got = run(sig, [x, rows], T=T, nthreads=nt)
+    np.testing.assert_array_equal(got, ops.take_rows_ref(x, rows))
+
+
 # --- kv_write --------------------------------------------------------------------
 @given(T=rows_t, D=st.integers(1, 40), extra=st.integers(0, 5), pos=st.integers(0, 40), nt=threads)
 @settings(deadline=None, max_examples=30)

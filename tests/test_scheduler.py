@@ -128,6 +128,38 @@ def test_batched_equals_solo_and_single_stream(pooled, single):
     assert eng.blocks.used == 0
 
 
+def test_steps_mix_decode_rows_and_prompt_chunks(pooled, monkeypatch):
+    """With a model whose batch rows are its decode rows (``batch_sel``),
+    a step is one native call: the generating rows and up to
+    ``prefill_chunk`` prompt tokens of several prompts, logits only for the
+    rows that need them. Same tokens as the two-call steps, in fewer steps."""
+    assert pooled.executor.can_select
+    ps = prompts(pooled, 8, seed=3)
+    lengths = [30, 5, 17, 44, 9, 26, 12, 35]
+    calls: list[tuple[int, int]] = []
+    real = pooled.executor.batch
+
+    def spy(tokens, positions, tables, last_only=False, decode=False, select=None):
+        if select is not None:
+            calls.append((len(tokens), len(select)))
+        return real(tokens, positions, tables, last_only=last_only, decode=decode, select=select)
+
+    monkeypatch.setattr(pooled.executor, "batch", spy)
+    mixed = engine_for(pooled, chunk=24)
+    pairs = [request(p, n) for p, n in zip(ps, lengths)]
+    run_all(mixed, [r for r, _ in pairs])
+    assert calls and max(t for t, _ in calls) > 24 and max(k for _, k in calls) > 1
+    assert all(t <= 24 + 8 and k <= 8 for t, k in calls)
+    monkeypatch.setattr(type(pooled.executor), "can_select", property(lambda self: False))
+    calls.clear()
+    split = engine_for(pooled, chunk=24)
+    again = [request(p, n) for p, n in zip(ps, lengths)]
+    run_all(split, [r for r, _ in again])
+    assert not calls and [c.ids for _, c in again] == [c.ids for _, c in pairs]
+    assert mixed.steps < split.steps
+    assert mixed.blocks.used == split.blocks.used == 0
+
+
 def test_prompt_lookup_keeps_greedy_output_and_drafts_in_the_step(pooled, single):
     """Requests with prompt lookup, alone and batched with plain ones: the
     same tokens as without it (each drafted token is kept only where the

@@ -1,4 +1,4 @@
-"""Row-wise kernels: rmsnorm, layernorm, rope, take_last, kv_write, kv_write_paged.
+"""Row-wise kernels: rmsnorm, layernorm, rope, take_last, take_rows, kv_write, kv_write_paged.
 
 rmsnorm and rope split "units" (rows, or rows x chunks/heads) between threads;
 take_last and kv_write are copies split by elements (kv_write_paged: by
@@ -260,6 +260,25 @@ def emit_take_last(kb: KernelBuilder, sig: KernelSig) -> None:
     with kb.if_then(b.icmp_signed("<", lo, hi)):
         memcpy(kb, b.bitcast(dst, kb.out_raw.type), b.bitcast(src, kb.out_raw.type),
                b.mul(b.sub(hi, lo), i64(4)))
+
+
+# --- take_rows ------------------------------------------------------------------------
+@kernel("take_rows")
+def emit_take_rows(kb: KernelBuilder, sig: KernelSig) -> None:
+    """Rows of x by index (input 1, i32), each thread a share of the columns."""
+    b = kb.b
+    xt, rt = sig.in_types
+    _check_f32(xt, "take_rows x")
+    n, r = int(xt.shape[1]), int(rt.shape[0])
+    lo, hi = kb.thread_share(n)
+    idx = b.bitcast(kb.in_raw[1], ir.PointerType(ir.IntType(32)))
+    with kb.if_then(b.icmp_signed("<", lo, hi)):
+        with kb.loop(0, r, name="row") as i:
+            src_row = b.sext(b.load(kb.gep(idx, i)), ir.IntType(64))
+            src = kb.gep(kb.in_f32(0), b.add(b.mul(src_row, i64(n)), lo))
+            dst = kb.gep(kb.out_f32(), b.add(b.mul(i, i64(n)), lo))
+            memcpy(kb, b.bitcast(dst, kb.out_raw.type), b.bitcast(src, kb.out_raw.type),
+                   b.mul(b.sub(hi, lo), i64(4)))
 
 
 # --- kv_write -------------------------------------------------------------------------
