@@ -354,13 +354,14 @@ def test_pass_marks_batch_graphs_of_decode_rows_only(tmp_path, qtype):
     ``decode_rows`` = max_batch and the Q8_0 ones the integer path;
     ``batch``/``batch_last`` (prompt chunks) are marked as prefill is (the
     GEMM). Without an integer matmul there is no batch_decode (it would be
-    ``batch``)."""
+    ``batch``), and then ``batch_sel`` (decode rows beside prompt rows)."""
     from compiler.driver import BatchOptions, CompileOptions, build_graphs
     from passes.int_dot import GEMM_ROWS
 
     m = _tiny_model(tmp_path, qtype)
     gs = build_graphs(m, CompileOptions(passes=("fuse_dequant", "int_dot"), batch=BatchOptions(4, 16, 3)))
-    assert set(gs) == ({"batch", "batch_last", "batch_decode"} if qtype == "Q8_0" else {"batch", "batch_last"})
+    assert set(gs) == ({"batch", "batch_last", "batch_decode"} if qtype == "Q8_0"
+                       else {"batch", "batch_last", "batch_sel"})
     for name, g in gs.items():
         mm = [n for n in g.nodes if n.op in ("matmul", "qmatmul")]
         for n in mm:
@@ -371,7 +372,7 @@ def test_pass_marks_batch_graphs_of_decode_rows_only(tmp_path, qtype):
             assert (n.attrs.get("act"), n.attrs.get("decode_rows"), n.attrs.get("gemm")) == want, (name, n.attrs)
         assert mm, name
     gs = build_graphs(m, CompileOptions(passes=("fuse_dequant",), batch=BatchOptions(4, 16, 3)))
-    assert set(gs) == {"batch", "batch_last"}
+    assert set(gs) == {"batch", "batch_last", "batch_sel"}
 
 
 def test_q8_0_model_interpreter_and_native_agree(tmp_path):
