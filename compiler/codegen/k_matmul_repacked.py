@@ -210,23 +210,33 @@ def emit_repacked(kb: KernelBuilder, sig: KernelSig) -> None:
         n = b.select(b.icmp_signed("<", left, i64(ts)), left, i64(ts))
         with kb.loop(0, n, name="rquant") as s:
             g.quantize(b.mul(b.add(t0, s), i64(kern.k)), s)
+        def chunk(r0: ir.Value, c0: int | ir.Value, nblk: int) -> None:
+            """Every token against blocks c0 .. c0 + nblk - 1 of the tile at r0."""
+            if P == 1:
+                with kb.loop(0, n, name="rtok") as s0:
+                    tokens(r0, c0, nblk, s0, t0, 1)
+                return
+            rest = b.srem(n, i64(P))
+            n_main = b.sub(n, rest)
+            with kb.loop(0, n_main, step=P, name="rtok") as s0:
+                tokens(r0, c0, nblk, s0, t0, P)
+            q = 1 << max(0, (P - 1).bit_length() - 1)
+            while q >= 1:
+                with kb.if_then(b.icmp_signed("!=", b.and_(rest, i64(q)), i64(0))):
+                    tokens(r0, c0, nblk, b.add(n_main, b.and_(rest, i64(-2 * q))), t0, q)
+                q //= 2
+
+        # the K chunks: the first (accumulators from zero), the middle ones in a
+        # run-time loop, the tail: three copies of the code at most, however long K
+        full = kern.nb // kc
         with kb.loop(lo, hi, name="rtile") as tile:
             r0 = b.mul(tile, i64(W))
-            for c0 in range(0, kern.nb, kc):
-                nblk = min(kc, kern.nb - c0)
-                if P == 1:
-                    with kb.loop(0, n, name="rtok") as s0:
-                        tokens(r0, c0, nblk, s0, t0, 1)
-                    continue
-                rest = b.srem(n, i64(P))
-                n_main = b.sub(n, rest)
-                with kb.loop(0, n_main, step=P, name="rtok") as s0:
-                    tokens(r0, c0, nblk, s0, t0, P)
-                q = 1 << max(0, (P - 1).bit_length() - 1)
-                while q >= 1:
-                    with kb.if_then(b.icmp_signed("!=", b.and_(rest, i64(q)), i64(0))):
-                        tokens(r0, c0, nblk, b.add(n_main, b.and_(rest, i64(-2 * q))), t0, q)
-                    q //= 2
+            chunk(r0, 0, min(kc, kern.nb))
+            if full > 1:
+                with kb.loop(kc, full * kc, step=kc, name="rkc") as c0:
+                    chunk(r0, c0, kc)
+            if kern.nb > kc and kern.nb % kc:
+                chunk(r0, full * kc, kern.nb % kc)
 
 
 def is_repacked(t: TensorType) -> bool:
