@@ -32,11 +32,15 @@ The quants keep the file's unsigned form (Q4_0 q + 8, Q5_0 q + 16; Q8_0 is
 made unsigned here), which the kernel's bias correction expects.
 
 K-quants (per super-block of 256 values; runs of 32 values, run 2g and
-2g + 1 sharing nibble pair vectors):
+2g + 1 sharing nibble pair vectors; Q2_K and Q3_K keep the file's layout):
 
     Q4_K  32 vectors (g, i): low nibble run 2g, high run 2g + 1, value
           32 run + 4i + c (the file's quant byte 32g + 4i + c);
           d[W] f16, dmin[W] f16, sc[8][W] u8, m[8][W] u8                 148W
+    Q5_K  Q4_K's 32 nibble vectors (its file's quant byte 32g + 4i + c
+          at 48 instead of 16), then 64 masks (run r, vector i) of 4W bits:
+          bit 4r' + c = the fifth bit of row r''s value 32r + 4i + c (bit r
+          of its qh byte 4i + c); d, dmin, sc[8][W], m[8][W] as Q4_K's     180W
     Q6_K  per group g: 8 nibble pair vectors of the low 4 bits of u =
           q + 32, as Q4_K's, then 4 vectors k of 2-bit high parts, bits
           2t, 2t + 1 of a byte for vector 4k + t of the group (0..7 run
@@ -57,11 +61,11 @@ from .layouts_kquants import scale_min_k4
 from .types import Dim
 
 #: base layouts that have a repacked form, and the tile widths
-REPACKABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
+REPACKABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 WIDTHS = (8, 16)
-_BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q4_K": 256, "Q6_K": 256}
-_BASE_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q6_K": 210}
-_TILE_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 148, "Q6_K": 212}
+_BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+_BASE_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+_TILE_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 148, "Q5_K": 180, "Q6_K": 212}
 
 
 def repacked_name(base: str, width: int) -> str:
@@ -261,6 +265,39 @@ def _unpack_q4k(t: np.ndarray, W: int) -> np.ndarray:
     return out
 
 
+def _q5k_masks(qh: np.ndarray, W: int) -> np.ndarray:
+    """[t, r', j, 32] fifth-bit bytes -> [t, j, 8 runs, 8 vectors, W / 2] mask bytes
+    (byte k: the 4 bits of rows 2k, 2k + 1)."""
+    t, _, nb, _ = qh.shape
+    bits = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1          # [t, r', j, run, 32]
+    nib = (bits.reshape(t, W, nb, 8, 8, 4) << np.arange(4, dtype=np.uint8)).sum(-1, dtype=np.uint8)
+    nib = nib.reshape(t, W // 2, 2, nb, 8, 8)
+    return (nib[:, :, 0] | (nib[:, :, 1] << 4)).transpose(0, 2, 3, 4, 1)               # [t, j, run, i, k]
+
+
+def _q5k_unmasks(m: np.ndarray, W: int) -> np.ndarray:
+    """The inverse of ``_q5k_masks``: [..., 8, 8, W / 2] -> [..., W, 32] qh bytes."""
+    *lead, _, _, _ = m.shape
+    nib = np.stack([m & 15, m >> 4], axis=-1).reshape(*lead, 8, 8, W)                  # [..., run, i, r']
+    bits = (nib[..., None] >> np.arange(4, dtype=np.uint8)) & 1                          # [..., run, i, r', c]
+    bits = np.moveaxis(bits, -2, -4)                                                     # [..., r', run, i, c]
+    bits = bits.reshape(*lead, W, 8, 32)
+    return (bits << np.arange(8, dtype=np.uint8)[:, None]).sum(-2, dtype=np.uint8)      # [..., r', 32]
+
+
+def _unpack_q5k(t: np.ndarray, W: int) -> np.ndarray:
+    out = np.empty(t.shape[:-1] + (W, 176), np.uint8)
+    lo, hi = _unpair_vectors(t[..., :128 * W], W)
+    out[..., 48:176] = (lo | (hi << 4)).reshape(*out.shape[:-1], 128)
+    out[..., 16:48] = _q5k_unmasks(t[..., 128 * W:160 * W].reshape(*t.shape[:-1], 8, 8, W // 2), W)
+    out[..., 0:2] = _unf16s(t[..., 160 * W:162 * W], W)
+    out[..., 2:4] = _unf16s(t[..., 162 * W:164 * W], W)
+    sc = _unrows_bytes(t[..., 164 * W:172 * W], W, 8)
+    mn = _unrows_bytes(t[..., 172 * W:180 * W], W, 8)
+    out[..., 4:16] = _pack_scale_min_k4(sc, mn)
+    return out
+
+
 def _q6k_values(blk: np.ndarray) -> np.ndarray:
     """[..., 210] -> the unsigned quants u = q + 32 (0..63) [..., 256] in value order."""
     lead = blk.shape[:-1]
@@ -358,6 +395,16 @@ def _pack_q4k(src: np.ndarray, dst: np.ndarray, W: int) -> None:
     _put_rows(dst, 140 * W, mn.reshape(t, W, nb, 8), W)
 
 
+def _pack_q5k(src: np.ndarray, dst: np.ndarray, W: int) -> None:
+    t, _, nb, _ = src.shape
+    _put_vectors(dst, 0, _u32s(src, 48, 32), W)
+    dst[..., 128 * W:160 * W].reshape(t, nb, 8, 8, W // 2)[...] = _q5k_masks(src[..., 16:48], W)
+    _put_rows(dst, 160 * W, _u32s(src, 0, 1).view("<u2"), W)               # d, dmin
+    sc, mn = scale_min_k4(np.ascontiguousarray(src[..., 4:16]).reshape(-1, 12))
+    _put_rows(dst, 164 * W, sc.reshape(t, W, nb, 8), W)
+    _put_rows(dst, 172 * W, mn.reshape(t, W, nb, 8), W)
+
+
 def _pack_q6k(src: np.ndarray, dst: np.ndarray, W: int) -> None:
     t, _, nb, _ = src.shape
     u = _q6k_values(src).reshape(t, W, nb, 4, 2, 32)                          # g, run 2g + h, value
@@ -375,8 +422,8 @@ def _pack_q6k(src: np.ndarray, dst: np.ndarray, W: int) -> None:
 
 _PACK = {b: _pack32(b) for b in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")}
 _UNPACK = {b: _unpack32(b) for b in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")}
-_PACK.update(Q4_K=_pack_q4k, Q6_K=_pack_q6k)
-_UNPACK.update(Q4_K=_unpack_q4k, Q6_K=_unpack_q6k)
+_PACK.update(Q4_K=_pack_q4k, Q5_K=_pack_q5k, Q6_K=_pack_q6k)
+_UNPACK.update(Q4_K=_unpack_q4k, Q5_K=_unpack_q5k, Q6_K=_unpack_q6k)
 
 for _base in REPACKABLE:
     for _w in WIDTHS:

@@ -149,7 +149,7 @@ class RepackedQ8(_Repacked, Q8Gemm):
 
 
 class RepackedKQ(_Repacked, KQGemm):
-    """Q4_K and Q6_K repacked: the K-quant GEMM's ``block`` on sub-block
+    """Q4_K, Q5_K and Q6_K repacked: the K-quant GEMM's ``block`` on sub-block
     weight vectors and factors decoded from the repacked super-block."""
 
     def __init__(self, kb: KernelBuilder, sig: KernelSig, kern, base: str, width: int) -> None:
@@ -164,6 +164,8 @@ class RepackedKQ(_Repacked, KQGemm):
         group = 20 * W + 48 * W * g if self.base == "Q6_K" else 32 * W * g
         lo, hi = self.nibble_pairs(tb, group + 4 * W * i)
         v = hi if h else lo
+        if self.base == "Q5_K":   # the fifth bits: mask (run, i)
+            v = self.with_bits(v, tb, 128 * W + W // 2 * (8 * run + i), 16)
         if self.base == "Q6_K":   # bits 4, 5 from the group's high vector k, bits 2t: vector 4k + t = 8h + i
             b = self.b
             k, t = divmod(8 * h + i, 4)
@@ -174,11 +176,12 @@ class RepackedKQ(_Repacked, KQGemm):
 
     def sub_weights(self, tb: ir.Value, s: int) -> tuple[list[ir.Value], ir.Value, ir.Value | None]:
         b, W = self.b, self.W
-        if self.base == "Q4_K":      # sub-blocks of 32: sub-block s is run s
+        if self.base in ("Q4_K", "Q5_K"):      # sub-blocks of 32: sub-block s is run s
+            at = 128 * W if self.base == "Q4_K" else 160 * W       # d, dmin, sc, m after the quants
             ws = [self._run_vector(tb, s, i) for i in range(8)]
-            scv = b.fmul(self.byte_lanes(tb, 132 * W + W * s, False), self.f16_lanes(tb, 128 * W))
-            dmin = b.fmul(self.f16_lanes(tb, 130 * W), ir.Constant(ir.VectorType(F32, W), [-1.0] * W))
-            mv = b.fmul(self.byte_lanes(tb, 140 * W + W * s, False), dmin)
+            scv = b.fmul(self.byte_lanes(tb, at + 4 * W + W * s, False), self.f16_lanes(tb, at))
+            dmin = b.fmul(self.f16_lanes(tb, at + 2 * W), ir.Constant(ir.VectorType(F32, W), [-1.0] * W))
+            mv = b.fmul(self.byte_lanes(tb, at + 12 * W + W * s, False), dmin)
             return ws, scv, mv
         run, half = divmod(s, 2)     # Q6_K: sub-blocks of 16, two to a run
         ws = [self._run_vector(tb, run, 4 * half + i) for i in range(4)]
