@@ -10,7 +10,10 @@ and read again, shared between processes, on 2 MiB pages where the file
 system gives large folios. The runtime repacks in place only when there is
 no entry (the cache is off, an artifact came from elsewhere). The key
 covers the model file's fingerprint, the plan's regions and the repacking
-code itself, so a changed file, plan or byte format never maps stale bytes.
+code itself, so a changed file, plan or byte format never maps stale bytes;
+an entry's size and the digest of a sample of it are checked before it is
+mapped (a truncated or overwritten entry is built again; a single flipped
+bit between the samples is not caught, as in the model file itself).
 ``LMC_REPACK_CACHE=0`` turns the cache off.
 """
 from __future__ import annotations
@@ -25,6 +28,8 @@ import numpy as np
 
 from frontends.cache_dir import cache_root, write_entry
 from ir.layouts import get_layout
+
+from .artifact import sampled_digest
 
 #: rows of a large weight repacked per job (the threads share a 150 MB head)
 ROW_BLOCK = 8192
@@ -74,12 +79,31 @@ def entry_path(key: str) -> str:
 
 
 def lookup(key: str, size: int) -> str | None:
-    """The entry of ``key`` if it is there whole (``size`` bytes)."""
+    """The entry of ``key`` if it is there whole: ``size`` bytes, and the
+    digest of a sample of it (``compiler.artifact.sampled_digest``) the one
+    written beside it. A damaged entry is deleted (the caller repacks)."""
     path = entry_path(key)
     try:
-        return path if os.path.getsize(path) == size else None
+        with open(path + ".sha256", encoding="ascii") as f:
+            want = f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None                      # none, or not sealed yet (a compile beside us is writing it)
+    try:
+        if os.path.getsize(path) == size and want == sampled_digest(path):
+            return path
     except OSError:
-        return None
+        pass
+    for p in (path, path + ".sha256"):
+        try:
+            os.remove(p)
+        except OSError:
+            pass
+    return None
+
+
+def _seal(path: str) -> None:
+    """Write the digest that ``lookup`` checks beside a finished entry."""
+    write_entry(path + ".sha256", sampled_digest(path).encode("ascii"))
 
 
 def _jobs(regions: Sequence[Any]) -> list[tuple[Any, int, int]]:
@@ -118,7 +142,11 @@ def repack_into(src: np.ndarray, dst: np.ndarray, regions: Sequence[Any], lo: in
 
 def store(key: str, data: np.ndarray) -> bool:
     """Keep ``data`` as the entry of ``key`` (whole or not at all; best effort)."""
-    return write_entry(entry_path(key), memoryview(np.ascontiguousarray(data)))
+    path = entry_path(key)
+    if not write_entry(path, memoryview(np.ascontiguousarray(data))):
+        return False
+    _seal(path)
+    return True
 
 
 def prepare(model_path: str, key: str | None, regions: Sequence[Any]) -> None:
@@ -152,6 +180,7 @@ def prepare(model_path: str, key: str | None, regions: Sequence[Any]) -> None:
 
             _in_threads(run, _jobs(rp))
         os.replace(tmp, path)
+        _seal(path)
     except (OSError, ValueError):
         try:
             os.remove(tmp)

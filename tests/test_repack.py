@@ -116,9 +116,9 @@ def test_one_arithmetic_for_every_row_count(models, name):
 
 
 def test_repacked_bytes_are_cached_at_compile_and_mapped(models, tmp_path, monkeypatch):
-    """Compiling writes the cache entry; loading maps it; a truncated entry
-    is rebuilt at load (same logits); with LMC_REPACK_CACHE=0 nothing is
-    written and the weights are repacked in place."""
+    """Compiling writes the cache entry; loading maps it; a truncated or
+    overwritten entry is rebuilt at load (same logits); with
+    LMC_REPACK_CACHE=0 nothing is written and the weights are repacked in place."""
     width_or_skip()
     monkeypatch.setenv("LMC_CACHE_DIR", str(tmp_path / "cache"))
     m = models["q4_k"]
@@ -141,6 +141,13 @@ def test_repacked_bytes_are_cached_at_compile_and_mapped(models, tmp_path, monke
     ex = NativeExecutor(art, m.path, threads=2)
     assert ex._map.repacked == "mapped"
     np.testing.assert_array_equal(ex.prefill(ids, 0, all_logits=True), want)
+    with open(path, "r+b") as f:          # overwritten in place, same size: the sampled digest differs
+        f.seek(100)
+        f.write(b"\xff" * 64)
+    ex = NativeExecutor(art, m.path, threads=2)
+    assert ex._map.repacked == "built"
+    np.testing.assert_array_equal(ex.prefill(ids, 0, all_logits=True), want)
+    assert repack_cache.lookup(key, hi - lo) == path   # stored and sealed again
 
     monkeypatch.setenv("LMC_REPACK_CACHE", "0")
     os.remove(path)
