@@ -182,13 +182,17 @@ class GemmBase:
     def tokens(self, r0: ir.Value, c0: int | ir.Value, nblk: int, s0: ir.Value, t0: ir.Value, P: int) -> None:
         """Tokens in slots s0 .. s0+P-1 (token rows t0 + slot) against the
         unpacked blocks c0 .. c0+nblk-1 of the tile at r0: each token's
-        accumulator continues the chain from the output row (zero at block 0;
-        c0 a run-time value is never block 0)."""
+        accumulator continues the chain from the output row (zero at block 0,
+        also where c0 is a run-time value)."""
         kb, b, kern, W = self.kb, self.b, self.kern, self.W
         outs = [kb.gep(kern.out, b.add(b.mul(b.add(t0, b.add(s0, i64(p))), i64(kern.n_out)), r0)) for p in range(P)]
         slots = [self.slot(b.add(s0, i64(p))) for p in range(P)]
-        first = isinstance(c0, int) and c0 == 0
-        accs = [ir.Constant(self.vf, [0.0] * W)] * P if first else [kb.vload(o, 0, W) for o in outs]
+        zero = ir.Constant(self.vf, [0.0] * W)
+        if isinstance(c0, int):
+            accs = [zero] * P if c0 == 0 else [kb.vload(o, 0, W) for o in outs]
+        else:   # the output row's bytes are read at block 0 too, and not used
+            first = b.icmp_signed("==", c0, i64(0))
+            accs = [b.select(first, zero, kb.vload(o, 0, W)) for o in outs]
         with kb.loop_carry(0, nblk, accs, name="gb") as (jj, cur, setv):
             j = b.add(jj, c0 if isinstance(c0, ir.Value) else i64(c0))
             setv(self.block(j, self.block_source(r0, j, jj), slots, list(cur)))

@@ -229,16 +229,18 @@ def emit_repacked(kb: KernelBuilder, sig: KernelSig) -> None:
                     tokens(r0, c0, nblk, b.add(n_main, b.and_(rest, i64(-2 * q))), t0, q)
                 q //= 2
 
-        # the K chunks: the first (accumulators from zero), the middle ones in a
-        # run-time loop, the tail: three copies of the code at most, however long K
+        # the K chunks: the whole ones in a run-time loop (the first starts its
+        # accumulators from zero), then the tail: two copies of the code at most,
+        # however long K (LLVM's time grows with the copies)
         full = kern.nb // kc
         with kb.loop(lo, hi, name="rtile") as tile:
             r0 = b.mul(tile, i64(W))
-            chunk(r0, 0, min(kc, kern.nb))
-            if full > 1:
-                with kb.loop(kc, full * kc, step=kc, name="rkc") as c0:
+            if full == 1:
+                chunk(r0, 0, kc)
+            elif full > 1:
+                with kb.loop(0, full * kc, step=kc, name="rkc") as c0:
                     chunk(r0, c0, kc)
-            if kern.nb > kc and kern.nb % kc:
+            if kern.nb % kc:
                 chunk(r0, full * kc, kern.nb % kc)
 
 
