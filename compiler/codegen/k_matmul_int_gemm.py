@@ -179,7 +179,7 @@ class GemmBase:
             a = _call(kb, self.vnni, self.vi, [a, w, b.bitcast(self.bcast(kb.gep(q, 4 * i), I32), v8)])
         return a
 
-    def tokens(self, r0: ir.Value, c0: int | ir.Value, nblk: int, s0: ir.Value, t0: ir.Value, P: int) -> None:
+    def tokens(self, r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value, s0: ir.Value, t0: ir.Value, P: int) -> None:
         """Tokens in slots s0 .. s0+P-1 (token rows t0 + slot) against the
         unpacked blocks c0 .. c0+nblk-1 of the tile at r0: each token's
         accumulator continues the chain from the output row (zero at block 0,

@@ -213,7 +213,7 @@ def emit_repacked(kb: KernelBuilder, sig: KernelSig) -> None:
         n = b.select(b.icmp_signed("<", left, i64(ts)), left, i64(ts))
         with kb.loop(0, n, name="rquant") as s:
             g.quantize(b.mul(b.add(t0, s), i64(kern.k)), s)
-        def chunk(r0: ir.Value, c0: int | ir.Value, nblk: int) -> None:
+        def chunk(r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value) -> None:
             """Every token against blocks c0 .. c0 + nblk - 1 of the tile at r0."""
             if P == 1:
                 with kb.loop(0, n, name="rtok") as s0:
@@ -229,19 +229,17 @@ def emit_repacked(kb: KernelBuilder, sig: KernelSig) -> None:
                     tokens(r0, c0, nblk, b.add(n_main, b.and_(rest, i64(-2 * q))), t0, q)
                 q //= 2
 
-        # the K chunks: the whole ones in a run-time loop (the first starts its
-        # accumulators from zero), then the tail: two copies of the code at most,
-        # however long K (LLVM's time grows with the copies)
-        full = kern.nb // kc
+        # the K chunks in one run-time loop (the first starts its accumulators
+        # from zero, the last may be short): one copy of the tile code however
+        # long K (LLVM's time grows with the copies)
         with kb.loop(lo, hi, name="rtile") as tile:
             r0 = b.mul(tile, i64(W))
-            if full == 1:
-                chunk(r0, 0, kc)
-            elif full > 1:
-                with kb.loop(0, full * kc, step=kc, name="rkc") as c0:
-                    chunk(r0, c0, kc)
-            if kern.nb % kc:
-                chunk(r0, full * kc, kern.nb % kc)
+            if kern.nb <= kc:
+                chunk(r0, 0, kern.nb)
+            else:
+                with kb.loop(0, kern.nb, step=kc, name="rkc") as c0:
+                    left = b.sub(i64(kern.nb), c0)
+                    chunk(r0, c0, b.select(b.icmp_signed("<", left, i64(kc)), left, i64(kc)))
 
 
 def is_repacked(t: TensorType) -> bool:
