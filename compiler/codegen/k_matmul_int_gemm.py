@@ -311,18 +311,28 @@ def emit_int_gemm(kb: KernelBuilder, sig: KernelSig, kern) -> None:
         n = b.select(b.icmp_signed("<", left, i64(g.ts)), left, i64(g.ts))
         with kb.loop(0, n, name="gquant") as s:
             g.quantize(b.mul(b.add(t0, s), i64(kern.k)), s)
+        def chunk(r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value) -> None:
+            """Unpack blocks c0 .. c0 + nblk - 1 of the tile at r0, then every token."""
+            with kb.loop(0, nblk, name="gunpack") as jj:
+                g.unpack(r0, b.add(jj, c0 if isinstance(c0, ir.Value) else i64(c0)), g.tile_block(jj))
+            rest = b.srem(n, i64(P))
+            n_main = b.sub(n, rest)
+            with kb.loop(0, n_main, step=P, name="gtok") as s0:
+                g.tokens(r0, c0, nblk, s0, t0, P)
+            q = 1 << max(0, (P - 1).bit_length() - 1)
+            while q >= 1 and P > 1:
+                with kb.if_then(b.icmp_signed("!=", b.and_(rest, i64(q)), i64(0))):
+                    g.tokens(r0, c0, nblk, b.add(n_main, b.and_(rest, i64(-2 * q))), t0, q)
+                q //= 2
+
+        # the K chunks in one run-time loop (the last may be short): one copy of
+        # the tile code however long K (LLVM's time and memory grow with the copies:
+        # Qwen's K=4864 Q6_K took 6.9 s and 180 MB with one copy per chunk)
         with kb.loop(lo, hi, name="gtile") as tile:
             r0 = b.mul(tile, i64(W))
-            for c0 in range(0, kern.nb, g.kc):
-                nblk = min(g.kc, kern.nb - c0)
-                with kb.loop(0, nblk, name="gunpack") as jj:
-                    g.unpack(r0, b.add(jj, i64(c0)), g.tile_block(jj))
-                rest = b.srem(n, i64(P))
-                n_main = b.sub(n, rest)
-                with kb.loop(0, n_main, step=P, name="gtok") as s0:
-                    g.tokens(r0, c0, nblk, s0, t0, P)
-                q = 1 << max(0, (P - 1).bit_length() - 1)
-                while q >= 1 and P > 1:
-                    with kb.if_then(b.icmp_signed("!=", b.and_(rest, i64(q)), i64(0))):
-                        g.tokens(r0, c0, nblk, b.add(n_main, b.and_(rest, i64(-2 * q))), t0, q)
-                    q //= 2
+            if kern.nb <= g.kc:
+                chunk(r0, 0, kern.nb)
+            else:
+                with kb.loop(0, kern.nb, step=g.kc, name="gkc") as c0:
+                    left = b.sub(i64(kern.nb), c0)
+                    chunk(r0, c0, b.select(b.icmp_signed("<", left, i64(g.kc)), left, i64(g.kc)))
