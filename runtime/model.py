@@ -474,21 +474,41 @@ def _compile_child(path: str, tokenizer: str | None, opts, said=None) -> None:
         opts = dataclasses.replace(opts, progress=lambda text: said.put(f"{text} (in a child process, to stay "
                                                                         f"within the budget)"))
     compile_native(load_model(path, tokenizer), opts)
+    from .native_softmax import prepare
+
+    prepare()   # sampling's own native code, so the parent starts no LLVM either
 
 
 def _compile_within_budget(loaded: LoadedModel, opts):
     """With a memory budget, LLVM runs in a child process that fills the
     compile cache, one kernel module at a time (``jobs=1``); this process
-    then loads the artifact, so its own peak stays within the budget."""
+    then loads the artifact, so its own peak stays within the budget. Where
+    the child would need more than the budget, refuse and say how to
+    compile once elsewhere (``lmc compile``: its artifacts and cache
+    entries then run within the budget)."""
     import dataclasses
     import multiprocessing
 
+    from compiler.compile_memory import compile_peak_estimate, resident_bytes
     from compiler.native import compile_native
+    from passes.memory_budget import fmt_size
 
     t0 = time.perf_counter()
     res = compile_native(loaded, dataclasses.replace(opts, lookup_only=True))  # plans; BudgetError here
     if res is not None:
         return res
+    here = resident_bytes()
+    need = compile_peak_estimate(here) if here is not None else None
+    if need is not None and need > opts.mem_budget:
+        name = os.path.basename(loaded.path)
+        threads = f" -t {opts.threads}" if opts.threads else ""   # the plan's scratch is per thread
+        tok = _separate_tokenizer(loaded.path, getattr(loaded.tokenizer, "path", None))
+        threads += f" -z {tok}" if tok else ""
+        raise RunError(f"--mem-budget {fmt_size(opts.mem_budget)}: compiling {name} for this CPU needs about "
+                       f"{fmt_size(need)} once (LLVM), more than the budget; compile it once where that fits "
+                       f"(`lmc compile {loaded.path} --mem-budget {_size_arg(opts.mem_budget)}{threads} -o "
+                       f"{os.path.splitext(name)[0]}.lmc`, on this machine or one with the same CPU), "
+                       f"then its runs stay within the budget")
     if opts.progress is not None:
         opts.progress("compiling for this CPU, once (in a child process, to stay within the budget)")
     mp = multiprocessing.get_context("spawn")
@@ -513,6 +533,14 @@ def _compile_within_budget(loaded: LoadedModel, opts):
     res.cached, res.seconds = False, time.perf_counter() - t0
     res.child_peak = _largest_child_rss()
     return res
+
+
+def _size_arg(n: int) -> str:
+    """``n`` bytes as a --mem-budget argument (``parse_size``'s M and G are binary)."""
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
 
 
 def _largest_child_rss() -> int | None:

@@ -60,9 +60,44 @@ def test_budget_compile_reports_the_childs_kernels(tmp_path, monkeypatch):
 
     monkeypatch.setenv("LMC_CACHE_DIR", str(tmp_path))
     said: list[str] = []
-    m = runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, mem_budget=80 << 20, status=said.append)
+    # a budget the compile fits (a smaller one is refused: the next test)
+    m = runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, mem_budget=600 << 20, status=said.append)
     kernels = [s for s in said if "kernel " in s]
     assert kernels and all("child process" in s for s in kernels)
     n = kernels[-1].split("kernel ")[1].split("/")[1].split()[0]
     assert kernels[-1].split("kernel ")[1].startswith(f"{n}/{n}")
     assert not m.compile_info["cache_hit"] and m.compile_info["compile_child_peak_bytes"] > 0
+
+
+def test_a_budget_the_compile_cannot_fit_is_refused_then_compile_once(tmp_path):
+    """Cold, with a budget below what LLVM needs: one line naming the flag,
+    the need and the way (``lmc compile``), exit 2, nothing compiled. After
+    that ``lmc compile``, the same ``lmc run`` finds the cached code and its
+    run stays within the budget (no LLVM: not even sampling's softmax)."""
+    import os
+
+    env = {**os.environ, "LMC_CACHE_DIR": str(tmp_path / "cache")}
+    run = [sys.executable, "-m", "runtime.cli", "run", DEFAULT_MODEL, "-z", DEFAULT_TOKENIZER, "-n", "8",
+           "-p", "Once", "-t", "1", "--mem-budget", "90M"]
+    r = subprocess.run(run, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+    assert r.returncode == 2 and r.stdout == ""
+    line = r.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert line.startswith("lmc: error: --mem-budget 90.0 MiB: compiling ") and "lmc compile " in line
+    assert f"--mem-budget 90M -t 1 -z {DEFAULT_TOKENIZER} -o " in line
+    assert not os.path.exists(tmp_path / "cache" / "kernels")
+    art = tmp_path / "m.lmc"
+    c = subprocess.run([sys.executable, "-m", "runtime.cli", "compile", DEFAULT_MODEL, "-z", DEFAULT_TOKENIZER,
+                        "--mem-budget", "90M", "-t", "1", "-o", str(art)], capture_output=True, text=True, cwd=ROOT, env=env,
+                       timeout=900)
+    assert c.returncode == 0, c.stderr
+    # measured in a fresh interpreter: this test process's children so far were larger
+    probe = ("import subprocess, sys, resource, json; r = subprocess.run(sys.argv[1:], capture_output=True, "
+             "text=True); print(json.dumps([r.returncode, r.stdout, r.stderr, "
+             "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss]))")
+    for cmd in (run, [*run[:4], str(art), *run[7:-2]]):
+        code, out, err, kb = json.loads(subprocess.run([sys.executable, "-c", probe, *cmd], capture_output=True,
+                                                       text=True, cwd=ROOT, env=env, timeout=900).stdout)
+        assert code == 0, err
+        assert out.startswith("Once")
+        assert kb * 1024 <= 90 << 20, f"{cmd}: peak {kb} KiB over the 90M budget"

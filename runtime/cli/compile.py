@@ -6,7 +6,7 @@ import json
 import os
 
 from ..model import RunError
-from .common import CliError, _model_args, _native_options, kv_type_arg, memory_args
+from .common import CliError, _model_args, _native_options, _threads, kv_type_arg, memory_args
 
 
 def add_parser(sub) -> None:
@@ -16,6 +16,8 @@ def add_parser(sub) -> None:
     kv_type_arg(c)
     memory_args(c)
     c.add_argument("-c", "--ctx", type=int, default=None, help="context length (default: the model's, at most 4096)")
+    c.add_argument("-t", "--threads", type=_threads, default=None,
+                   help="threads its runs will use (a budget's plan counts scratch per thread; default: the cores)")
     c.add_argument("--dump-after", default=None, metavar="PASS|all",
                    help="write the text IR after this pass (and before it, to diff) or after every pass (all)")
     c.add_argument("--dump-dir", default=None, metavar="DIR",
@@ -36,6 +38,9 @@ def run(args: argparse.Namespace) -> int:
     o.dump_dir, o.dump_after = dump_dir, (args.dump_after or "all") if dump_dir else None
     res = compile_native(m, o)
     res.artifact.write(args.output)
+    from ..native_softmax import prepare
+
+    prepare()   # what sampling compiles on first use, so the artifact's runs start no LLVM
     man = res.artifact.manifest
     print(json.dumps({"artifact": args.output, "bytes": os.path.getsize(args.output),
                       "compile_s": round(res.seconds, 3), "cache_hit": res.cached,
