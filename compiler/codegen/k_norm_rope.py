@@ -278,7 +278,7 @@ def emit_rope_kv_write(kb: KernelBuilder, sig: KernelSig) -> None:
     blocks: the op's type rule) quantized by ``_q8_block`` from the rotated
     head kept in scratch after the cos/sin table."""
     b = kb.b
-    ct, xt = sig.in_types[0], sig.in_types[1]
+    ct = sig.in_types[0]
     paged = sig.op == "rope_kv_write_paged"
     ff_in = (4 if paged else 3) if len(sig.in_types) == (5 if paged else 4) else None
     d, hd = int(ct.shape[1]), int(sig.attr["head_dim"])
