@@ -84,8 +84,9 @@ def _scratch_floats(graphs: dict, ctx: int) -> int:
     """Per-thread scratch (float32 elements): attention scores over the whole
     context at least, and whatever any kernel's own rule asks for (attention
     scores per head, the integer path's quantized activations: a row each
-    of up to ``decode_rows`` rows in ``batch_decode``)."""
-    from .codegen import k_attention, k_matmul_int
+    of up to ``decode_rows`` rows in ``batch_decode``, rope's cos/sin table
+    and the rotated head rope_kv_write quantizes for a q8 cache)."""
+    from .codegen import k_attention, k_matmul_int, k_norm_rope
     from .codegen.kernels import KernelSig
 
     need = ctx + 64
@@ -93,6 +94,8 @@ def _scratch_floats(graphs: dict, ctx: int) -> int:
         for n in g.nodes:
             if n.op in ("attention", "attention_paged"):
                 need = max(need, int(k_attention.scratch_floats(KernelSig.of(n))))
+            elif n.op in ("rope", "rope_kv_write", "rope_kv_write_paged"):
+                need = max(need, int(k_norm_rope.scratch_floats(KernelSig.of(n))))
             elif n.attrs.get("act"):
                 need = max(need, int(k_matmul_int.scratch_floats(KernelSig.of(n))))
     return (need + 15) // 16 * 16

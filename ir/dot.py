@@ -58,13 +58,14 @@ OP_KINDS: dict[str, tuple[str, str]] = {
     "attention": ("attention over the KV cache", "#c7a4e8"),
     "norm": ("rmsnorm / rope", "#9fd89a"),
     "elementwise": ("elementwise: add, mul, activation, scale", "#ffffff"),
-    "memory": ("memory: embedding row, kv_write, take_last", "#8ec5f0"),
+    "memory": ("memory: embedding row, kv_write, rope_kv_write, take_last", "#8ec5f0"),
     "dequant": ("dequant: a float copy of a weight (fuse_dequant removes it)", "#f28b82"),
     "other": ("other op", "#d9d9d9"),
 }
 _OP_KIND = {"matmul": "matmul", "qmatmul": "matmul", "qmatmul_rows": "matmul", "attention": "attention",
             "attention_paged": "attention", "softmax": "attention", "rmsnorm": "norm", "rope": "norm",
-            "embedding": "memory", "kv_write": "memory", "kv_write_paged": "memory", "take_last": "memory",
+            "embedding": "memory", "kv_write": "memory", "kv_write_paged": "memory",
+            "rope_kv_write": "memory", "rope_kv_write_paged": "memory", "take_last": "memory",
             "dequant": "dequant", "bias_add": "elementwise"}
 
 #: weight storage family -> (legend text, fill colour): darker = fewer bits a weight
@@ -125,7 +126,7 @@ def op_label(node: Node) -> str:
     lines = [head, str(node.output.type)]
     if node.op in ("attention", "attention_paged") and node.attrs.get("window"):
         lines.append(f"sliding window {node.attrs['window']}")
-    elif node.op == "rope" and "theta" in node.attrs:
+    elif node.op in ("rope", "rope_kv_write", "rope_kv_write_paged") and "theta" in node.attrs:
         a = node.attrs
         scaling = ("yarn " if a.get("ext_factor") else "") + (f"x{1 / a['freq_scale']:g}" if "freq_scale" in a else "")
         lines.append(f"theta={a['theta']:g}" + (f", scaled {scaling}" if scaling else ""))

@@ -227,6 +227,32 @@ def _kv_write_paged(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     return cache
 
 
+def _rope_kv_fits(cache: TensorType, attrs: dict[str, Any], what: str) -> None:
+    """A q8 cache row is blocks of 32: the fused kernel rotates a head, then
+    quantizes it, so each head must be whole blocks."""
+    _need(cache.layout != "Q8_0" or int(attrs["head_dim"]) % QK8 == 0,
+          f"{what}: a Q8_0 cache needs head_dim a multiple of {QK8}")
+
+
+def _rope_kv_write(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    _need(len(ts) in (3, 4), f"rope_kv_write takes cache, x, pos and optionally frequency factors, got {len(ts)}")
+    cache, x, pos = ts[:3]
+    _need(pos.rank == 0, f"rope_kv_write: pos must be an i32 scalar, got {pos}")
+    rotated = _rope([x, pos, *ts[3:]], attrs)
+    _rope_kv_fits(cache, attrs, "rope_kv_write")
+    return _kv_write([cache, rotated, pos], {})
+
+
+def _rope_kv_write_paged(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    _need(len(ts) in (4, 5), f"rope_kv_write_paged takes pool, x, positions, tables and optionally frequency "
+                             f"factors, got {len(ts)}")
+    cache, x, positions, tables = ts[:4]
+    rope = {k: v for k, v in attrs.items() if k != "block_size"}
+    rotated = _rope([x, positions, *ts[4:]], rope)
+    _rope_kv_fits(cache, attrs, "rope_kv_write_paged")
+    return _kv_write_paged([cache, rotated, positions, tables], {"block_size": attrs.get("block_size")})
+
+
 def _attention_paged(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     q, kc, vc, positions, tables = ts
     _need(q.rank == 2, f"attention_paged: queries must be [T, heads x head_dim], got {q}")
@@ -681,6 +707,22 @@ def kv_write_paged_ref(cache: np.ndarray, x: np.ndarray, positions: Any, tables:
     row its block table gives (in place), rounded as ``kv_write``."""
     rows = [r[-1] for r in paged_rows(positions, tables, block_size, cache.shape[0])]
     return _kv_store(cache, np.asarray(rows, np.int64), x)
+
+
+@register("rope_kv_write", -1, _rope_kv_write, updates_state=True)
+def rope_kv_write_ref(cache: np.ndarray, x: np.ndarray, pos: Any, freq_factors: Any = None,
+                      **rope: Any) -> np.ndarray:
+    """``kv_write(cache, rope(x, pos), pos)`` as one op (``passes.fuse_elementwise``):
+    the two references in turn, so the same float32 steps and the same rounding."""
+    return kv_write_ref(cache, rope_ref(x, pos, freq_factors, **rope), pos)
+
+
+@register("rope_kv_write_paged", -1, _rope_kv_write_paged, updates_state=True)
+def rope_kv_write_paged_ref(cache: np.ndarray, x: np.ndarray, positions: Any, tables: Any,
+                            freq_factors: Any = None, *, block_size: int, **rope: Any) -> np.ndarray:
+    """``kv_write_paged(pool, rope(x, positions), positions, tables)`` as one op."""
+    return kv_write_paged_ref(cache, rope_ref(x, positions, freq_factors, **rope), positions, tables,
+                              block_size=block_size)
 
 
 @register("attention_paged", 5, _attention_paged)

@@ -569,7 +569,8 @@ def test_batch_graph_text_and_picture(paths):
     text = print_graph(g)
     assert text.startswith(f"graph gemma3.batch(%tokens: i32[T], %positions: i32[T], %block_tables: i32[T, {CTX // BS}])")
     assert f"state $k_cache.0 : Q8_0:f32[{NB * BS}, 64]" in text
-    assert "= kv_write_paged($k_cache.0, %" in text and ", %positions, %block_tables) {block_size=4}" in text
+    assert "= kv_write_paged($v_cache.0, %" in text and ", %positions, %block_tables) {block_size=4}" in text
+    assert "= rope_kv_write_paged($k_cache.0, %" in text   # the keys' rope and write: passes/fuse_elementwise
     assert "= attention_paged(%" in text and "window=5" in text and "window=0" in text
     assert "= rope(%" in text and "take_last" in text
     dot = to_dot(g, "overview")

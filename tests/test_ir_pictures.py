@@ -108,8 +108,9 @@ def test_overview_of_stories260K_matches_its_config(capsys):
     assert label(pic["clusters"]["cluster_block"])[0] == f"x {n} layers"
     assert not fused(pic)  # F32 weights: nothing to dequantize, nothing fused
     ops = [label(pic["nodes"][m])[0] for m in pic["clusters"]["cluster_block"]["members"] if m.startswith("node ")]
-    # silu(gate) * up is one glu (passes/fuse_elementwise)
-    assert sorted(set(ops)) == ["add", "attention", "glu silu", "kv_write", "matmul", "rmsnorm", "rope"]
+    # silu(gate) * up is one glu, the keys' rope and cache write one rope_kv_write (passes/fuse_elementwise)
+    assert sorted(set(ops)) == ["add", "attention", "glu silu", "kv_write", "matmul", "rmsnorm", "rope",
+                                "rope_kv_write"]
     assert ops.count("matmul") == 7
     assert "legend" in pic["nodes"] and "cluster_legend" in pic["clusters"]
 

@@ -1,4 +1,5 @@
-"""Row-wise kernels: rmsnorm, layernorm, rope, take_last, take_rows, kv_write, kv_write_paged.
+"""Row-wise kernels: rmsnorm, layernorm, rope, take_last, take_rows, kv_write, kv_write_paged,
+rope_kv_write(_paged) (rope's rotation stored straight into the cache).
 
 rmsnorm and rope split "units" (rows, or rows x chunks/heads) between threads;
 take_last and kv_write are copies split by elements (kv_write_paged: by
@@ -26,9 +27,13 @@ from .paging import PagedRows, RowPositions
 
 def scratch_floats(sig: KernelSig) -> int:
     """Per-thread scratch (float32 elements) a kernel of ``sig`` needs:
-    rope keeps a cos/sin table of ``head_dim`` floats; the others need none."""
+    rope keeps a cos/sin table of ``head_dim`` floats; rope_kv_write into a
+    q8 cache also the rotated head it quantizes; the others need none."""
     if sig.op == "rope":
         return int(sig.attr["head_dim"])
+    if sig.op in ("rope_kv_write", "rope_kv_write_paged"):
+        q8 = sig.in_types[0].layout == "Q8_0"
+        return max(int(sig.attr["head_dim"]), _rope_table_floats(sig) + (int(sig.attr["head_dim"]) if q8 else 0))
     return 0
 
 
@@ -146,14 +151,36 @@ def emit_layernorm(kb: KernelBuilder, sig: KernelSig) -> None:
 
 
 # --- rope -----------------------------------------------------------------------------
+#: store(vector, j): a rotated head's values from element j on, to wherever they go
+HeadStore = Callable[[ir.Value, int], None]
+#: head(r, h) -> (store, done): where row r's head h goes; done() runs after its last store
+HeadSink = Callable[[ir.Value, ir.Value], tuple[HeadStore, Callable[[], None]]]
+
+
 @kernel("rope")
 def emit_rope(kb: KernelBuilder, sig: KernelSig) -> None:
-    """Rotate pairs by position x frequency; the cos/sin table is built once
-    per row. Scaling (``ir.ops.rope_tables``) changes only how the table's
-    angles and magnitudes are computed: the same float32 steps in the same
-    order as the reference, and none of them when the op is unscaled."""
-    b = kb.b
+    """x (in0) rotated at pos (in1 or the pos argument) into out, row by row."""
     xt = sig.in_types[0]
+    n, hd = int(xt.shape[-1]), int(sig.attr["head_dim"])
+    out = kb.out_f32()
+
+    def head(r: ir.Value, h: ir.Value) -> tuple[HeadStore, Callable[[], None]]:
+        oh = kb.gep(out, kb.b.add(kb.b.mul(r, i64(n)), kb.b.mul(h, i64(hd))))
+        return (lambda v, j: kb.vstore(v, oh, j)), (lambda: None)
+
+    _rope_heads(kb, sig, 0, 1, 2 if len(sig.in_types) == 3 else None, head)
+
+
+def _rope_heads(kb: KernelBuilder, sig: KernelSig, x_in: int, pos_in: int, ff_in: int | None,
+                head: HeadSink) -> None:
+    """Rotate pairs by position x frequency; the cos/sin table is built once
+    per row (in scratch). Scaling (``ir.ops.rope_tables``) changes only how the table's
+    angles and magnitudes are computed: the same float32 steps in the same
+    order as the reference, and none of them when the op is unscaled.
+    Threads split (row, head) units; each rotated head goes to ``head(r, h)``
+    (rope: its output row; rope_kv_write: its cache row)."""
+    b = kb.b
+    xt = sig.in_types[x_in]
     _check_f32(xt, "rope x")
     a = sig.attr
     hd = int(a["head_dim"])
@@ -171,18 +198,17 @@ def emit_rope(kb: KernelBuilder, sig: KernelSig) -> None:
         mixtab = const_f32_array(kb, "mix", mix.tolist())
         keeptab = const_f32_array(kb, "keep", (np.float32(1) - mix).astype(np.float32).tolist())
     ffp = None
-    if len(sig.in_types) == 3:
-        _check_f32(sig.in_types[2], "rope frequency factors")
-        ffp = kb.fptr(kb.in_raw[2])
+    if ff_in is not None:
+        _check_f32(sig.in_types[ff_in], "rope frequency factors")
+        ffp = kb.fptr(kb.in_raw[ff_in])
 
     rows = kb.rows_of(xt.shape)
     units = b.mul(rows, i64(nh))
     lo, hi = kb.thread_share(units)
-    x = kb.in_f32(0)
-    out = kb.out_f32()
+    x = kb.in_f32(x_in)
     # row r's position: pos + r, or positions[r] for a batch of sequences
-    row_pos = RowPositions(kb, kb.in_raw[1]) if sig.in_types[1].rank == 1 else (lambda r: b.add(kb.pos, r))
-    tab = kb.fptr(kb.scratch)  # cos at [0, half), sin at [half, hd)
+    row_pos = RowPositions(kb, kb.in_raw[pos_in]) if sig.in_types[pos_in].rank == 1 else (lambda r: b.add(kb.pos, r))
+    tab = kb.fptr(kb.scratch)  # cos at [0, half), sin at [half, rot)
     cos_f = kb.module.declare_intrinsic("llvm.cos", [F32])
     sin_f = kb.module.declare_intrinsic("llvm.sin", [F32])
     vw = pow2_divisor(half, kb.vw)
@@ -213,9 +239,8 @@ def emit_rope(kb: KernelBuilder, sig: KernelSig) -> None:
             h0 = kb.imax(b.sub(lo, rbase), i64(0))
             h1 = kb.imin(b.sub(hi, rbase), i64(nh))
             with kb.loop(h0, h1, name="head") as h:
-                off = b.add(b.mul(r, i64(n)), b.mul(h, i64(hd)))
-                xh = kb.gep(x, off)
-                oh = kb.gep(out, off)
+                xh = kb.gep(x, b.add(b.mul(r, i64(n)), b.mul(h, i64(hd))))
+                store, done = head(r, h)
                 for k in range(nv):
                     c = kb.vload(tab, k * vw, vw)
                     s = kb.vload(tab, half + k * vw, vw)
@@ -231,14 +256,72 @@ def emit_rope(kb: KernelBuilder, sig: KernelSig) -> None:
                     rb = b.fadd(b.fmul(xa, s), b.fmul(xb, c))
                     if style == "interleaved":
                         inter = [j // 2 + (vw if j % 2 else 0) for j in range(2 * vw)]
-                        kb.vstore(b.shuffle_vector(ra, rb, _idx(inter)), oh, 2 * k * vw)
+                        store(b.shuffle_vector(ra, rb, _idx(inter)), 2 * k * vw)
                     else:
-                        kb.vstore(ra, oh, k * vw)
-                        kb.vstore(rb, oh, half + k * vw)
+                        store(ra, k * vw)
+                        store(rb, half + k * vw)
                 if rot < hd:
                     tw = pow2_divisor(hd - rot, kb.vw)
                     for j in range(rot, hd, tw):
-                        kb.vstore(kb.vload(xh, j, tw), oh, j)
+                        store(kb.vload(xh, j, tw), j)
+                done()
+
+
+# --- rope_kv_write ----------------------------------------------------------------------
+@kernel("rope_kv_write", "rope_kv_write_paged")
+def emit_rope_kv_write(kb: KernelBuilder, sig: KernelSig) -> None:
+    """kv_write(cache, rope(x, pos), pos) in one pass: each rotated head is
+    stored straight into its cache row (``out`` and ``in0`` are the cache,
+    x is in1, pos in2 (paged: positions in2, block tables in3), frequency
+    factors last). The rotation is ``_rope_heads``'s, the store rounds as
+    kv_write's: f32 as is, f16 by fptrunc, q8 a head at a time (whole
+    blocks: the op's type rule) quantized by ``_q8_block`` from the rotated
+    head kept in scratch after the cos/sin table."""
+    b = kb.b
+    ct = sig.in_types[0]
+    paged = sig.op == "rope_kv_write_paged"
+    ff_in = (4 if paged else 3) if len(sig.in_types) == (5 if paged else 4) else None
+    d, hd = int(ct.shape[1]), int(sig.attr["head_dim"])
+    if paged:
+        rows = PagedRows(kb, kb.in_raw[2], kb.in_raw[3], int(sig.attr["block_size"]), int(sig.in_types[3].shape[1]))
+        cache_row = rows.own_row
+    else:
+        def cache_row(r: ir.Value) -> ir.Value:
+            return b.add(kb.pos, r)
+
+    if ct.layout == "Q8_0":
+        _check_q8_row(d)
+        buf = kb.gep(kb.fptr(kb.scratch), _rope_table_floats(sig))
+
+        def head(r: ir.Value, h: ir.Value) -> tuple[HeadStore, Callable[[], None]]:
+            first = b.add(b.mul(cache_row(r), i64(d // QK)), b.mul(h, i64(hd // QK)))  # the head's first block
+
+            def done() -> None:
+                for k in range(hd // QK):
+                    _q8_block(kb, buf, k * QK, kb.gep(kb.out_raw, b.mul(b.add(first, i64(k)), i64(Q8_BYTES))))
+
+            return (lambda v, j: kb.vstore(v, buf, j)), done
+    else:
+        if ct.dtype != "f16":
+            _check_f32(ct, "rope_kv_write cache")
+        half = ct.dtype == "f16"
+        dst = b.bitcast(kb.out_raw, ir.PointerType(HALF if half else F32))
+
+        def head(r: ir.Value, h: ir.Value) -> tuple[HeadStore, Callable[[], None]]:
+            at = kb.gep(dst, b.add(b.mul(cache_row(r), i64(d)), b.mul(h, i64(hd))))
+
+            def store(v: ir.Value, j: int) -> None:
+                w = v.type.count
+                kb.vstore(b.fptrunc(v, ir.VectorType(HALF, w)) if half else v, at, j)
+
+            return store, (lambda: None)
+
+    _rope_heads(kb, sig, 1, 2, ff_in, head)
+
+
+def _rope_table_floats(sig: KernelSig) -> int:
+    """Scratch floats of the cos/sin table: ``dims`` (or head_dim)."""
+    return int(sig.attr.get("dims") or sig.attr["head_dim"])
 
 
 def _idx(values) -> ir.Constant:
@@ -363,23 +446,28 @@ def _kv_write_vectors(kb: KernelBuilder, d: int, xt, at: UnitIndex, elem: ir.Typ
 
 
 def _kv_write_q8(kb: KernelBuilder, d: int, xt, at: UnitIndex) -> None:
-    """Q8_0 blocks, split between threads by block, quantized exactly as
-    ``ir.ops.quantize_q8_rows``: d = f16(amax / 127), q = rint(x * (127 / amax))
-    (no fast-math: the divisions and products round as numpy's); block j
-    goes to cache block ``at(j)``."""
+    """Q8_0 blocks, split between threads by block; block j goes to cache
+    block ``at(j)`` (``_q8_block``)."""
     b = kb.b
-    nbr = d // QK
-    lo, hi = kb.thread_share(b.mul(kb.rows_of(xt.shape), i64(nbr)))
+    lo, hi = kb.thread_share(b.mul(kb.rows_of(xt.shape), i64(d // QK)))
     src = kb.fptr(kb.in_raw[1])
-    c127 = ir.Constant(F32, 127.0)
     with kb.loop(lo, hi, name="qb") as j:
-        xv = kb.vload(src, b.mul(j, i64(QK)), QK)
-        amax = kb.hmax(kb.intrinsic("llvm.fabs", [xv]))
-        scale = b.fptrunc(b.fdiv(amax, c127), HALF)
-        inv = b.select(b.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)), b.fdiv(c127, amax),
-                       ir.Constant(F32, 0.0))
-        q = b.fptosi(kb.intrinsic("llvm.roundeven", [b.fmul(xv, kb.splat(inv, QK))]),
-                     ir.VectorType(ir.IntType(8), QK))
-        bp = kb.gep(kb.out_raw, b.mul(at(j), i64(Q8_BYTES)))
-        b.store(scale, b.bitcast(bp, ir.PointerType(HALF)), align=2)
-        kb.vstore(q, bp, 2)
+        _q8_block(kb, src, b.mul(j, i64(QK)), kb.gep(kb.out_raw, b.mul(at(j), i64(Q8_BYTES))))
+
+
+def _q8_block(kb: KernelBuilder, src: ir.Value, at: ir.Value | int, bp: ir.Value) -> None:
+    """The 32 floats at src[at] as one Q8_0 block at byte pointer bp,
+    quantized exactly as ``ir.ops.quantize_q8_rows``: d = f16(amax / 127),
+    q = rint(x * (127 / amax)) (no fast-math: the divisions and products
+    round as numpy's)."""
+    b = kb.b
+    c127 = ir.Constant(F32, 127.0)
+    xv = kb.vload(src, at, QK)
+    amax = kb.hmax(kb.intrinsic("llvm.fabs", [xv]))
+    scale = b.fptrunc(b.fdiv(amax, c127), HALF)
+    inv = b.select(b.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)), b.fdiv(c127, amax),
+                   ir.Constant(F32, 0.0))
+    q = b.fptosi(kb.intrinsic("llvm.roundeven", [b.fmul(xv, kb.splat(inv, QK))]),
+                 ir.VectorType(ir.IntType(8), QK))
+    b.store(scale, b.bitcast(bp, ir.PointerType(HALF)), align=2)
+    kb.vstore(q, bp, 2)

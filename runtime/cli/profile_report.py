@@ -40,7 +40,8 @@ MAX_GAP = 0.10
 _MATMULS = {"matmul", "qmatmul", "qmatmul_rows"}
 #: estimated FLOPs per output element of the ops that are not dot products
 _ELEMENT_FLOPS = {"add": 1, "mul": 1, "scale": 1, "bias_add": 1, "silu": 4, "gelu_tanh": 8, "rmsnorm": 4,
-                  "rope": 3, "embedding": 0, "kv_write": 0, "take_last": 0}
+                  "rope": 3, "rope_kv_write": 3, "rope_kv_write_paged": 3, "embedding": 0, "kv_write": 0,
+                  "take_last": 0}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.|_cache\.(\d+)$")
 
 
@@ -98,9 +99,10 @@ def node_cost(node: Node, positions: range) -> tuple[int, int, int]:
         rows = positions[-1] + 1 - first  # K and V rows any token of the chunk reads
         flops = heads * (4 * hd + 5) * sum(_keys(node, p) for p in positions)
         return q.type.nbytes(sym) + 2 * rows * row, node.output.type.nbytes(sym), flops
-    if op == "kv_write":
+    if op in ("kv_write", "rope_kv_write"):
         cache, x = node.inputs[:2]
-        return x.type.nbytes(sym), cache.type.nbytes() // int(cache.type.shape[0]) * T, 0
+        return x.type.nbytes(sym), cache.type.nbytes() // int(cache.type.shape[0]) * T, \
+            _ELEMENT_FLOPS[op] * x.type.numel(sym)
     if op == "embedding":
         table, ids = node.inputs[:2]
         return table.type.nbytes() // int(table.type.shape[0]) * T + ids.type.nbytes(sym), \
