@@ -25,7 +25,7 @@ from .codegen.target import Target
 
 #: kernels whose objects take longest to compile go first (better packing
 #: of the last seconds over the workers)
-_SLOW_OPS = ("qmatmul", "attention", "attention_paged", "matmul")
+_SLOW_OPS = ("qmatmul", "qmatmul_add", "attention", "attention_paged", "matmul")
 
 
 @dataclass

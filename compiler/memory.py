@@ -23,7 +23,7 @@ def model_sizes(model: LoadedModel, graphs: dict[str, Graph], plans: dict[str, A
     g = graphs["decode"]
     lookups = {n.inputs[0].name for n in g.nodes if n.op == "embedding"}
     others = {v.name for n in g.nodes if n.op != "embedding" for v in n.inputs if v.kind == "weight"}
-    matmuls = {n.inputs[1].name for n in g.nodes if n.op in ("matmul", "qmatmul", "qmatmul_rows")}
+    matmuls = {n.inputs[1].name for n in g.nodes if n.op in ("matmul", "qmatmul", "qmatmul_rows", "qmatmul_add")}
     infos = []
     for name, v in g.weights.items():
         infos.append(WeightInfo(name, v.ref.nbytes, layer_of(name), lookup_only=name not in others,

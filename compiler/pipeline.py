@@ -20,12 +20,13 @@ def default_pipeline(backend: str = "interp") -> tuple[str, ...]:
     and K-quants (decode and prompt rows) quantize x per block and use
     integer dot products, as llama.cpp does; and ``repack``: their weights
     are regrouped at load for one GEMM kernel of every row count (when the
-    graph says the width, ``CompileOptions.repack_width``). The interpreter stays on the float
-    reference path unless given the passes."""
+    graph says the width, ``CompileOptions.repack_width``), then
+    ``fuse_residual``: residual adds become those kernels' epilogues. The
+    interpreter stays on the float reference path unless given the passes."""
     if backend == "llvm":
         from .codegen.k_matmul_int import host_has_int_dot
         if host_has_int_dot():
-            return DEFAULT_PIPELINE[:-1] + ("int_dot", "repack") + DEFAULT_PIPELINE[-1:]
+            return DEFAULT_PIPELINE[:-1] + ("int_dot", "repack", "fuse_residual") + DEFAULT_PIPELINE[-1:]
     return DEFAULT_PIPELINE
 
 

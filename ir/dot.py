@@ -62,7 +62,8 @@ OP_KINDS: dict[str, tuple[str, str]] = {
     "dequant": ("dequant: a float copy of a weight (fuse_dequant removes it)", "#f28b82"),
     "other": ("other op", "#d9d9d9"),
 }
-_OP_KIND = {"matmul": "matmul", "qmatmul": "matmul", "qmatmul_rows": "matmul", "attention": "attention",
+_OP_KIND = {"matmul": "matmul", "qmatmul": "matmul", "qmatmul_rows": "matmul", "qmatmul_add": "matmul",
+            "attention": "attention",
             "attention_paged": "attention", "softmax": "attention", "rmsnorm": "norm", "rope": "norm",
             "embedding": "memory", "kv_write": "memory", "kv_write_paged": "memory",
             "rope_kv_write": "memory", "rope_kv_write_paged": "memory", "take_last": "memory",
@@ -104,7 +105,7 @@ def layout_family(layout: str | None) -> str:
 
 def is_fused(node: Node) -> bool:
     """A quantized matmul is one kernel that dequantizes in registers."""
-    return node.op in ("qmatmul", "qmatmul_rows")
+    return node.op in ("qmatmul", "qmatmul_rows", "qmatmul_add")
 
 
 def human_bytes(n: int) -> str:

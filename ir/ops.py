@@ -392,6 +392,25 @@ def qmatmul_rows_ref(x: np.ndarray, w: WeightData, acc: np.ndarray | None = None
     return out
 
 
+
+def _matmul_add(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    _need(len(ts) == 3, f"qmatmul_add takes x, weight and the addend, got {len(ts)} operands")
+    out = _matmul(ts[:2], attrs)
+    r = ts[2]
+    _need(r == out or (r.rank == 1 and r.dtype == "f32" and (r.layout or "F32") == "F32"
+                       and _same_dim(r.shape[0], out.shape[-1])),
+          f"qmatmul_add: {r} is neither the product's {out} nor a bias of its rows")
+    return out
+
+
+@register("qmatmul_add", 3, _matmul_add)
+def qmatmul_add_ref(x: np.ndarray, w: WeightData, r: Any, **attrs: Any) -> np.ndarray:
+    """``add(r, qmatmul(x, w))`` or ``bias_add(qmatmul(x, w), r)`` as one op
+    (``passes/fuse_residual``): the product, then the residual (or the bias,
+    added to every row) as its epilogue; float32 addition commutes, so the
+    bits are the two ops'."""
+    return (qmatmul_ref(x, w, **attrs) + f32_of(r)).astype(np.float32)
+
 #: values per block of the integer path, and the weight layouts it reads
 QK8 = 32
 INT_DOT_LAYOUTS = ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1")

@@ -143,7 +143,7 @@ def scratch_floats(sig: KernelSig) -> int:
     K-quants' slots, ``k_matmul_int_kquants``); for a prompt chunk
     (``gemm``), enough for the GEMM's too."""
     act = sig.attr.get("act")
-    if sig.op in ("qmatmul", "qmatmul_rows") and act in ("q8", "q8k"):
+    if sig.op in ("qmatmul", "qmatmul_rows", "qmatmul_add") and act in ("q8", "q8k"):
         from .k_matmul_repacked import is_repacked, scratch_bytes as repacked_scratch
         if is_repacked(sig.in_types[1]):
             return repacked_scratch(sig) // 4 + 16

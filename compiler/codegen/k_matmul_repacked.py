@@ -40,7 +40,7 @@ from .k_matmul_int import _IntKernel
 from .k_matmul_int_gemm import GemmBase, Q8Gemm, act_slot_bytes as q8_slot_bytes
 from .k_matmul_int_gemm_kquants import KQGemm, act_slot_bytes as q8k_slot_bytes
 from .k_matmul_int_kquants import QK_K, kquant_int_kernel
-from .kernels import KernelSig
+from .kernels import KernelSig, kernel
 
 I8 = ir.IntType(8)
 I1 = ir.IntType(1)
@@ -189,10 +189,20 @@ class RepackedKQ(_Repacked, KQGemm):
         return ws, scv, None
 
 
-def emit_repacked(kb: KernelBuilder, sig: KernelSig) -> None:
+@kernel("qmatmul_add")
+def emit_repacked_add(kb: KernelBuilder, sig: KernelSig) -> None:
+    """``qmatmul_add`` (``passes/fuse_residual``): the product, then each
+    tile's rows plus the residual's (or a bias's: the same W values for
+    every row) while they are in L1."""
+    addend = sig.in_types[2]
+    emit_repacked(kb, sig, residual=kb.in_f32(2), bias=len(addend.shape) == 1 and len(sig.in_types[0].shape) > 1)
+
+
+def emit_repacked(kb: KernelBuilder, sig: KernelSig, residual: ir.Value | None = None, bias: bool = False) -> None:
     """Per ``tokens_per_call`` token rows: quantize them; per tile of this
     thread's share and K chunk, every token P at a time (the rest in blocks
-    of the powers of two below P), prefetching the weight stream ahead."""
+    of the powers of two below P), prefetching the weight stream ahead;
+    then the epilogue (``residual``: added to the tile's rows)."""
     bsig, base, width = _base_sig(sig)
     if sig.attr.get("act") == "q8k":
         g = RepackedKQ(kb, bsig, kquant_int_kernel(kb, bsig), base, width)
@@ -240,6 +250,11 @@ def emit_repacked(kb: KernelBuilder, sig: KernelSig) -> None:
                 with kb.loop(0, kern.nb, step=kc, name="rkc") as c0:
                     left = b.sub(i64(kern.nb), c0)
                     chunk(r0, c0, b.select(b.icmp_signed("<", left, i64(kc)), left, i64(kc)))
+            if residual is not None:
+                with kb.loop(0, n, name="rres") as s:
+                    at = b.add(b.mul(b.add(t0, s), i64(kern.n_out)), r0)
+                    o = kb.gep(kern.out, at)
+                    kb.vstore(b.fadd(kb.vload(o, 0, W), kb.vload(kb.gep(residual, r0 if bias else at), 0, W)), o, 0)
 
 
 def is_repacked(t: TensorType) -> bool:

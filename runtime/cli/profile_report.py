@@ -37,7 +37,7 @@ TOP_NODES = 15
 #: the per-op times must explain the step to within this fraction
 MAX_GAP = 0.10
 
-_MATMULS = {"matmul", "qmatmul", "qmatmul_rows"}
+_MATMULS = {"matmul", "qmatmul", "qmatmul_rows", "qmatmul_add"}
 #: estimated FLOPs per output element of the ops that are not dot products
 _ELEMENT_FLOPS = {"add": 1, "mul": 1, "scale": 1, "bias_add": 1, "silu": 4, "gelu_tanh": 8, "rmsnorm": 4,
                   "rope": 3, "rope_kv_write": 3, "rope_kv_write_paged": 3, "embedding": 0, "kv_write": 0,
@@ -89,7 +89,8 @@ def node_cost(node: Node, positions: range) -> tuple[int, int, int]:
         x, w = node.inputs[:2]
         rows, cols = w.type.shape[-2:]
         n = x.type.numel(sym) // cols  # tokens: 1 after take_last, whatever T is
-        return w.type.nbytes() + x.type.nbytes(sym), n * rows * 4, 2 * rows * cols * n
+        res = node.inputs[2].type.nbytes(sym) if op == "qmatmul_add" else 0   # the residual its epilogue adds
+        return w.type.nbytes() + x.type.nbytes(sym) + res, n * rows * 4, 2 * rows * cols * n + res // 4
     if op == "attention":
         q, k = node.inputs[:2]
         hd, heads = int(node.attrs["head_dim"]), int(node.attrs["n_heads"])

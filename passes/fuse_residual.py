@@ -1,0 +1,56 @@
+"""fuse_residual: a residual add or a bias becomes the epilogue of the matmul before it.
+
+``add(r, qmatmul(x, w))`` (the attention output and FFN down projections of
+most architectures) and ``bias_add(qmatmul(x, w), b)`` (Qwen2's q, k and v)
+are each one kernel call, one pass over the result and, on several
+threads, one barrier more than the product alone. Where the product
+runs on a repacked weight (``passes/repack``: one kernel for every row
+count) and nothing else reads it, the pair becomes ``qmatmul_add(x, w, r)``:
+each tile of output rows gets the residual (or the bias) added while it is
+still in L1.
+float32 addition commutes, so the result is the add's, bit for bit
+(``ir.ops.qmatmul_add_ref``). Other weights (the float path, streamed
+weights, QSF) keep the two ops: only the repacked kernel has the epilogue.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from ir.graph import Graph
+from ir.layouts_repacked import split_repacked
+from ir.types import TensorType
+
+from .registry import register_pass
+
+
+def _addend_fits(r: TensorType, out: TensorType, op: str) -> bool:
+    """A residual of the product's type, or a float32 bias of its rows."""
+    if op == "add":
+        return r == out
+    return r.rank == 1 and r.dtype == "f32" and (r.layout or "F32") == "F32" and r.shape[0] == out.shape[-1]
+
+
+@register_pass("fuse_residual")
+def fuse_residual(graph: Graph) -> Graph:
+    """add(r, qmatmul(x, w)), bias_add(qmatmul(x, w), b) -> qmatmul_add on repacked weights."""
+    readers = Counter(id(v) for n in graph.nodes for v in n.inputs)
+    outputs = {id(v) for v in graph.outputs}
+    made_by = {id(n.output): n for n in graph.nodes}
+    fused: set[int] = set()      # ids of the products folded into an add
+    for node in graph.nodes:
+        if node.op not in ("add", "bias_add"):
+            continue
+        for i, v in enumerate(node.inputs if node.op == "add" else node.inputs[:1]):
+            mm = made_by.get(id(v))
+            r = node.inputs[1 - i]
+            if (mm is None or mm.op != "qmatmul" or readers[id(v)] != 1 or id(v) in outputs
+                    or split_repacked(mm.inputs[1].type.layout) is None or r is v
+                    or not _addend_fits(r.type, mm.output.type, node.op)):
+                continue
+            node.op = "qmatmul_add"
+            node.inputs = [mm.inputs[0], mm.inputs[1], r]
+            node.attrs = dict(mm.attrs)
+            fused.add(id(mm))
+            break
+    graph.nodes = [n for n in graph.nodes if id(n) not in fused]
+    return graph
