@@ -264,7 +264,8 @@ def test_hsum_many(count, width):
 def test_scratch_rules():
     att = sig_for("attention", [f32("T", 64), f32(300, 32), f32(300, 32), i32()], n_heads=4, n_kv_heads=2,
                   head_dim=16, scale=0.25, window=0)
-    assert k_attention.scratch_floats(att) == 300
+    assert k_attention.heads_per_unit(att) == 2            # the group of 2 heads: 2 units for a decode step
+    assert k_attention.scratch_floats(att) == 300 * 2      # a score per position and head of a unit
     rope = sig_for("rope", [f32("T", 64), i32()], head_dim=16, theta=1e4, style="neox")
     assert k_norm_rope.scratch_floats(rope) == 16
     assert k_norm_rope.scratch_floats(sig_for("take_last", [f32("T", 5)])) == 0

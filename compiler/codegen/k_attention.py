@@ -1,10 +1,15 @@
 """Causal grouped-query attention against the KV cache (``attention_ref``,
 ``attention_paged_ref``).
 
-Work units are (row t, query head h) pairs, t-major, split between threads.
-Row t sits at position pos+t and sees cache positions [start, pos+t] with
-start = max(0, pos+t+1-window) when a window is set, else 0; query head h
-reads kv head h // (n_heads / n_kv_heads).
+Work units are (row t, a run of query heads) pairs, t-major, split between
+threads. A unit's heads share one KV head (query head h reads kv head
+h // (n_heads / n_kv_heads)), so each key and value row it reads serves all
+of them: one read from memory for the group, where a unit per head read the
+rows once per head (``heads_per_unit``: 7 of Qwen2.5-0.5B's 14 heads, 2 of
+Gemma 3's 4, so a decode step still has a unit per thread). Each head's
+arithmetic is the same operations in the same order either way. Row t sits
+at position pos+t and sees cache positions [start, pos+t] with
+start = max(0, pos+t+1-window) when a window is set, else 0.
 
 ``attention_paged`` is the same kernel with two things swapped (``_Rows``):
 row t's position is positions[t], and position p of its sequence is read
@@ -63,14 +68,27 @@ def cache_kind(t) -> str:
     raise NotImplementedError(f"attention: native kernel reads f32, f16 or Q8_0 caches, got {t}")
 
 
+def heads_per_unit(sig: KernelSig) -> int:
+    """Query heads a work unit takes together (they share a KV head, so each
+    key and value row is read once for all of them, not once per head):
+    the largest divisor of the group size that leaves a decode step at
+    least two units (two threads' work), at most 8 (``heads`` overrides)."""
+    a = sig.attr
+    H, KVH = int(a["n_heads"]), int(a["n_kv_heads"])
+    group = H // KVH
+    if "heads" in a:
+        return int(a["heads"])
+    return max(d for d in range(1, min(group, 8) + 1) if group % d == 0 and (H // d >= 2 or d == 1))
+
+
 def scratch_floats(sig: KernelSig) -> int:
     """Per-thread scratch (float32 elements): attention keeps one score per
-    visible position, at most the cache length (paged: a block table's
-    worth of positions); the other ops here need none."""
+    visible position and head of its unit, at most the cache length
+    (paged: a block table's worth of positions); the other ops here need none."""
     if sig.op == "attention":
-        return int(sig.in_types[1].shape[0])
+        return int(sig.in_types[1].shape[0]) * heads_per_unit(sig)
     if sig.op == "attention_paged":
-        return int(sig.in_types[4].shape[1]) * int(sig.attr["block_size"])
+        return int(sig.in_types[4].shape[1]) * int(sig.attr["block_size"]) * heads_per_unit(sig)
     return 0
 
 
@@ -155,7 +173,11 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
         raise NotImplementedError(f"attention: positions per block must be a power of two <= 64, got {B}")
     kb.tuning["unroll"] = B
 
-    units = b.mul(kb.rows_of(qt.shape), i64(H))
+    hg = heads_per_unit(sig)
+    if hg < 1 or group % hg:
+        raise NotImplementedError(f"attention: {hg} heads per unit do not divide the group of {group}")
+    per_unit = H // hg
+    units = b.mul(kb.rows_of(qt.shape), i64(per_unit))
     if addr.strided:
         lo, hi, step = kb.tid, units, kb.nthreads
     else:
@@ -170,7 +192,8 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
     else:
         kc, vc = kb.in_raw[1], kb.in_raw[2]
     out = kb.out_f32()
-    sc = kb.fptr(kb.scratch)
+    scratch = kb.fptr(kb.scratch)
+    positions = scratch_floats(sig) // hg     # scores of one head
     scale_s = fconst(scale)
     scale_v = fconst(scale, B)
     cap = float(a.get("softcap", 0.0) or 0.0)
@@ -183,10 +206,11 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
             s = kb.fmul(kb.tanh(kb.fmul(s, fconst(1.0 / cap, w))), fconst(cap, w))
         return s
 
+    heads = range(hg)
     with kb.loop(lo, hi, step=step, name="unit") as u:
-        t = b.udiv(u, i64(H))
-        h = b.urem(u, i64(H))
-        kvh = b.udiv(h, i64(group))
+        t = b.udiv(u, i64(per_unit))
+        h0 = b.mul(b.urem(u, i64(per_unit)), i64(hg))     # the unit's first query head
+        kvh = b.udiv(h0, i64(group))
         end = addr.end(t)
         start = kb.imax(b.sub(end, i64(window)), i64(0)) if window else i64(0)
         n = b.sub(end, start)
@@ -194,9 +218,11 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
         head = b.mul(kvh, i64(head_step))
         krow = addr.rows(kc, t, start, head, row_step)  # position start+j at krow(j)
         vrow = addr.rows(vc, t, start, head, row_step)
-        qp = kb.gep(q, b.mul(u, i64(hd)))
-        op = kb.gep(out, b.mul(u, i64(hd)))
-        qv = [kb.vload(qp, c * wd, wd) for c in range(nvec)]
+        row = b.add(b.mul(t, i64(H)), h0)               # (t, h0) as a row of q and out
+        qps = [kb.gep(q, b.mul(b.add(row, i64(i)), i64(hd))) for i in heads]
+        ops = [kb.gep(out, b.mul(b.add(row, i64(i)), i64(hd))) for i in heads]
+        scs = [kb.gep(scratch, i * positions) for i in heads]
+        qv = [[kb.vload(qp, c * wd, wd) for c in range(nvec)] for qp in qps]
 
         def load(p: ir.Value, idx: int) -> ir.Value:
             """<wd x float> of an f32 or f16 cache row."""
@@ -212,66 +238,87 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
                 yield blk, d, [b.sitofp(kb.vload(bp, 2 + k * wd, wd), ir.VectorType(F32, wd))
                                for k in range(QK // wd)]
 
-        def dot(j: ir.Value) -> ir.Value:
-            """<wd x float> partial products of k_j . q (lanes still to sum)."""
+        def dot(i: int, j: ir.Value) -> ir.Value:
+            """<wd x float> partial products of k_j . q of head h0 + i (lanes still to sum)."""
             kp = krow(j)
             if kind == "q8":
                 acc = None
                 for blk, d, qs in q8_blocks(kp):
                     c0 = blk * (QK // wd)
-                    s = kb.fmul(qs[0], qv[c0])
+                    s = kb.fmul(qs[0], qv[i][c0])
                     for k in range(1, len(qs)):
-                        s = fmuladd(kb, qs[k], qv[c0 + k], s)
+                        s = fmuladd(kb, qs[k], qv[i][c0 + k], s)
                     acc = kb.fmul(s, kb.splat(d, wd)) if acc is None else fmuladd(kb, s, kb.splat(d, wd), acc)
                 return acc
-            acc = kb.fmul(load(kp, 0), qv[0])
+            acc = kb.fmul(load(kp, 0), qv[i][0])
             for c in range(1, nvec):
-                acc = fmuladd(kb, load(kp, c * wd), qv[c], acc)
+                acc = fmuladd(kb, load(kp, c * wd), qv[i][c], acc)
             return acc
 
-        # pass 1: scores and their max
+        # pass 1: scores and their max, per head (each key row read once for the unit's heads)
         ninf = fconst(float("-inf"), B)
-        with kb.loop_carry(0, nb, [ninf], step=B, name="sb") as (j, (mv,), setv):
-            s = scaled(hsum_many(kb, [dot(b.add(j, i64(p))) for p in range(B)]))
-            kb.vstore(s, sc, j)
-            setv([kb.fmax(mv, s)])
-        m0 = kb.hmax(kb.last_carry[0])
-        with kb.loop_carry(nb, n, [m0], name="st") as (j, (m,), setv):
-            s = scaled(b.extract_element(hsum_many(kb, [dot(j)]), i64(0)))
-            kb.store(s, sc, j)
-            setv([kb.fmax(m, s)])
-        mx = kb.last_carry[0]
-        mx_v = kb.splat(mx, B)
+        with kb.loop_carry(0, nb, [ninf] * hg, step=B, name="sb") as (j, mvs, setv):
+            new = []
+            for i in heads:
+                s = scaled(hsum_many(kb, [dot(i, b.add(j, i64(p))) for p in range(B)]))
+                kb.vstore(s, scs[i], j)
+                new.append(kb.fmax(mvs[i], s))
+            setv(new)
+        m0 = [kb.hmax(v) for v in kb.last_carry]
+        with kb.loop_carry(nb, n, m0, name="st") as (j, ms, setv):
+            new = []
+            for i in heads:
+                s = scaled(b.extract_element(hsum_many(kb, [dot(i, j)]), i64(0)))
+                kb.store(s, scs[i], j)
+                new.append(kb.fmax(ms[i], s))
+            setv(new)
+        mx = list(kb.last_carry)
+        mx_v = [kb.splat(m, B) for m in mx]
 
-        # pass 2: p = exp(s - max); acc += p * v; sum += p
+        # pass 2: p = exp(s - max); acc += p * v; sum += p (each value row read once for the unit's heads)
         zero_acc = [fconst(0.0, wd)] * nvec
 
-        def accumulate(accs: list[ir.Value], pj: ir.Value, j: ir.Value) -> list[ir.Value]:
+        def accumulate(accs: list[list[ir.Value]], pjs: list[ir.Value], j: ir.Value) -> list[list[ir.Value]]:
+            """Every head's accumulators plus its weight times value row j."""
             vp = vrow(j)
             if kind == "q8":
-                accs = list(accs)
+                accs = [list(a_) for a_ in accs]
                 for blk, d, qs in q8_blocks(vp):
-                    ps = kb.splat(kb.fmul(pj, d), wd)
-                    for k, qf in enumerate(qs):
-                        c = blk * (QK // wd) + k
-                        accs[c] = fmuladd(kb, ps, qf, accs[c])
+                    for i in heads:
+                        ps = kb.splat(kb.fmul(pjs[i], d), wd)
+                        for k, qf in enumerate(qs):
+                            c = blk * (QK // wd) + k
+                            accs[i][c] = fmuladd(kb, ps, qf, accs[i][c])
                 return accs
-            ps = kb.splat(pj, wd)
-            return [fmuladd(kb, ps, load(vp, c * wd), accs[c]) for c in range(nvec)]
+            vs = [load(vp, c * wd) for c in range(nvec)]
+            out_ = []
+            for i in heads:
+                ps = kb.splat(pjs[i], wd)
+                out_.append([fmuladd(kb, ps, vs[c], accs[i][c]) for c in range(nvec)])
+            return out_
 
-        with kb.loop_carry(0, nb, [fconst(0.0, B)] + zero_acc, step=B, name="vb") as (j, cur, setv):
-            pv = exp_poly(kb, kb.fsub(kb.vload(sc, j, B), mx_v))
-            accs = cur[1:]
+        def split(flat: list[ir.Value]) -> tuple[list[ir.Value], list[list[ir.Value]]]:
+            """Loop-carried values as (sums per head, accumulators per head)."""
+            return list(flat[:hg]), [list(flat[hg + i * nvec: hg + (i + 1) * nvec]) for i in heads]
+
+        def flat(sums: list[ir.Value], accs: list[list[ir.Value]]) -> list[ir.Value]:
+            return list(sums) + [v for a_ in accs for v in a_]
+
+        with kb.loop_carry(0, nb, [fconst(0.0, B)] * hg + zero_acc * hg, step=B, name="vb") as (j, cur, setv):
+            sums, accs = split(cur)
+            pvs = [exp_poly(kb, kb.fsub(kb.vload(scs[i], j, B), mx_v[i])) for i in heads]
             for p in range(B):
-                accs = accumulate(accs, b.extract_element(pv, i64(p)), b.add(j, i64(p)))
-            setv([kb.fadd(cur[0], pv)] + accs)
-        sum0 = kb.hsum(kb.last_carry[0])
-        with kb.loop_carry(nb, n, [sum0] + kb.last_carry[1:], name="vt") as (j, cur, setv):
-            pj = exp_poly(kb, kb.fsub(kb.load(sc, j), mx))
-            setv([kb.fadd(cur[0], pj)] + accumulate(cur[1:], pj, j))
-        total = kb.last_carry[0]
-        accs = kb.last_carry[1:]
-        inv = kb.splat(b.fdiv(fconst(1.0), total), wd)
-        for c in range(nvec):
-            kb.vstore(b.fmul(accs[c], inv), op, c * wd)
+                accs = accumulate(accs, [b.extract_element(pv, i64(p)) for pv in pvs], b.add(j, i64(p)))
+            setv(flat([kb.fadd(sums[i], pvs[i]) for i in heads], accs))
+        sums, accs = split(kb.last_carry)
+        sum0 = [kb.hsum(v) for v in sums]
+        with kb.loop_carry(nb, n, flat(sum0, accs), name="vt") as (j, cur, setv):
+            sums, accs = split(cur)
+            pjs = [exp_poly(kb, kb.fsub(kb.load(scs[i], j), mx[i])) for i in heads]
+            setv(flat([kb.fadd(sums[i], pjs[i]) for i in heads], accumulate(accs, pjs, j)))
+        totals, accs = split(kb.last_carry)
+        for i in heads:
+            inv = kb.splat(b.fdiv(fconst(1.0), totals[i]), wd)
+            for c in range(nvec):
+                kb.vstore(b.fmul(accs[i][c], inv), ops[i], c * wd)
 
