@@ -253,15 +253,21 @@ def _pack_scale_min_k4(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
     return out
 
 
+def _unpack_kfactors(t: np.ndarray, out: np.ndarray, at: int, W: int) -> None:
+    """Q4_K/Q5_K: d, dmin and the packed scales and minimums (file bytes 0..15)
+    back from the repacked factors at byte ``at`` (``_put_kfactors``' inverse)."""
+    out[..., 0:2] = _unf16s(t[..., at:at + 2 * W], W)
+    out[..., 2:4] = _unf16s(t[..., at + 2 * W:at + 4 * W], W)
+    sc = _unrows_bytes(t[..., at + 4 * W:at + 12 * W], W, 8)
+    mn = _unrows_bytes(t[..., at + 12 * W:at + 20 * W], W, 8)
+    out[..., 4:16] = _pack_scale_min_k4(sc, mn)
+
+
 def _unpack_q4k(t: np.ndarray, W: int) -> np.ndarray:
     out = np.empty(t.shape[:-1] + (W, 144), np.uint8)
     lo, hi = _unpair_vectors(t[..., :128 * W], W)
     out[..., 16:144] = (lo | (hi << 4)).reshape(*out.shape[:-1], 128)
-    out[..., 0:2] = _unf16s(t[..., 128 * W:130 * W], W)
-    out[..., 2:4] = _unf16s(t[..., 130 * W:132 * W], W)
-    sc = _unrows_bytes(t[..., 132 * W:140 * W], W, 8)
-    mn = _unrows_bytes(t[..., 140 * W:148 * W], W, 8)
-    out[..., 4:16] = _pack_scale_min_k4(sc, mn)
+    _unpack_kfactors(t, out, 128 * W, W)
     return out
 
 
@@ -290,11 +296,7 @@ def _unpack_q5k(t: np.ndarray, W: int) -> np.ndarray:
     lo, hi = _unpair_vectors(t[..., :128 * W], W)
     out[..., 48:176] = (lo | (hi << 4)).reshape(*out.shape[:-1], 128)
     out[..., 16:48] = _q5k_unmasks(t[..., 128 * W:160 * W].reshape(*t.shape[:-1], 8, 8, W // 2), W)
-    out[..., 0:2] = _unf16s(t[..., 160 * W:162 * W], W)
-    out[..., 2:4] = _unf16s(t[..., 162 * W:164 * W], W)
-    sc = _unrows_bytes(t[..., 164 * W:172 * W], W, 8)
-    mn = _unrows_bytes(t[..., 172 * W:180 * W], W, 8)
-    out[..., 4:16] = _pack_scale_min_k4(sc, mn)
+    _unpack_kfactors(t, out, 160 * W, W)
     return out
 
 
@@ -386,23 +388,26 @@ def _pack32(base: str):
     return pack
 
 
+def _put_kfactors(src: np.ndarray, dst: np.ndarray, at: int, W: int) -> None:
+    """Q4_K/Q5_K: d, dmin (W float16 each), then the 8 scales and the 8
+    minimums unpacked to bytes (8W each), from byte ``at``."""
+    t, _, nb, _ = src.shape
+    _put_rows(dst, at, _u32s(src, 0, 1).view("<u2"), W)                    # d, dmin
+    sc, mn = scale_min_k4(np.ascontiguousarray(src[..., 4:16]).reshape(-1, 12))
+    _put_rows(dst, at + 4 * W, sc.reshape(t, W, nb, 8), W)
+    _put_rows(dst, at + 12 * W, mn.reshape(t, W, nb, 8), W)
+
+
 def _pack_q4k(src: np.ndarray, dst: np.ndarray, W: int) -> None:
     _put_vectors(dst, 0, _u32s(src, 16, 32), W)
-    _put_rows(dst, 128 * W, _u32s(src, 0, 1).view("<u2"), W)               # d, dmin
-    t, _, nb, _ = src.shape
-    sc, mn = scale_min_k4(np.ascontiguousarray(src[..., 4:16]).reshape(-1, 12))
-    _put_rows(dst, 132 * W, sc.reshape(t, W, nb, 8), W)
-    _put_rows(dst, 140 * W, mn.reshape(t, W, nb, 8), W)
+    _put_kfactors(src, dst, 128 * W, W)
 
 
 def _pack_q5k(src: np.ndarray, dst: np.ndarray, W: int) -> None:
     t, _, nb, _ = src.shape
     _put_vectors(dst, 0, _u32s(src, 48, 32), W)
     dst[..., 128 * W:160 * W].reshape(t, nb, 8, 8, W // 2)[...] = _q5k_masks(src[..., 16:48], W)
-    _put_rows(dst, 160 * W, _u32s(src, 0, 1).view("<u2"), W)               # d, dmin
-    sc, mn = scale_min_k4(np.ascontiguousarray(src[..., 4:16]).reshape(-1, 12))
-    _put_rows(dst, 164 * W, sc.reshape(t, W, nb, 8), W)
-    _put_rows(dst, 172 * W, mn.reshape(t, W, nb, 8), W)
+    _put_kfactors(src, dst, 160 * W, W)
 
 
 def _pack_q6k(src: np.ndarray, dst: np.ndarray, W: int) -> None:
