@@ -15,36 +15,20 @@ own (``fuse_glu``, ``fuse_rope_kv``) so either can be compared on and off.
 """
 from __future__ import annotations
 
-from collections import Counter
-
 from ir.graph import Graph, Node
 from ir.ops import GLU_ACTS, QK8
 
 from .registry import register_pass
+from .uses import Uses
 
 #: kv_write op -> the fused op that also rotates its rows
 ROPE_KV_OPS = {"kv_write": "rope_kv_write", "kv_write_paged": "rope_kv_write_paged"}
 
 
-class _Uses:
-    """Who reads and who makes each value of a graph (by id)."""
-
-    def __init__(self, graph: Graph) -> None:
-        self.readers = Counter(id(v) for n in graph.nodes for v in n.inputs)
-        self.outputs = {id(v) for v in graph.outputs}
-        self.made_by = {id(n.output): n for n in graph.nodes}
-
-    def only_for(self, v) -> Node | None:
-        """The node that makes v, when one node reads v and it is no graph output."""
-        if self.readers[id(v)] != 1 or id(v) in self.outputs:
-            return None
-        return self.made_by.get(id(v))
-
-
 @register_pass("fuse_glu")
 def fuse_glu(graph: Graph) -> Graph:
     """mul(act(g), u) -> glu(g, u) where nothing else reads act(g)."""
-    uses = _Uses(graph)
+    uses = Uses(graph)
     fused: set[int] = set()      # ids of the activation nodes folded into a glu
     for node in graph.nodes:
         if node.op != "mul":
@@ -77,7 +61,7 @@ def _rope_fits(rope: Node, write: Node) -> bool:
 @register_pass("fuse_rope_kv")
 def fuse_rope_kv(graph: Graph) -> Graph:
     """kv_write(c, rope(k, pos), pos) -> rope_kv_write(c, k, pos) (paged too) where nothing else reads rope(k)."""
-    uses = _Uses(graph)
+    uses = Uses(graph)
     fused: set[int] = set()      # ids of the rope nodes folded into a rope_kv_write
     for node in graph.nodes:
         if node.op not in ROPE_KV_OPS:

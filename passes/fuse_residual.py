@@ -14,13 +14,12 @@ weights, QSF) keep the two ops: only the repacked kernel has the epilogue.
 """
 from __future__ import annotations
 
-from collections import Counter
-
 from ir.graph import Graph
 from ir.layouts_repacked import split_repacked
 from ir.types import TensorType
 
 from .registry import register_pass
+from .uses import Uses
 
 
 def _addend_fits(r: TensorType, out: TensorType, op: str) -> bool:
@@ -33,17 +32,15 @@ def _addend_fits(r: TensorType, out: TensorType, op: str) -> bool:
 @register_pass("fuse_residual")
 def fuse_residual(graph: Graph) -> Graph:
     """add(r, qmatmul(x, w)), bias_add(qmatmul(x, w), b) -> qmatmul_add on repacked weights."""
-    readers = Counter(id(v) for n in graph.nodes for v in n.inputs)
-    outputs = {id(v) for v in graph.outputs}
-    made_by = {id(n.output): n for n in graph.nodes}
+    uses = Uses(graph)
     fused: set[int] = set()      # ids of the products folded into an add
     for node in graph.nodes:
         if node.op not in ("add", "bias_add"):
             continue
         for i, v in enumerate(node.inputs if node.op == "add" else node.inputs[:1]):
-            mm = made_by.get(id(v))
+            mm = uses.only_for(v)
             r = node.inputs[1 - i]
-            if (mm is None or mm.op != "qmatmul" or readers[id(v)] != 1 or id(v) in outputs
+            if (mm is None or mm.op != "qmatmul"
                     or split_repacked(mm.inputs[1].type.layout) is None or r is v
                     or not _addend_fits(r.type, mm.output.type, node.op)):
                 continue
