@@ -32,6 +32,8 @@ float64: the integer tests' tolerance applies.
 """
 from __future__ import annotations
 
+import contextlib
+
 import llvmlite.ir as ir
 
 from .emit import F32, I32, KernelBuilder, i64
@@ -199,6 +201,46 @@ class GemmBase:
         for o, v in zip(outs, kb.last_carry):
             kb.vstore(v, o, 0)
 
+    @contextlib.contextmanager
+    def quantized_rows(self, m: ir.Value, ts: int):
+        """A loop over the m token rows, ``ts`` at a time: each group (t0, n)
+        quantized into the slots, then the body."""
+        kb, b = self.kb, self.b
+        with kb.loop(0, m, step=ts, name="gts") as t0:
+            left = b.sub(m, t0)
+            n = b.select(b.icmp_signed("<", left, i64(ts)), left, i64(ts))
+            with kb.loop(0, n, name="gquant") as s:
+                self.quantize(b.mul(b.add(t0, s), i64(self.k)), s)
+            yield t0, n
+
+    def every_token(self, r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value, n: ir.Value, t0: ir.Value,
+                    P: int) -> None:
+        """``tokens`` for slots 0 .. n-1: P at a time, the rest in blocks of the
+        powers of two below P."""
+        kb, b = self.kb, self.b
+        rest = b.srem(n, i64(P))
+        n_main = b.sub(n, rest)
+        with kb.loop(0, n_main, step=P, name="gtok") as s0:
+            self.tokens(r0, c0, nblk, s0, t0, P)
+        q = 1 << max(0, (P - 1).bit_length() - 1)
+        while q >= 1 and P > 1:
+            with kb.if_then(b.icmp_signed("!=", b.and_(rest, i64(q)), i64(0))):
+                self.tokens(r0, c0, nblk, b.add(n_main, b.and_(rest, i64(-2 * q))), t0, q)
+            q //= 2
+
+    def k_chunks(self, r0: ir.Value, kc: int, chunk) -> None:
+        """chunk(r0, c0, nblk) over the tile's blocks, kc at a time, in one
+        run-time loop (the last chunk may be short): one copy of the tile code
+        however long K (LLVM's time and memory grow with the copies: Qwen's
+        K=4864 Q6_K GEMM took 6.9 s and 180 MB with one copy per chunk)."""
+        kb, b, nb = self.kb, self.b, self.nb
+        if nb <= kc:
+            chunk(r0, 0, nb)
+            return
+        with kb.loop(0, nb, step=kc, name="gkc") as c0:
+            left = b.sub(i64(nb), c0)
+            chunk(r0, c0, b.select(b.icmp_signed("<", left, i64(kc)), left, i64(kc)))
+
 
 class Q8Gemm(GemmBase):
     """The 32-value block layouts (Q8_0, Q4_0, Q5_0, Q4_1, Q5_1): scratch,
@@ -306,33 +348,12 @@ def emit_int_gemm(kb: KernelBuilder, sig: KernelSig, kern) -> None:
     b, W, P = kb.b, g.W, g.P
     lo, hi = kb.thread_share(kern.n // W)
     m = kb.rows_of(kern.xt.shape)
-    with kb.loop(0, m, step=g.ts, name="gts") as t0:
-        left = b.sub(m, t0)
-        n = b.select(b.icmp_signed("<", left, i64(g.ts)), left, i64(g.ts))
-        with kb.loop(0, n, name="gquant") as s:
-            g.quantize(b.mul(b.add(t0, s), i64(kern.k)), s)
+    with g.quantized_rows(m, g.ts) as (t0, n):
         def chunk(r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value) -> None:
             """Unpack blocks c0 .. c0 + nblk - 1 of the tile at r0, then every token."""
             with kb.loop(0, nblk, name="gunpack") as jj:
                 g.unpack(r0, b.add(jj, c0 if isinstance(c0, ir.Value) else i64(c0)), g.tile_block(jj))
-            rest = b.srem(n, i64(P))
-            n_main = b.sub(n, rest)
-            with kb.loop(0, n_main, step=P, name="gtok") as s0:
-                g.tokens(r0, c0, nblk, s0, t0, P)
-            q = 1 << max(0, (P - 1).bit_length() - 1)
-            while q >= 1 and P > 1:
-                with kb.if_then(b.icmp_signed("!=", b.and_(rest, i64(q)), i64(0))):
-                    g.tokens(r0, c0, nblk, b.add(n_main, b.and_(rest, i64(-2 * q))), t0, q)
-                q //= 2
+            g.every_token(r0, c0, nblk, n, t0, P)
 
-        # the K chunks in one run-time loop (the last may be short): one copy of
-        # the tile code however long K (LLVM's time and memory grow with the copies:
-        # Qwen's K=4864 Q6_K took 6.9 s and 180 MB with one copy per chunk)
         with kb.loop(lo, hi, name="gtile") as tile:
-            r0 = b.mul(tile, i64(W))
-            if kern.nb <= g.kc:
-                chunk(r0, 0, kern.nb)
-            else:
-                with kb.loop(0, kern.nb, step=g.kc, name="gkc") as c0:
-                    left = b.sub(i64(kern.nb), c0)
-                    chunk(r0, c0, b.select(b.icmp_signed("<", left, i64(g.kc)), left, i64(g.kc)))
+            g.k_chunks(b.mul(tile, i64(W)), g.kc, chunk)

@@ -216,40 +216,12 @@ def emit_repacked(kb: KernelBuilder, sig: KernelSig, residual: ir.Value | None =
     kc = g.nb if one else g.kc            # a decode row: one chain, one pass over the tile
     lo, hi = kb.thread_share(kern.n // W)
     m = kb.rows_of(kern.xt.shape)
-    tokens = g.tokens
 
-    with kb.loop(0, m, step=ts, name="rts") as t0:
-        left = b.sub(m, t0)
-        n = b.select(b.icmp_signed("<", left, i64(ts)), left, i64(ts))
-        with kb.loop(0, n, name="rquant") as s:
-            g.quantize(b.mul(b.add(t0, s), i64(kern.k)), s)
-        def chunk(r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value) -> None:
-            """Every token against blocks c0 .. c0 + nblk - 1 of the tile at r0."""
-            if P == 1:
-                with kb.loop(0, n, name="rtok") as s0:
-                    tokens(r0, c0, nblk, s0, t0, 1)
-                return
-            rest = b.srem(n, i64(P))
-            n_main = b.sub(n, rest)
-            with kb.loop(0, n_main, step=P, name="rtok") as s0:
-                tokens(r0, c0, nblk, s0, t0, P)
-            q = 1 << max(0, (P - 1).bit_length() - 1)
-            while q >= 1:
-                with kb.if_then(b.icmp_signed("!=", b.and_(rest, i64(q)), i64(0))):
-                    tokens(r0, c0, nblk, b.add(n_main, b.and_(rest, i64(-2 * q))), t0, q)
-                q //= 2
-
-        # the K chunks in one run-time loop (the first starts its accumulators
-        # from zero, the last may be short): one copy of the tile code however
-        # long K (LLVM's time grows with the copies)
+    with g.quantized_rows(m, ts) as (t0, n):
+        # the K chunks (the first starts its accumulators from zero), every token against each
         with kb.loop(lo, hi, name="rtile") as tile:
             r0 = b.mul(tile, i64(W))
-            if kern.nb <= kc:
-                chunk(r0, 0, kern.nb)
-            else:
-                with kb.loop(0, kern.nb, step=kc, name="rkc") as c0:
-                    left = b.sub(i64(kern.nb), c0)
-                    chunk(r0, c0, b.select(b.icmp_signed("<", left, i64(kc)), left, i64(kc)))
+            g.k_chunks(r0, kc, lambda r0_, c0, nblk: g.every_token(r0_, c0, nblk, n, t0, P))
             if residual is not None:
                 with kb.loop(0, n, name="rres") as s:
                     at = b.add(b.mul(b.add(t0, s), i64(kern.n_out)), r0)
