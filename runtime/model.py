@@ -501,12 +501,12 @@ def _compile_within_budget(loaded: LoadedModel, opts):
     need = compile_peak_estimate(here) if here is not None else None
     if need is not None and need > opts.mem_budget:
         name = os.path.basename(loaded.path)
-        threads = f" -t {opts.threads}" if opts.threads else ""   # the plan's scratch is per thread
+        flags = f" -t {opts.threads}" if opts.threads else ""   # the plan's scratch is per thread
         tok = _separate_tokenizer(loaded.path, getattr(loaded.tokenizer, "path", None))
-        threads += f" -z {tok}" if tok else ""
+        flags += f" -z {tok}" if tok else ""
         raise RunError(f"--mem-budget {fmt_size(opts.mem_budget)}: compiling {name} for this CPU needs about "
                        f"{fmt_size(need)} once (LLVM), more than the budget; compile it once where that fits "
-                       f"(`lmc compile {loaded.path} --mem-budget {_size_arg(opts.mem_budget)}{threads} -o "
+                       f"(`lmc compile {loaded.path} --mem-budget {_size_arg(opts.mem_budget)}{flags} -o "
                        f"{os.path.splitext(name)[0]}.lmc`, on this machine or one with the same CPU), "
                        f"then its runs stay within the budget")
     if opts.progress is not None:
