@@ -14,19 +14,23 @@ weights, QSF) keep the two ops: only the repacked kernel has the epilogue.
 """
 from __future__ import annotations
 
-from ir.graph import Graph
+from ir.graph import Graph, Value
 from ir.layouts_repacked import split_repacked
-from ir.types import TensorType
+from ir.ops import ShapeError, get_op
 
 from .registry import register_pass
 from .uses import Uses
 
 
-def _addend_fits(r: TensorType, out: TensorType, op: str) -> bool:
-    """A residual of the product's type, or a float32 bias of its rows."""
-    if op == "add":
-        return r == out
-    return r.rank == 1 and r.dtype == "f32" and (r.layout or "F32") == "F32" and r.shape[0] == out.shape[-1]
+def _addend_fits(x: Value, w: Value, r: Value, attrs: dict) -> bool:
+    """Whether ``qmatmul_add(x, w, r)`` is well typed: r the product's type
+    (a residual) or a float32 vector of its row length (a bias); its shape
+    rule decides, so the pass and the op cannot disagree."""
+    try:
+        get_op("qmatmul_add").infer([x.type, w.type, r.type], attrs)
+    except ShapeError:
+        return False
+    return True
 
 
 @register_pass("fuse_residual")
@@ -42,7 +46,7 @@ def fuse_residual(graph: Graph) -> Graph:
             r = node.inputs[1 - i]
             if (mm is None or mm.op != "qmatmul"
                     or split_repacked(mm.inputs[1].type.layout) is None or r is v
-                    or not _addend_fits(r.type, mm.output.type, node.op)):
+                    or not _addend_fits(*mm.inputs[:2], r, mm.attrs)):
                 continue
             node.op = "qmatmul_add"
             node.inputs = [mm.inputs[0], mm.inputs[1], r]
