@@ -340,6 +340,7 @@ class Engine:
         if self.metrics and decoding:
             self.metrics.batch_size.observe(len(decoding))
         for i, s in enumerate(decoding):
+            self._count_prompt_row(s)
             s.computed = len(s.tokens)
             self._commit(s, s.tokens)
             self._sampled(s, logits[i])
@@ -371,6 +372,7 @@ class Engine:
             n = len(d.tokens)
             rows = logits[r: r + 1 + n]
             r += 1 + n
+            self._count_prompt_row(s)
             if not n:
                 s.computed = len(s.tokens)
                 self._commit(s, s.tokens)
@@ -442,6 +444,13 @@ class Engine:
         if self.drafter is not None:
             self.drafter.prefill(s, chunk.stop, self.blocks.table(s.key))
         self._prefilled(s, chunk, logits if chunk.stop == len(s.tokens) else None)
+
+    def _count_prompt_row(self, s: "_Seq") -> None:
+        """A decode row that runs a prompt's last token (the chunk before it
+        stopped one short, or the cache held all the rest) is a prompt token
+        run through the model too."""
+        if self.metrics and s.computed < s.n_prompt:
+            self.metrics.prompt_tokens.inc()
 
     def _prefilled(self, s: "_Seq", chunk: range, logits: np.ndarray | None) -> None:
         """A chunk of ``s``'s prompt is in the pool; ``logits``: its last

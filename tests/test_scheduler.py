@@ -229,6 +229,22 @@ def test_shared_prefix_is_prefilled_once(pooled):
         assert ca.ids == c.ids
 
 
+@pytest.mark.parametrize("mix", [True, False])
+def test_every_prompt_token_is_counted_once(pooled, monkeypatch, mix):
+    """A chunk that stops one short of the prompt's end leaves the last
+    token to a decode row; it is still a prompt token run through the model
+    (CI once saw the shared-prefix count short by one, this way)."""
+    if not mix:
+        monkeypatch.setattr(type(pooled.executor), "can_select", property(lambda self: False))
+    eng = engine_for(pooled, chunk=16)
+    p = prompts(pooled, 1)[0]
+    ids = (p * 17)[:17]
+    r, c = request(ids, 3)
+    run_all(eng, [r])
+    assert len(c.ids) == 3 and c.last.usage["cached_tokens"] == 0
+    assert eng.metrics.prompt_tokens._value.get() == 17
+
+
 def test_a_small_pool_preempts_and_gives_the_same_tokens(single):
     """Six sequences of up to 110 positions in a pool of 160: they cannot all
     grow at once; the youngest go back to the queue and are recomputed."""
