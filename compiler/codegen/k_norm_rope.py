@@ -42,7 +42,7 @@ def _check_f32(t, what: str) -> None:
         raise NotImplementedError(f"{what}: native kernel needs f32 data, got {t}")
 
 
-def _weight_loader(kb: KernelBuilder, t, raw: ir.Value) -> Callable[[ir.Value, int], ir.Value]:
+def weight_loader(kb: KernelBuilder, t, raw: ir.Value) -> Callable[[ir.Value, int], ir.Value]:
     """load(idx, width) for a 1-D weight stored as F32 or F16 (widened)."""
     layout = t.layout or "F32"
     if layout == "F32" and t.dtype in ("f32",):
@@ -55,6 +55,66 @@ def _weight_loader(kb: KernelBuilder, t, raw: ir.Value) -> Callable[[ir.Value, i
 
 
 # --- rmsnorm ------------------------------------------------------------------------
+def rmsnorm_unroll(m: int, vw: int) -> int:
+    """Sum-of-squares accumulators for a row of ``m`` at vector width ``vw``."""
+    nv = m // pow2_divisor(m, vw)
+    return 4 if nv >= 8 and nv % 4 == 0 else (2 if nv >= 4 and nv % 2 == 0 else 1)
+
+
+def emit_rmsnorm_row(kb: KernelBuilder, xr: ir.Value, orow: ir.Value, wload: Callable[[ir.Value, int], ir.Value],
+                     m: int, eps: float, unroll: int | None = None) -> None:
+    """One chunk of ``m`` floats at xr, normalized and scaled by the weight,
+    to orow. The rmsnorm kernel and the matmuls that fuse it
+    (``passes/fuse_norm``) both emit this, so their bits agree."""
+    b = kb.b
+    vw = pow2_divisor(m, kb.vw)
+    nv = m // vw
+    unroll = rmsnorm_unroll(m, kb.vw) if unroll is None else unroll
+    if unroll < 1 or nv % unroll:
+        raise NotImplementedError(f"rmsnorm: unroll {unroll} does not divide the {nv} vectors of a row")
+    # sum of squares: `unroll` vector accumulators over blocks of unroll*vw, every operation
+    # strict (fused multiply-adds, no reassociation): LLVM cannot compute it another way in another
+    # kernel, so the matmuls that fuse the norm get the rmsnorm kernel's bits
+    zero = fconst(0.0, vw)
+    if nv == unroll:
+        accs = []
+        for k in range(unroll):
+            v = kb.vload(xr, k * vw, vw)
+            accs.append(b.fmul(v, v))
+    else:
+        with kb.loop_carry(0, m, [zero] * unroll, step=unroll * vw, name="ss") as (j, cur, setv):
+            new = []
+            for k in range(unroll):
+                v = kb.vload(xr, b.add(j, i64(k * vw)), vw)
+                new.append(kb.fma(v, v, cur[k]))
+            setv(new)
+        accs = kb.last_carry
+    while len(accs) > 1:
+        accs = [b.fadd(p, q) for p, q in zip(accs[0::2], accs[1::2])]
+    acc = accs[0]
+    while acc.type.count > 1:
+        h = acc.type.count // 2
+        lo = b.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(ir.IntType(32), h), list(range(h))))
+        hi = b.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(ir.IntType(32), h), list(range(h, 2 * h))))
+        acc = b.fadd(lo, hi)
+    ss = b.extract_element(acc, i64(0))
+    # ss = 1 / sqrt(mean + eps), in the reference's order, no fast-math
+    mean = b.fdiv(ss, f32c(float(m)))
+    inv = b.fdiv(f32c(1.0), kb.sqrt(b.fadd(mean, f32c(eps))))
+    invv = kb.splat(inv, vw)
+
+    def scale_block(j):
+        v = kb.vload(xr, j, vw)
+        kb.vstore(b.fmul(wload(j, vw), b.fmul(v, invv)), orow, j)
+
+    if nv <= 8:
+        for k in range(nv):
+            scale_block(i64(k * vw))
+    else:
+        with kb.loop(0, m, step=vw, name="sc") as j:
+            scale_block(j)
+
+
 @kernel("rmsnorm")
 def emit_rmsnorm(kb: KernelBuilder, sig: KernelSig) -> None:
     b = kb.b
@@ -67,52 +127,12 @@ def emit_rmsnorm(kb: KernelBuilder, sig: KernelSig) -> None:
     lo, hi = kb.thread_share(units)
     x = kb.in_f32(0)
     out = kb.out_f32()
-    wload = _weight_loader(kb, wt, kb.in_raw[1])
-    vw = pow2_divisor(m, kb.vw)
-    nv = m // vw
-    unroll = 4 if nv >= 8 and nv % 4 == 0 else (2 if nv >= 4 and nv % 2 == 0 else 1)
-    unroll = int(sig.attr.get("unroll", unroll))  # an override from ``lmc kernel``
-    if unroll < 1 or nv % unroll:
-        raise NotImplementedError(f"rmsnorm: unroll {unroll} does not divide the {nv} vectors of a row")
+    wload = weight_loader(kb, wt, kb.in_raw[1])
+    unroll = int(sig.attr.get("unroll", rmsnorm_unroll(m, kb.vw)))  # an override from ``lmc kernel``
     kb.tuning["unroll"] = unroll
     with kb.loop(lo, hi, name="unit") as u:
         base = b.mul(u, i64(m))
-        xr = kb.gep(x, base)
-        orow = kb.gep(out, base)
-        # sum of squares: `unroll` vector accumulators over blocks of unroll*vw
-        zero = fconst(0.0, vw)
-        if nv == unroll:
-            accs = []
-            for k in range(unroll):
-                v = kb.vload(xr, k * vw, vw)
-                accs.append(kb.fmul(v, v))
-        else:
-            with kb.loop_carry(0, m, [zero] * unroll, step=unroll * vw, name="ss") as (j, cur, setv):
-                new = []
-                for k in range(unroll):
-                    v = kb.vload(xr, b.add(j, i64(k * vw)), vw)
-                    new.append(kb.fadd(cur[k], kb.fmul(v, v)))
-                setv(new)
-            accs = kb.last_carry
-        while len(accs) > 1:
-            accs = [kb.fadd(p, q) for p, q in zip(accs[0::2], accs[1::2])]
-        ss = hsum_many(kb, accs)  # <1 x float>
-        ss = b.extract_element(ss, i64(0))
-        # ss = 1 / sqrt(mean + eps), in the reference's order, no fast-math
-        mean = b.fdiv(ss, f32c(float(m)))
-        inv = b.fdiv(f32c(1.0), kb.sqrt(b.fadd(mean, f32c(eps))))
-        invv = kb.splat(inv, vw)
-
-        def scale_block(j):
-            v = kb.vload(xr, j, vw)
-            kb.vstore(b.fmul(wload(j, vw), b.fmul(v, invv)), orow, j)
-
-        if nv <= 8:
-            for k in range(nv):
-                scale_block(i64(k * vw))
-        else:
-            with kb.loop(0, m, step=vw, name="sc") as j:
-                scale_block(j)
+        emit_rmsnorm_row(kb, kb.gep(x, base), kb.gep(out, base), wload, m, eps, unroll)
 
 
 # --- layernorm ----------------------------------------------------------------------
@@ -127,8 +147,8 @@ def emit_layernorm(kb: KernelBuilder, sig: KernelSig) -> None:
     eps = float(sig.attr["eps"])
     lo, hi = kb.thread_share(kb.rows_of(xt.shape))
     x, out = kb.in_f32(0), kb.out_f32()
-    wload = _weight_loader(kb, wt, kb.in_raw[1])
-    bload = _weight_loader(kb, bt, kb.in_raw[2])
+    wload = weight_loader(kb, wt, kb.in_raw[1])
+    bload = weight_loader(kb, bt, kb.in_raw[2])
     vw = pow2_divisor(m, kb.vw)
 
     def row_sum(f) -> ir.Value:
