@@ -21,12 +21,13 @@ def default_pipeline(backend: str = "interp") -> tuple[str, ...]:
     integer dot products, as llama.cpp does; and ``repack``: their weights
     are regrouped at load for one GEMM kernel of every row count (when the
     graph says the width, ``CompileOptions.repack_width``), then
-    ``fuse_residual``: residual adds become those kernels' epilogues. The
+    ``fuse_residual``: residual adds become those kernels' epilogues, and
+    ``fuse_norm``: RMSNorms move into those kernels' quantization. The
     interpreter stays on the float reference path unless given the passes."""
     if backend == "llvm":
         from .codegen.k_matmul_int import host_has_int_dot
         if host_has_int_dot():
-            return DEFAULT_PIPELINE[:-1] + ("int_dot", "repack", "fuse_residual") + DEFAULT_PIPELINE[-1:]
+            return DEFAULT_PIPELINE[:-1] + ("int_dot", "repack", "fuse_residual", "fuse_norm") + DEFAULT_PIPELINE[-1:]
     return DEFAULT_PIPELINE
 
 

@@ -326,10 +326,31 @@ def dequant_ref(w: WeightData) -> np.ndarray:
     return w.to_f32()
 
 
-@register("qmatmul", 2, _matmul)
-def qmatmul_ref(x: np.ndarray, w: WeightData, *, layout: str, act: str | None = None,
-                decode_rows: int | None = None, gemm: int | None = None) -> np.ndarray:
+def _without_norm(ts: list[TensorType], attrs: dict[str, Any], n: int, op: str) -> list[TensorType]:
+    """The operands of a quantized matmul but a fused RMSNorm's weight
+    (``norm_eps``, ``passes/fuse_norm``: then the last of n + 1, one value per
+    column of x); checks it."""
+    if "norm_eps" not in attrs:
+        _need(len(ts) == n, f"{op} takes {n} operands, got {len(ts)}")
+        return ts
+    _need(len(ts) == n + 1, f"{op} with norm_eps takes {n} operands and the norm weight, got {len(ts)}")
+    x, nw = ts[0], ts[-1]
+    _need(nw.rank == 1 and _same_dim(nw.shape[0], x.shape[-1]),
+          f"{op}: norm weight {nw} does not span the rows of {x}")
+    _need(isinstance(attrs["norm_eps"], float), f"{op}: norm_eps={attrs['norm_eps']!r} is not a float")
+    return ts[:-1]
+
+
+def _qmatmul(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    return _matmul(_without_norm(ts, attrs, 2, "qmatmul"), attrs)
+
+
+@register("qmatmul", -1, _qmatmul)
+def qmatmul_ref(x: np.ndarray, w: WeightData, nw: Any = None, *, layout: str, act: str | None = None,
+                decode_rows: int | None = None, gemm: int | None = None,
+                norm_eps: float | None = None) -> np.ndarray:
     """matmul with a stored (quantized) weight; the reference dequantizes.
+    With ``norm_eps``, x is first ``rmsnorm(x, nw)`` (``passes/fuse_norm``).
 
     ``act="q8k"`` is the K-quants' integer path (``ir.int_kquants``).
     With ``act="q8"`` (the integer path, as llama.cpp's ``ggml_vec_dot_q*_0_q8_0``
@@ -341,6 +362,8 @@ def qmatmul_ref(x: np.ndarray, w: WeightData, *, layout: str, act: str | None = 
     float64, then rounded once to float32. ``decode_rows``: as ``matmul_ref``.
     ``gemm`` (prompt chunks, ``passes/int_dot``) names the kernel, not the
     numbers: every row is computed on its own here either way."""
+    if norm_eps is not None:
+        x = rmsnorm_ref(x, nw, eps=norm_eps)
     if split_repacked(layout):   # the same numbers as the file's layout (ir/layouts_repacked.py)
         w, layout = unrepacked(w), base_layout(layout)
     if decode_rows and np.ndim(x) > 1:
@@ -394,7 +417,7 @@ def qmatmul_rows_ref(x: np.ndarray, w: WeightData, acc: np.ndarray | None = None
 
 
 def _matmul_add(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
-    _need(len(ts) == 3, f"qmatmul_add takes x, weight and the addend, got {len(ts)} operands")
+    ts = _without_norm(ts, attrs, 3, "qmatmul_add (x, weight, addend)")
     out = _matmul(ts[:2], attrs)
     r = ts[2]
     _need(r == out or (r.rank == 1 and r.dtype == "f32" and (r.layout or "F32") == "F32"
@@ -403,13 +426,13 @@ def _matmul_add(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     return out
 
 
-@register("qmatmul_add", 3, _matmul_add)
-def qmatmul_add_ref(x: np.ndarray, w: WeightData, r: Any, **attrs: Any) -> np.ndarray:
+@register("qmatmul_add", -1, _matmul_add)
+def qmatmul_add_ref(x: np.ndarray, w: WeightData, r: Any, nw: Any = None, **attrs: Any) -> np.ndarray:
     """``add(r, qmatmul(x, w))`` or ``bias_add(qmatmul(x, w), r)`` as one op
     (``passes/fuse_residual``): the product, then the residual (or the bias,
     added to every row) as its epilogue; float32 addition commutes, so the
-    bits are the two ops'."""
-    return (qmatmul_ref(x, w, **attrs) + f32_of(r)).astype(np.float32)
+    bits are the two ops'. ``nw``: as qmatmul's."""
+    return (qmatmul_ref(x, w, nw, **attrs) + f32_of(r)).astype(np.float32)
 
 #: values per block of the integer path, and the weight layouts it reads
 QK8 = 32

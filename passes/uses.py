@@ -13,6 +13,10 @@ class Uses:
 
     def __init__(self, graph: Graph) -> None:
         self.readers = Counter(id(v) for n in graph.nodes for v in n.inputs)
+        self.read_by: dict[int, list[Node]] = {}
+        for n in graph.nodes:
+            for v in {id(v): v for v in n.inputs}.values():
+                self.read_by.setdefault(id(v), []).append(n)
         self.outputs = {id(v) for v in graph.outputs}
         self.made_by = {id(n.output): n for n in graph.nodes}
 

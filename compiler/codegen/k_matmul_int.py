@@ -187,12 +187,12 @@ def _vnni_name(groups: int) -> str | None:
     return None
 
 
-def quantize_block(kb: KernelBuilder, at: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
-    """The 32 values of x (input 0) at float index ``at`` as a q8 block
+def quantize_block(kb: KernelBuilder, at: ir.Value, x: ir.Value | None = None) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """The 32 values of x (input 0, or the float rows ``x``) at float index ``at`` as a q8 block
     (``ir.ops.quantize_q8_rows``): <32 x i8> quants, d_x (a float16 value as
     float32) and the int32 sum of the quants."""
     b = kb.b
-    xv = kb.vload(kb.in_f32(0), at, QK)
+    xv = kb.vload(kb.in_f32(0) if x is None else x, at, QK)
     amax = kb.hmax(kb.intrinsic("llvm.fabs", [xv]))
     d = b.fpext(b.fptrunc(b.fdiv(amax, ir.Constant(F32, 127.0)), HALF), F32)
     inv = b.select(b.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)),

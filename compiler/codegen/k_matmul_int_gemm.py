@@ -33,6 +33,7 @@ float64: the integer tests' tolerance applies.
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import llvmlite.ir as ir
 
@@ -150,6 +151,17 @@ class GemmBase:
         self.vf = ir.VectorType(F32, self.W)
         self.vi = ir.VectorType(I32, self.W)
         self.vnni = "llvm.x86.avx512.vpdpbusd.512" if self.W == 16 else "llvm.x86.avx512.vpdpbusd.256"
+        #: the float rows ``quantize`` reads: x (input 0), or a row buffer a fused norm writes (``row_at``)
+        self.x = kb.in_f32(0)
+        self.prenorm: Callable[[ir.Value], None] | None = None
+
+    def row_at(self, t: ir.Value) -> ir.Value:
+        """Where token row t starts in ``self.x``; with a fused norm
+        (``prenorm``), it first writes the row, normalized, to its buffer."""
+        if self.prenorm is None:
+            return self.b.mul(t, i64(self.k))
+        self.prenorm(t)
+        return i64(0)
 
     def slot(self, s: ir.Value) -> ir.Value:
         return self.kb.gep(self.kb.scratch, self.b.mul(s, i64(self.slot_bytes)))
@@ -210,7 +222,7 @@ class GemmBase:
             left = b.sub(m, t0)
             n = b.select(b.icmp_signed("<", left, i64(ts)), left, i64(ts))
             with kb.loop(0, n, name="gquant") as s:
-                self.quantize(b.mul(b.add(t0, s), i64(self.k)), s)
+                self.quantize(self.row_at(b.add(t0, s)), s)
             yield t0, n
 
     def every_token(self, r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value, n: ir.Value, t0: ir.Value,
@@ -303,7 +315,7 @@ class Q8Gemm(GemmBase):
         cor = b.bitcast(kb.gep(sp, self.k), ir.PointerType(I32))
         dxp = b.bitcast(kb.gep(sp, self.k + 4 * self.nb), ir.PointerType(F32))
         with kb.loop(0, self.nb, name="gq") as j:
-            q, d, sx = quantize_block(kb, b.add(xrow, b.mul(j, i64(QK))))
+            q, d, sx = quantize_block(kb, b.add(xrow, b.mul(j, i64(QK))), self.x)
             kb.vstore(q, sp, b.mul(j, i64(QK)))
             if kern.offset:   # exact in float32, as the decode kernel's
                 kb.store(b.bitcast(b.fmul(d, b.sitofp(sx, F32)), I32), cor, j)

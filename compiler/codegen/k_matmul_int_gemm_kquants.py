@@ -84,7 +84,7 @@ class KQGemm(GemmBase):
         cor = kb.gep(sp, self.k)
         dxp = b.bitcast(kb.gep(sp, self.k + 64 * self.nb), ir.PointerType(F32))
         with kb.loop(0, self.nb, name="gq") as j:
-            q, d, v = quantize_q8k_block(kb, b.add(xrow, b.mul(j, i64(QK_K))))
+            q, d, v = quantize_q8k_block(kb, b.add(xrow, b.mul(j, i64(QK_K))), self.x)
             kb.vstore(q, sp, b.mul(j, i64(QK_K)))
             at = kb.gep(cor, b.mul(j, i64(64)))
             if self.minimums:   # x's quants summed over each sub-block

@@ -163,13 +163,14 @@ def dpwssd(kb: KernelBuilder, acc: ir.Value, a: ir.Value, s: ir.Value) -> ir.Val
     return kb.b.add(acc, maddwd(kb, a, s))
 
 
-def quantize_q8k_block(kb: KernelBuilder, at: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
-    """The 256 values of x (input 0) at float index ``at`` as a Q8_K block
+def quantize_q8k_block(kb: KernelBuilder, at: ir.Value,
+                       x: ir.Value | None = None) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """The 256 values of x (input 0, or the float rows ``x``) at float index ``at`` as a Q8_K block
     (``ir.int_kquants.quantize_q8k_rows``): <256 x i8> quants, float32 d_x,
     and the <16 x i16> sums of 16 consecutive quants."""
     b = kb.b
     zero = ir.Constant(F32, 0.0)
-    xv = kb.vload(kb.in_f32(0), at, QK_K)
+    xv = kb.vload(kb.in_f32(0) if x is None else x, at, QK_K)
     amax = kb.hmax(kb.intrinsic("llvm.fabs", [xv]))
     pos = b.fcmp_ordered(">", amax, zero)
     iscale = b.select(pos, b.fdiv(ir.Constant(F32, 127.0), amax), zero)

@@ -40,6 +40,7 @@ from .k_matmul_int import _IntKernel
 from .k_matmul_int_gemm import GemmBase, Q8Gemm, act_slot_bytes as q8_slot_bytes
 from .k_matmul_int_gemm_kquants import KQGemm, act_slot_bytes as q8k_slot_bytes
 from .k_matmul_int_kquants import QK_K, kquant_int_kernel
+from .k_norm_rope import emit_rmsnorm_row, weight_loader
 from .kernels import KernelSig, kernel
 
 I8 = ir.IntType(8)
@@ -66,11 +67,33 @@ def tokens_per_call(sig: KernelSig) -> int:
     return 1 if len(sig.in_types[0].shape) < 2 else TOKENS
 
 
-def scratch_bytes(sig: KernelSig) -> int:
-    """Per-thread scratch: a quantized activation slot per token row at once."""
+def _slots_bytes(sig: KernelSig) -> int:
+    """A quantized activation slot per token row at once (cache lines each)."""
     k = int(sig.in_types[1].shape[1])
     per = q8k_slot_bytes(k) if sig.attr.get("act") == "q8k" else q8_slot_bytes(k)
     return tokens_per_call(sig) * per
+
+
+def scratch_bytes(sig: KernelSig) -> int:
+    """Per-thread scratch: the slots, and with a fused RMSNorm the row it normalizes."""
+    k = int(sig.in_types[1].shape[1])
+    return _slots_bytes(sig) + (4 * k if "norm_eps" in sig.attr else 0)
+
+
+def _fuse_norm(kb: KernelBuilder, g: GemmBase, sig: KernelSig) -> None:
+    """``norm_eps`` (``passes/fuse_norm``): each token row is normalized into
+    a row buffer after the slots just before it is quantized, by the
+    rmsnorm kernel's own code, so the quantized values are the ones the two
+    ops gave. Every thread normalizes the rows it quantizes (all of them):
+    no barrier, and a row is a few hundred nanoseconds."""
+    k, b = g.k, kb.b
+    buf = kb.fptr(kb.gep(kb.scratch, _slots_bytes(sig)))
+    last = len(sig.in_types) - 1
+    wload = weight_loader(kb, sig.in_types[last], kb.in_raw[last])
+    eps = float(sig.attr["norm_eps"])
+    x = kb.in_f32(0)
+    g.x = buf
+    g.prenorm = lambda t: emit_rmsnorm_row(kb, kb.gep(x, b.mul(t, i64(k))), buf, wload, k, eps)
 
 
 def _vc(t: ir.Type, values: list) -> ir.Constant:
@@ -208,6 +231,8 @@ def emit_repacked(kb: KernelBuilder, sig: KernelSig, residual: ir.Value | None =
         g = RepackedKQ(kb, bsig, kquant_int_kernel(kb, bsig), base, width)
     else:
         g = RepackedQ8(kb, bsig, _IntKernel(kb, bsig), base, width)
+    if "norm_eps" in sig.attr:
+        _fuse_norm(kb, g, sig)
     kern = g.kern
     b, W = kb.b, g.W
     one = len(sig.in_types[0].shape) < 2

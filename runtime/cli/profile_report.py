@@ -90,7 +90,10 @@ def node_cost(node: Node, positions: range) -> tuple[int, int, int]:
         rows, cols = w.type.shape[-2:]
         n = x.type.numel(sym) // cols  # tokens: 1 after take_last, whatever T is
         res = node.inputs[2].type.nbytes(sym) if op == "qmatmul_add" else 0   # the residual its epilogue adds
-        return w.type.nbytes() + x.type.nbytes(sym) + res, n * rows * 4, 2 * rows * cols * n + res // 4
+        # a fused RMSNorm (passes/fuse_norm): its weight, and per token a sum of squares and a scale
+        norm = node.inputs[-1].type.nbytes() if "norm_eps" in node.attrs else 0
+        flops = 2 * rows * cols * n + res // 4 + (4 * cols * n if norm else 0)
+        return w.type.nbytes() + x.type.nbytes(sym) + res + norm, n * rows * 4, flops
     if op == "attention":
         q, k = node.inputs[:2]
         hd, heads = int(node.attrs["head_dim"]), int(node.attrs["n_heads"])
