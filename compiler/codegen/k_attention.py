@@ -166,6 +166,7 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
             raise NotImplementedError(f"attention: a q8 cache needs head_dim a multiple of {QK}, got {hd}")
         row_step, head_step = stride // QK * Q8_BYTES, hd // QK * Q8_BYTES
 
+    slice_bytes = head_step * (4 if kind == "f32" else 2 if kind == "f16" else 1)   # a row's part of one kv head
     wd = pow2_divisor(hd, kb.vw)  # vector width over head_dim
     nvec = hd // wd
     B = int(a.get("unroll", BLOCK))  # positions per block; an override from ``lmc kernel``
@@ -257,7 +258,13 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
 
         # pass 1: scores and their max, per head (each key row read once for the unit's heads)
         ninf = fconst(float("-inf"), B)
+        last = b.sub(n, i64(1))
         with kb.loop_carry(0, nb, [ninf] * hg, step=B, name="sb") as (j, mvs, setv):
+            # ask for the next block's keys and this block's values (pass 2 reads them): a paged
+            # sequence's rows jump from block to block, where the hardware's stream prefetch restarts
+            for p in range(B):
+                kb.prefetch(b.bitcast(krow(kb.imin(b.add(j, i64(B + p)), last)), kb.scratch.type), slice_bytes)
+                kb.prefetch(b.bitcast(vrow(b.add(j, i64(p))), kb.scratch.type), slice_bytes)
             new = []
             for i in heads:
                 s = scaled(hsum_many(kb, [dot(i, b.add(j, i64(p))) for p in range(B)]))
