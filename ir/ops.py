@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .int_kquants import KQ_INT_LAYOUTS, qmatmul_q8k_ref
+from .int_qsf import QSF_INT_LAYOUTS, qsf_int_blocks
 from .layouts import get_layout
 from .layouts_repacked import base_layout, split_repacked
 from .layouts_kquants import QK_K
@@ -358,7 +359,9 @@ def qmatmul_ref(x: np.ndarray, w: WeightData, nw: Any = None, *, layout: str, ac
     (:func:`quantize_q8_rows`) and out = sum over blocks of
     d_w * d_x * (integer sum of q_w * q_x) + m_w * d_x * (integer sum of q_x),
     the second term only for the offset layouts (Q4_1, Q5_1: v = d q + m). The
-    integer sums are exact; the products and the sum over blocks are done in
+    QSF layouts' 64-value blocks are two such blocks sharing d and the offset
+    (QSF_Q4 m = -z d, QSF_Q2 m, QSF_Q2S m = -1.5 d; ternary q in {-1, 0, 1}:
+    ``ir.int_qsf``). The integer sums are exact; the products and the sum over blocks are done in
     float64, then rounded once to float32. ``decode_rows``: as ``matmul_ref``.
     ``gemm`` (prompt chunks, ``passes/int_dot``) names the kernel, not the
     numbers: every row is computed on its own here either way."""
@@ -438,13 +441,14 @@ def qmatmul_add_ref(x: np.ndarray, w: WeightData, r: Any, nw: Any = None, **attr
 QK8 = 32
 INT_DOT_LAYOUTS = ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1")
 #: activation quantization (``act``) -> the weight layouts it multiplies, and its block
-ACT_LAYOUTS = {"q8": INT_DOT_LAYOUTS, "q8k": KQ_INT_LAYOUTS}
+#: (q8 also takes QSF's 64-value blocks, as two 32-value blocks each)
+ACT_LAYOUTS = {"q8": INT_DOT_LAYOUTS + QSF_INT_LAYOUTS, "q8k": KQ_INT_LAYOUTS}
 ACT_BLOCK = {"q8": QK8, "q8k": QK_K}
 
 
 def int_act(layout: str | None) -> str | None:
     """The integer path's activation quantization for a weight layout
-    ("q8" for the 32-value blocks, "q8k" for the K-quants), None if none."""
+    ("q8" for the 32-value blocks and QSF's, "q8k" for the K-quants), None if none."""
     base = base_layout(layout)
     return next((a for a, lays in ACT_LAYOUTS.items() if base in lays), None)
 
@@ -471,9 +475,12 @@ def int_blocks(w: WeightData) -> tuple[np.ndarray, np.ndarray, np.ndarray | None
     (float32 [N, K/32]), the integer quants q (int8 [N, K/32, 32]) with
     value = d * q, or = d * q + m for the offset layouts Q4_1 / Q5_1 (q
     unsigned, 0..15 / 0..31), whose block minimums m (float32 [N, K/32]) come
-    third; m is None for the symmetric layouts."""
+    third; m is None for the symmetric layouts. QSF weights: the same form,
+    ``ir.int_qsf.qsf_int_blocks``."""
     name = w.type.layout
     n, k = int(w.type.shape[0]), int(w.type.shape[1])
+    if name in QSF_INT_LAYOUTS:
+        return qsf_int_blocks(name, w.raw, n, k)
     nb = k // QK8
     bb = {"Q8_0": 34, "Q4_0": 18, "Q5_0": 22, "Q4_1": 20, "Q5_1": 24}.get(name)
     if bb is None:

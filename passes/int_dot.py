@@ -2,6 +2,10 @@
 Q5_0, Q4_1, Q5_1) takes the integer path (``act="q8"``), and on the
 K-quants Q2_K .. Q6_K the same with 256-value activation blocks and
 per-16 partial sums (``act="q8k"``, llama.cpp's Q8_K: ``ir.int_kquants``).
+QSF's 64-value blocks (QSF_Q8, QSF_Q4, QSF_Q2, QSF_Q2S, QSF_TERNARY) take
+``act="q8"`` too, each block two activation blocks sharing its scale and
+offset (``ir.int_qsf``; kernels ``k_matmul_int_qsf``, ternary without
+multiplies), in decode, batches of decode rows and prompt chunks alike.
 
 A decode step is one matrix-vector product per weight: bandwidth-bound, and
 on x86 with VNNI an int8 dot product reads the weight bytes with fewer
@@ -32,6 +36,8 @@ integer path as in decode.
 from __future__ import annotations
 
 from ir.graph import Graph
+from ir.layouts import get_layout
+from ir.layouts_repacked import base_layout
 from ir.ops import ACT_BLOCK, int_act
 
 from .registry import register_pass
@@ -48,10 +54,16 @@ PROMPT_ROWS = 8
 GEMM_ROWS = 128
 
 
+def _row_block(layout: str, act: str) -> int:
+    """What the row length must be a multiple of: the activation block and
+    the weight's (QSF: 64 values, two activation blocks)."""
+    return max(ACT_BLOCK[act], getattr(get_layout(base_layout(layout)), "block", 1))
+
+
 @register_pass("int_dot")
 def int_dot(graph: Graph) -> Graph:
     """Quantize activations per block for qmatmuls on 32-value block weights
-    (``act="q8"``: Q8_0, Q4_0, Q5_0, Q4_1, Q5_1) and on K-quants
+    (``act="q8"``: Q8_0, Q4_0, Q5_0, Q4_1, Q5_1; QSF's 64-value blocks) and on K-quants
     (``act="q8k"``: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K); in a graph of decode rows, also
     compute every row as decode does."""
     mode = graph.meta.get("mode")
@@ -68,7 +80,7 @@ def int_dot(graph: Graph) -> Graph:
         if act is None:
             continue
         k = node.inputs[1].type.shape[1]
-        if not isinstance(k, int) or k % ACT_BLOCK[act]:
+        if not isinstance(k, int) or k % _row_block(node.attrs["layout"], act):
             continue
         extra = {}
         if prompt:

@@ -229,12 +229,16 @@ def test_q8_reproduces_runc_greedy(stories_q8, backend):
 @needs_shared
 @pytest.mark.parametrize("qtype", ["q4", "q2", "ternary", "mixed"])
 def test_native_equals_interpreter_on_every_qsf_type(qtype, tmp_path):
+    """The float kernels (the pipeline without ``int_dot``; the integer
+    path is ``test_int_qsf``'s) against the interpreter."""
+    from compiler.pipeline import DEFAULT_PIPELINE
+
     out = str(tmp_path / f"s-{qtype}.qsf")
     convert(str(MODELS / "stories260K.bin"), out, qtype, tokenizer=str(TOK))
     case = RUNC[0]
     ids = case["prompt_ids"] + case["generated_ids"][:40]
     li = runtime.load(out, backend="interp").logits(ids)
-    ln = runtime.load(out, backend="llvm", threads=2).logits(ids)
+    ln = runtime.load(out, backend="llvm", threads=2, passes=DEFAULT_PIPELINE).logits(ids)
     assert np.abs(li - ln).max() <= 1e-4 * np.abs(li).max()
     types = {w.type.layout for w in load_model(out).weights.values()}
     want = {"q4": "QSF_Q4", "q2": "QSF_Q2", "ternary": "QSF_TERNARY", "mixed": "QSF_Q4"}[qtype]

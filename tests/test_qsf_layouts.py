@@ -312,13 +312,13 @@ def test_avx512_uses_permutes(name):
 
 
 # --- the compiler around them ------------------------------------------------------------------------------
-def test_int_dot_leaves_qsf_alone():
-    """The integer dot pass is for 32-value GGUF blocks: it marks a decode
-    qmatmul on Q8_0 and leaves QSF's alone."""
+def test_int_dot_marks_qsf_too():
+    """The integer dot pass marks a decode qmatmul on Q8_0 and on every QSF
+    type (``ir.int_qsf``, ``k_matmul_int_qsf``) alike."""
     from compiler.pipeline import run_pipeline
     from ir.graph import Graph, WeightRef
 
-    for layout, want in [("Q8_0", "q8"), *((n, None) for n in LAYOUTS)]:
+    for layout, want in [("Q8_0", "q8"), *((n, "q8") for n in LAYOUTS)]:
         g = Graph("decode")
         g.meta["mode"] = "decode"
         x = g.add_input("x", TensorType((128,)))
@@ -343,6 +343,8 @@ def test_lmc_kernel_accepts_qsf(capsys, kind, extra):
                    "-t", "1", "--repeats", "1", "--hot", "--json"])
         r = json.loads(capsys.readouterr().out)
         assert rc == 0 and r["correct"] is True and r["qtype"] == qtype, r
-        assert r["params"]["dot"] == "float" and r["max_abs_error"] < 1e-4
+        # the integer path where the compiler takes it (VNNI), checked against its q8 reference
+        want = "int" if kernel_lab.default_int_dot(kernel_lab.Problem(kind, 64, 256, qtype=qtype)) else "float"
+        assert r["params"]["dot"] == want and r["max_abs_error"] < 1e-4
     assert main(["kernel", "qmatvec", "--qtype", "QSF_Q4", "--rows", "8", "--cols", "96"]) == 2
     assert "block of 64" in capsys.readouterr().err

@@ -62,6 +62,12 @@ quantization, slots and tiles, driven by the same ``emit_int_matvec``
 (threads' row shares, groups of ``decode_rows`` rows, slots sharing each
 unpacked weight block).
 
+QSF's 64-value blocks (``act="q8"`` too: each is two 32-value blocks
+sharing d and the offset, ``ir.int_qsf``) are ``k_matmul_int_qsf.QSFIntKernel``,
+a subclass of this module's kernel that says where a 32-value half lives
+and how it becomes unsigned quants; the ternary type's dot product has no
+multiply (masked byte sums).
+
 Float accumulation is float32 in a different order than the reference's
 float64: results agree to ~1e-6 relative of the size of the terms,
 sum |d_w d_x q_w q_x| (+ |m_w d_x sum q_x|).
@@ -71,6 +77,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import llvmlite.ir as ir
+
+from ir.int_qsf import QSF_INT_LAYOUTS
 
 from .emit import F32, FAST, I32, KernelBuilder, i64
 from .k_matmul import HALF, PREFETCH_BYTES, _tuned, out_rows
@@ -187,6 +195,24 @@ def _vnni_name(groups: int) -> str | None:
     return None
 
 
+def f16_gather(kb: KernelBuilder, ptrs: list[ir.Value], off: int) -> ir.Value:
+    """<n x float>: the float16 at byte ``off`` of each of the n pointers (i8*)."""
+    b = kb.b
+    v = ir.Constant(ir.VectorType(HALF, len(ptrs)), ir.Undefined)
+    for i, bp in enumerate(ptrs):
+        p = bp if off == 0 else kb.gep(bp, off)
+        v = b.insert_element(v, b.load(b.bitcast(p, ir.PointerType(HALF)), align=1), i64(i))
+    return b.fpext(v, ir.VectorType(F32, len(ptrs)))
+
+
+def fold_pairs(kb: KernelBuilder, p: ir.Value) -> ir.Value:
+    """<16g x i32> pair sums of g blocks (16 lanes each) -> <8g x i32>, each
+    block's 8 lanes summing to its 16: the portable dot's last step."""
+    g = p.type.count // 16
+    lo = [blk * 16 + i for blk in range(g) for i in range(8)]
+    return kb.b.add(_shuffle(kb, p, p, lo), _shuffle(kb, p, p, [i + 8 for i in lo]))
+
+
 def quantize_block(kb: KernelBuilder, at: ir.Value, x: ir.Value | None = None) -> tuple[ir.Value, ir.Value, ir.Value]:
     """The 32 values of x (input 0, or the float rows ``x``) at float index ``at`` as a q8 block
     (``ir.ops.quantize_q8_rows``): <32 x i8> quants, d_x (a float16 value as
@@ -204,15 +230,26 @@ def quantize_block(kb: KernelBuilder, at: ir.Value, x: ir.Value | None = None) -
 
 
 class _IntKernel:
+    """The decode kernel of the 32-value block layouts. Hooks a sibling
+    layout family overrides (``k_matmul_int_qsf``): ``_block_ptr``,
+    ``unsigned_block`` (also the GEMM's unpacking), ``_group_quants``,
+    ``block_scales`` and ``_dot``; ``bytes_per_block`` is the weight bytes
+    per 32 values (the prefetch span)."""
+
     def __init__(self, kb: KernelBuilder, sig: KernelSig) -> None:
-        xt, wt = sig.in_types[:2]
-        layout = wt.layout
+        layout = sig.in_types[1].layout
         if layout not in LAYOUTS:
             raise NotImplementedError(f"int8 matvec on a {layout} weight")
+        self._setup(kb, sig, *LAYOUTS[layout], layout in OFFSET_LAYOUTS)
+
+    def _setup(self, kb: KernelBuilder, sig: KernelSig, bb: int, bias: int, offset: bool) -> None:
+        """Shapes and attributes; ``bb`` bytes per stored block, ``bias``
+        added to make the quants unsigned, ``offset``: value = d q + m."""
+        xt, wt = sig.in_types[:2]
         self.kb, self.b = kb, kb.b
-        self.layout = layout
-        self.bb, self.bias = LAYOUTS[layout]
-        self.offset = layout in OFFSET_LAYOUTS
+        self.layout = wt.layout
+        self.bb, self.bias, self.offset = bb, bias, offset
+        self.bytes_per_block = bb
         self.n, self.k = int(wt.shape[0]), int(wt.shape[1])
         if self.k % QK:
             raise NotImplementedError(f"row length {self.k} is not a multiple of {QK}")
@@ -254,8 +291,8 @@ class _IntKernel:
         b = self.b
         return self.kb.gep(self.w, b.mul(b.add(b.mul(row, i64(self.nb)), j), i64(self.bb)))
 
-    def _unsigned_quants(self, bp: ir.Value) -> ir.Value:
-        """<32 x i8>: the block's quants plus the bias (0..255 as unsigned)."""
+    def unsigned_block(self, bp: ir.Value, j: ir.Value) -> ir.Value:
+        """<32 x i8>: the quants of block j (stored at bp) plus the bias (0..255 as unsigned)."""
         kb, b = self.kb, self.b
         if self.layout == "Q8_0":
             return b.xor(kb.vload(bp, 2, QK), _vc(I8, [0x80] * QK))
@@ -280,9 +317,7 @@ class _IntKernel:
         ev, od = list(range(0, n, 2)), list(range(1, n, 2))
         p = b.add(b.mul(b.sext(_shuffle(kb, u16, u16, ev), v32), b.sext(_shuffle(kb, x16, x16, ev), v32)),
                   b.mul(b.sext(_shuffle(kb, u16, u16, od), v32), b.sext(_shuffle(kb, x16, x16, od), v32)))
-        lo = [blk * 16 + i for blk in range(g) for i in range(8)]
-        hi = [i + 8 for i in lo]
-        return b.add(b.add(_shuffle(kb, p, p, lo), _shuffle(kb, p, p, hi)), init)
+        return b.add(fold_pairs(kb, p), init)
 
     def _group(self, row: ir.Value, j: ir.Value, g: int, accs: list[ir.Value],
                slots: list[_Slot]) -> list[ir.Value]:
@@ -292,11 +327,8 @@ class _IntKernel:
         unsigned once, then each slot does exactly the one-row code's
         operations on its own accumulator."""
         kb, b = self.kb, self.b
-        bps = [self._block_ptr(row, b.add(j, i64(i))) for i in range(g)]
-        us = [self._unsigned_quants(bp) for bp in bps]
-        u = us[0] if g == 1 else _shuffle(kb, us[0], us[1], list(range(64)))
-        dw = self._f16_lanes(bps, 0)
-        mw = self._f16_lanes(bps, 2) if self.offset else None
+        u, bps = self._group_quants(row, j, g)
+        dw, mw = (None if v is None else self._spread(v) for v in self.block_scales(bps))
         zero = _vc(I32, [0] * (8 * g))
         out = []
         for sl, acc in zip(slots, accs):
@@ -310,16 +342,22 @@ class _IntKernel:
             out.append(acc)
         return out
 
-    def _f16_lanes(self, bps: list[ir.Value], off: int) -> ir.Value:
-        """<8g x float>: the float16 at byte ``off`` of each of the g blocks, 8 lanes each."""
-        kb, b = self.kb, self.b
-        g = len(bps)
-        v = ir.Constant(ir.VectorType(HALF, g), ir.Undefined)
-        for i, bp in enumerate(bps):
-            p = bp if off == 0 else kb.gep(bp, off)
-            v = b.insert_element(v, b.load(b.bitcast(p, ir.PointerType(HALF)), align=1), i64(i))
-        v = b.fpext(v, ir.VectorType(F32, g))
-        return _shuffle(kb, v, v, [i // 8 for i in range(8 * g)])
+    def _group_quants(self, row: ir.Value, j: ir.Value, g: int) -> tuple[ir.Value, list[ir.Value]]:
+        """The unsigned quants of blocks j .. j+g-1 of a row (<32g x i8>, what
+        ``_dot`` takes) and the g blocks' addresses (for ``block_scales``)."""
+        b = self.b
+        bps = [self._block_ptr(row, b.add(j, i64(i))) for i in range(g)]
+        us = [self.unsigned_block(bp, b.add(j, i64(i))) for i, bp in enumerate(bps)]
+        return (us[0] if g == 1 else _shuffle(self.kb, us[0], us[1], list(range(64)))), bps
+
+    def block_scales(self, bps: list[ir.Value]) -> tuple[ir.Value, ir.Value | None]:
+        """<n x float> d_w of the n blocks at bps, and their m_w (offset
+        layouts; else None): the float16s at bytes 0 and 2."""
+        return f16_gather(self.kb, bps, 0), f16_gather(self.kb, bps, 2) if self.offset else None
+
+    def _spread(self, v: ir.Value) -> ir.Value:
+        """<g x float> -> <8g x float>: each block's value in its 8 lanes."""
+        return _shuffle(self.kb, v, v, [i // 8 for i in range(8 * v.type.count)])
 
     def tile(self, r0: ir.Value, R: int, slots: list[_Slot], ts: list[ir.Value]) -> None:
         """out[ts[s], r0 .. r0+R-1] for the quantized rows in ``slots``
@@ -341,7 +379,7 @@ class _IntKernel:
                 cur = list(cur)
                 if self.ahead:
                     for i in range(R):
-                        kb.prefetch(kb.gep(self._block_ptr(rows[i], j), self.ahead), self.bb * step)
+                        kb.prefetch(kb.gep(self._block_ptr(rows[i], j), self.ahead), self.bytes_per_block * step)
                 for i in range(R):
                     for u in range(U):
                         new = self._group(rows[i], b.add(j, i64(u * G)), G,
@@ -385,6 +423,9 @@ def emit_int_matvec(kb: KernelBuilder, sig: KernelSig) -> None:
     if sig.attr.get("act") == "q8k":
         from .k_matmul_int_kquants import kquant_int_kernel
         kern = kquant_int_kernel(kb, sig)
+    elif sig.in_types[1].layout in QSF_INT_LAYOUTS:
+        from .k_matmul_int_qsf import QSFIntKernel
+        kern = QSFIntKernel(kb, sig)
     else:
         kern = _IntKernel(kb, sig)
     from .k_matmul_int_gemm import emit_int_gemm, use_gemm

@@ -38,13 +38,16 @@ from typing import Callable
 import llvmlite.ir as ir
 
 from .emit import F32, I32, KernelBuilder, i64
-from .k_matmul import HALF, _tuned
+from .k_matmul import _tuned
 from .k_matmul_int import _call, quantize_block
 from .kernels import KernelSig
 from .target import host_target
 
 QK = 32
 I8 = ir.IntType(8)
+#: layouts whose tile is unpacked from transposed nibble bytes (fewer
+#: shuffles than transposing each row's 32 unpacked bytes, as the others do)
+NIBBLE_LAYOUTS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1")
 #: tokens per register block (each: an int32 and a float accumulator beside
 #: a block's 8 weight vectors: 8 + 16 + scales fit the 32 AVX-512 registers)
 _P = 8
@@ -255,7 +258,9 @@ class GemmBase:
 
 
 class Q8Gemm(GemmBase):
-    """The 32-value block layouts (Q8_0, Q4_0, Q5_0, Q4_1, Q5_1): scratch,
+    """The 32-value block layouts (Q8_0, Q4_0, Q5_0, Q4_1, Q5_1; QSF's
+    64-value blocks as two of them, the kernel's ``unsigned_block`` and
+    ``block_scales``): scratch,
     quantization, unpacking into VNNI order with the decode kernel's
     biases, and the microkernel."""
 
@@ -278,8 +283,8 @@ class Q8Gemm(GemmBase):
         ptrs = [kern._block_ptr(b.add(r0, i64(r)), j) for r in range(W)]
         lay = kern.layout
         v4w = ir.VectorType(I8, 4 * W)
-        if lay == "Q8_0":
-            rows = [b.bitcast(b.xor(kb.vload(p, 2, QK), _vc(I8, [0x80] * QK)), ir.VectorType(I32, 8)) for p in ptrs]
+        if lay not in NIBBLE_LAYOUTS:   # Q8_0, QSF: the decode kernel's 32 unsigned bytes per row, transposed
+            rows = [b.bitcast(kern.unsigned_block(p, j), ir.VectorType(I32, 8)) for p in ptrs]
             vecs = [b.bitcast(v, v4w) for v in transpose(b, rows)]
         else:
             rows = [b.bitcast(kb.vload(p, kern.bb - 16, 16), ir.VectorType(I32, 4)) for p in ptrs]
@@ -293,10 +298,10 @@ class Q8Gemm(GemmBase):
         for i, v in enumerate(vecs):
             kb.vstore(v, dst, 4 * W * i)
         f = ir.PointerType(F32)
-        kb.vstore(b.fpext(self._gather(ptrs, 0, HALF), ir.VectorType(F32, W)), b.bitcast(kb.gep(dst, 32 * W), f), 0)
-        if kern.offset:
-            kb.vstore(b.fpext(self._gather(ptrs, 2, HALF), ir.VectorType(F32, W)),
-                      b.bitcast(kb.gep(dst, 36 * W), f), 0)
+        dw, mw = kern.block_scales(ptrs)
+        kb.vstore(dw, b.bitcast(kb.gep(dst, 32 * W), f), 0)
+        if mw is not None:
+            kb.vstore(mw, b.bitcast(kb.gep(dst, 36 * W), f), 0)
 
     def _high_bits(self, h: ir.Value, i: int) -> ir.Value:
         """<4W x i8>: 16 in byte c of lane r where bit 4i + c of row r's qh is set

@@ -25,8 +25,10 @@ a per-block table of weights (``QSFDecoder``).
 No fast-math flags anywhere in a decode (``EXACT``): the decoded weights
 equal the numpy reference bit for bit. Types whose value is ``quants * d``
 (Q8, Q4, Q2S) let a matvec defer d to the block's partial dot product, as
-GGUF's symmetric types do. QSF is not on the integer dot path
-(``passes/int_dot.py`` leaves these layouts alone).
+GGUF's symmetric types do. These are the float path; where the host has
+VNNI, ``passes/int_dot.py`` puts QSF matmuls on the integer path instead
+(``k_matmul_int_qsf``), and these decoders still serve embeddings and
+graphs compiled without the pass.
 """
 from __future__ import annotations
 
