@@ -260,9 +260,10 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
         ninf = fconst(float("-inf"), B)
         last = b.sub(n, i64(1))
         with kb.loop_carry(0, nb, [ninf] * hg, step=B, name="sb") as (j, mvs, setv):
-            # ask for the next block's keys and this block's values (pass 2 reads them): a paged
-            # sequence's rows jump from block to block, where the hardware's stream prefetch restarts
-            for p in range(B):
+            # paged: ask for the next block's keys and this block's values (pass 2 reads them); a
+            # sequence's rows jump from pool block to pool block, where the hardware's stream
+            # prefetch restarts (a contiguous cache streams without: there the prefetches cost)
+            for p in range(B if addr.strided else 0):
                 kb.prefetch(b.bitcast(krow(kb.imin(b.add(j, i64(B + p)), last)), kb.scratch.type), slice_bytes)
                 kb.prefetch(b.bitcast(vrow(b.add(j, i64(p))), kb.scratch.type), slice_bytes)
             new = []
