@@ -145,6 +145,8 @@ class Model:
                     self.compile_info["compile_child_peak_bytes"] = res.child_peak
                 if status is not None and not res.cached:
                     status(f"compiled for this CPU in {res.seconds:.1f} s" + (" (cached for next time)" if use_cache else ""))
+            elif mem_budget is not None:
+                _check_artifact_budget(artifact, mem_budget, loaded.path)
             self.ctx = int(artifact.manifest["ctx"])
             if artifact.manifest.get("batch"):
                 b = artifact.manifest["batch"]
@@ -479,6 +481,22 @@ def _compile_child(path: str, tokenizer: str | None, opts, said=None) -> None:
     prepare()   # sampling's own native code, so the parent starts no LLVM either
 
 
+def _check_artifact_budget(artifact: Artifact, budget: int, model_path: str) -> None:
+    """A compiled model runs with the memory plan it was compiled for: refuse
+    a budget smaller than that plan (or a budget at all, when it was compiled
+    without one and so keeps every weight resident) instead of exceeding it."""
+    from passes.memory_budget import fmt_size
+
+    plan = artifact.manifest.get("memory")
+    again = f"compile it again for this budget (`lmc compile {model_path} --mem-budget {_size_arg(budget)} -o ...`)"
+    if not plan:
+        raise RunError(f"--mem-budget {fmt_size(budget)}: this compiled model was built without a memory budget "
+                       f"(every weight resident); {again}")
+    if int(plan["total"]) > budget:
+        raise RunError(f"--mem-budget {fmt_size(budget)}: this compiled model was planned for "
+                       f"{fmt_size(int(plan['total']))} ({plan.get('describe', '')}); {again}")
+
+
 def _compile_within_budget(loaded: LoadedModel, opts):
     """With a memory budget, LLVM runs in a child process that fills the
     compile cache, one kernel module at a time (``jobs=1``); this process
@@ -588,7 +606,8 @@ def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, ba
                            f"(recompile it with --kv-type {kv_type})")
         if batch is not None and not man.get("batch"):
             raise RunError(f"{path}: not compiled for batched serving")
-        return Model(loaded, "llvm", ctx=man["ctx"], threads=threads, artifact=art, speculation=speculation)
+        return Model(loaded, "llvm", ctx=man["ctx"], threads=threads, artifact=art, speculation=speculation,
+                     mem_budget=mem_budget)
     return Model(load_model(path, tokenizer), backend=backend, ctx=ctx, threads=threads, use_cache=use_cache,
                  passes=passes, mem_budget=mem_budget, stream=stream, kv_type=kv_type, stream_io=stream_io,
                  status=status, batch=batch, speculation=speculation)

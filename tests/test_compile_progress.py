@@ -95,9 +95,15 @@ def test_a_budget_the_compile_cannot_fit_is_refused_then_compile_once(tmp_path):
     probe = ("import subprocess, sys, resource, json; r = subprocess.run(sys.argv[1:], capture_output=True, "
              "text=True); print(json.dumps([r.returncode, r.stdout, r.stderr, "
              "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss]))")
-    for cmd in (run, [*run[:4], str(art), *run[7:-2]]):
+    for cmd in (run, [*run[:4], str(art), *run[7:-2]], [*run[:4], str(art), *run[7:]]):
         code, out, err, kb = json.loads(subprocess.run([sys.executable, "-c", probe, *cmd], capture_output=True,
                                                        text=True, cwd=ROOT, env=env, timeout=900).stdout)
         assert code == 0, err
         assert out.startswith("Once")
         assert kb * 1024 <= 90 << 20, f"{cmd}: peak {kb} KiB over the 90M budget"
+    # the artifact under a budget smaller than the plan it was compiled for: refused, not exceeded
+    small = subprocess.run([*run[:4], str(art), *run[7:-1], "30M"], capture_output=True, text=True, cwd=ROOT,
+                           env=env, timeout=900)
+    line = small.stderr.strip()
+    assert small.returncode == 2 and small.stdout == "" and "\n" not in line and "Traceback" not in line
+    assert line.startswith("lmc: error: --mem-budget 30.0 MiB: this compiled model was planned for "), line
