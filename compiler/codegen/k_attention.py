@@ -258,14 +258,16 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
 
         # pass 1: scores and their max, per head (each key row read once for the unit's heads)
         ninf = fconst(float("-inf"), B)
-        last = b.sub(n, i64(1))
+        last = b.sub(n, i64(1)) if addr.strided else None
         with kb.loop_carry(0, nb, [ninf] * hg, step=B, name="sb") as (j, mvs, setv):
-            # paged: ask for the next block's keys and this block's values (pass 2 reads them); a
-            # sequence's rows jump from pool block to pool block, where the hardware's stream
-            # prefetch restarts (a contiguous cache streams without: there the prefetches cost)
-            for p in range(B if addr.strided else 0):
-                kb.prefetch(b.bitcast(krow(kb.imin(b.add(j, i64(B + p)), last)), kb.scratch.type), slice_bytes)
-                kb.prefetch(b.bitcast(vrow(b.add(j, i64(p))), kb.scratch.type), slice_bytes)
+            if addr.strided:
+                # paged: ask for the next block's keys and this block's values (pass 2 reads them); a
+                # sequence's rows jump from pool block to pool block, where the hardware's stream
+                # prefetch restarts (a contiguous cache streams without: there the prefetches cost)
+                for p in range(B):
+                    kb.prefetch(b.bitcast(krow(kb.imin(b.add(j, i64(B + p)), last)), kb.scratch.type),
+                                slice_bytes)
+                    kb.prefetch(b.bitcast(vrow(b.add(j, i64(p))), kb.scratch.type), slice_bytes)
             new = []
             for i in heads:
                 s = scaled(hsum_many(kb, [dot(i, b.add(j, i64(p))) for p in range(B)]))
