@@ -17,15 +17,15 @@ import pytest
 
 from compiler.codegen import k_matmul_int
 from compiler.codegen.harness import CompiledKernel, sig_for
-from compiler.driver import BatchOptions, CompileOptions, build_graphs
-from compiler.native import NativeOptions, compile_native, plan_native
+from compiler.driver import CompileOptions, build_graphs
+from compiler.native import NativeOptions, plan_native
 from compiler.pipeline import run_pipeline
 from ir.layouts_repacked import split_repacked
 from ir.types import TensorType
 from kernel_checks import call_with_guard
-from runtime.native import NativeExecutor
+from test_fuse_residual import compiled_logits
 from test_int_gemm import act, weight
-from test_repack import CTX, MODELS, VOCAB, _prefill_logits, models, width_or_skip  # noqa: F401 (fixture)
+from test_repack import CTX, MODELS, _prefill_logits, models, width_or_skip  # noqa: F401 (fixture)
 from test_repacked_kernels import kernel, repacked, width_or_skip as kernel_width
 
 PASSES = ("fuse_dequant", "fuse_elementwise", "int_dot", "repack", "fuse_residual")
@@ -115,20 +115,9 @@ def test_compiled_logits_do_not_change(models, name):
     bits with and without the norms fused."""
     width_or_skip()
     m = models[name]
-    rng = np.random.default_rng(4)
-    ids = [1] + [int(t) for t in rng.integers(3, VOCAB, 20)]
-    bo = BatchOptions(block_size=4, n_blocks=24, max_batch=4)
     got = {}
     for label, passes in (("plain", PASSES), ("fused", FUSED)):
-        one = NativeExecutor(compile_native(m, NativeOptions(ctx=CTX, prefill_chunk=8, passes=passes,
-                                                             use_cache=False)).artifact, m.path, threads=3)
-        rows = np.array(one.prefill(ids, 0, all_logits=True))
-        one.reset()
-        steps = np.stack([np.array(one.decode(t, p)) for p, t in enumerate(ids)])
-        b = NativeExecutor(compile_native(m, NativeOptions(ctx=CTX, prefill_chunk=8, passes=passes, batch=bo,
-                                                           use_cache=False)).artifact, m.path, threads=2)
-        batch = np.array(b.batch(ids[:8], list(range(8)), [list(range(6))] * 8))
-        got[label] = (rows, steps, batch)
+        got[label] = compiled_logits(m, passes)
         planned = plan_native(m, NativeOptions(ctx=CTX, prefill_chunk=8, passes=passes))
         assert bool(normed(planned.graphs["decode"])) == (label == "fused")
     for a, b in zip(got["plain"], got["fused"]):

@@ -98,26 +98,32 @@ def test_the_epilogue_adds_the_residual_to_the_products_bits(base):
             np.testing.assert_array_equal(got, want)
 
 
+def compiled_logits(m, passes: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``m`` compiled with ``passes`` (no cache): the logits of every prompt
+    row, of decode steps over the same ids, and of a served batch's rows."""
+    rng = np.random.default_rng(4)
+    ids = [1] + [int(t) for t in rng.integers(3, VOCAB, 20)]
+    bo = BatchOptions(block_size=4, n_blocks=24, max_batch=4)
+    one = NativeExecutor(compile_native(m, NativeOptions(ctx=CTX, prefill_chunk=8, passes=passes,
+                                                         use_cache=False)).artifact, m.path, threads=3)
+    rows = np.array(one.prefill(ids, 0, all_logits=True))
+    one.reset()
+    steps = np.stack([np.array(one.decode(t, p)) for p, t in enumerate(ids)])
+    b = NativeExecutor(compile_native(m, NativeOptions(ctx=CTX, prefill_chunk=8, passes=passes, batch=bo,
+                                                       use_cache=False)).artifact, m.path, threads=2)
+    batch = np.array(b.batch(ids[:8], list(range(8)), [list(range(6))] * 8))
+    return rows, steps, batch
+
+
 @pytest.mark.parametrize("name", ["q8_0", "q5_0"])
 def test_compiled_logits_do_not_change(models, name):
     """Decode steps, prompt rows and the rows of a served batch: the same
     bits with and without the epilogues."""
     width_or_skip()
     m = models[name]
-    rng = np.random.default_rng(4)
-    ids = [1] + [int(t) for t in rng.integers(3, VOCAB, 20)]
-    bo = BatchOptions(block_size=4, n_blocks=24, max_batch=4)
     got = {}
     for label, passes in (("plain", PASSES), ("fused", FUSED)):
-        one = NativeExecutor(compile_native(m, NativeOptions(ctx=CTX, prefill_chunk=8, passes=passes,
-                                                             use_cache=False)).artifact, m.path, threads=3)
-        rows = np.array(one.prefill(ids, 0, all_logits=True))
-        one.reset()
-        steps = np.stack([np.array(one.decode(t, p)) for p, t in enumerate(ids)])
-        b = NativeExecutor(compile_native(m, NativeOptions(ctx=CTX, prefill_chunk=8, passes=passes, batch=bo,
-                                                           use_cache=False)).artifact, m.path, threads=2)
-        batch = np.array(b.batch(ids[:8], list(range(8)), [list(range(6))] * 8))
-        got[label] = (rows, steps, batch)
+        got[label] = compiled_logits(m, passes)
         planned = plan_native(m, NativeOptions(ctx=CTX, prefill_chunk=8, passes=passes))
         assert (count(planned.graphs["decode"], "qmatmul_add") > 0) == (label == "fused")
     for a, b in zip(got["plain"], got["fused"]):
