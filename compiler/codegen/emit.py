@@ -143,16 +143,17 @@ class KernelBuilder:
             fn = ir.Function(self.module, ir.FunctionType(t, [a.type for a in args]), full)
         return self.b.call(fn, list(args))
 
-    def prefetch(self, ptr: ir.Value, nbytes: int = 1) -> None:
+    def prefetch(self, ptr: ir.Value, nbytes: int = 1, locality: int = 3) -> None:
         """Ask for the bytes [ptr, ptr + nbytes) (ptr an i8*) ahead of their
-        use, a cache line at a time: reads, kept in every cache level. A
-        prefetch never faults, so the span may run past the buffer."""
+        use, a cache line at a time: reads, kept in every cache level
+        (``locality`` 3), or in L2 and below (2). A prefetch never faults,
+        so the span may run past the buffer."""
         name = "llvm.prefetch.p0"
         fn = self.module.globals.get(name)
         if fn is None:
             fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [ptr.type, I32, I32, I32]), name)
         for off in range(0, max(1, nbytes), 64):
-            self.b.call(fn, [self.gep(ptr, off) if off else ptr, ir.Constant(I32, 0), ir.Constant(I32, 3),
+            self.b.call(fn, [self.gep(ptr, off) if off else ptr, ir.Constant(I32, 0), ir.Constant(I32, locality),
                              ir.Constant(I32, 1)])
 
     def fadd(self, a, b):
