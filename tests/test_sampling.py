@@ -456,3 +456,62 @@ def test_native_softmax_is_bit_identical_to_the_emulation():
             np.testing.assert_array_equal(got, want)
         else:
             np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_native_draw_is_runc_sample_mult_over_the_native_softmax():
+    """The fused softmax-and-draw lands where run.c's sample_mult lands on
+    the native softmax's probabilities: the first running float32 sum above
+    the coin, else the last token (coins at the very top of the sum)."""
+    from runtime.native_softmax import native_sample_mult, native_softmax
+
+    rng = np.random.default_rng(6)
+    for n in (4096, 151936):
+        x = (rng.standard_normal(n) * 4).astype(np.float32)
+        x[rng.integers(0, n, n // 10)] = -np.inf
+        cdf = np.cumsum(native_softmax(x))     # float32, sequential, as run.c's cdf
+        coins = np.concatenate([rng.random(300), [0.0, cdf[-1], np.nextafter(cdf[-1], 0), 0.999999]])
+        for c in coins.astype(np.float32):
+            want = min(int(np.searchsorted(cdf, c, side="right")), n - 1)
+            assert native_sample_mult(x, c) == want
+
+
+def _top_k_reference(x: np.ndarray, k: int) -> np.ndarray:
+    n = x.shape[0]
+    thr = np.partition(x, n - k)[n - k]
+    above = np.flatnonzero(x > thr)
+    ties = np.flatnonzero(x == thr)[: k - above.size]
+    return np.sort(np.concatenate([above, ties]))
+
+
+@pytest.mark.parametrize("k", [1, 2, 40, 100])
+def test_top_k_narrowed_by_chunk_maxima_keeps_the_same_ids(k):
+    """Large vocabularies first keep the logits >= the k-th largest chunk
+    maximum: the ids are those of one partition over all, ties included
+    (few distinct values), -inf included."""
+    from runtime.sampling import _top_k_ids
+
+    rng = np.random.default_rng(k)
+    for n in (151936, 32000, 50000):
+        for x in ((rng.standard_normal(n) * 3).astype(np.float32),
+                  rng.integers(0, 6, n).astype(np.float32),            # ties across the boundary
+                  np.where(rng.random(n) < 0.999, -np.inf, 1.0).astype(np.float32)):
+            np.testing.assert_array_equal(_top_k_ids(x, k), _top_k_reference(x, k))
+
+
+def test_large_vocabulary_paths_do_not_mutate_and_validate():
+    rng = np.random.default_rng(22)
+    x = rng.normal(size=151936).astype(np.float32)
+    before = x.copy()
+    for cfg in (SamplerConfig(), SamplerConfig(temperature=1.0, seed=1),
+                SamplerConfig(temperature=0.7, top_k=40, seed=1),
+                SamplerConfig(temperature=0.7, top_k=20, presence_penalty=0.5, repeat_penalty=1.3, seed=1)):
+        Sampler(cfg, x.size).sample(x, [1, 2, 3])
+        assert np.array_equal(x, before)
+    for bad in (np.nan, np.inf):
+        y = x.copy()
+        y[12345] = bad
+        for cfg in (SamplerConfig(), SamplerConfig(temperature=1.0, seed=1)):
+            with pytest.raises(ValueError, match="NaN or \\+inf"):
+                Sampler(cfg, y.size).sample(y)
+    with pytest.raises(ValueError, match="every logit is -inf"):
+        Sampler(SamplerConfig(temperature=1.0, seed=1), 8192).sample(np.full(8192, -np.inf, np.float32))
