@@ -16,10 +16,12 @@ import numpy as np
 
 _FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 _DRAW = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float)
+_EXPS = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float)
 
 
-def _module():
-    """The softmax loop and the fused softmax-and-draw as an LLVM module."""
+def _module(vector_exp: bool):
+    """The softmax loop and the fused softmax-and-draw as an LLVM module;
+    ``vector_exp``: glibc's expf computed 8 lanes at a time (``_vexp``)."""
     import llvmlite.ir as ir
 
     f32, i64 = ir.FloatType(), ir.IntType(64)
@@ -32,13 +34,13 @@ def _module():
         b = ir.IRBuilder(fn.append_basic_block("entry"))
 
         def loop(n, body, init):
-            """for i in 0..n with one float carried: returns the final value."""
+            """for i in 0..n with one value carried: returns the final value."""
             pre = b.block
             head, bodyb, done = (fn.append_basic_block(s) for s in ("head", "body", "done"))
             b.branch(head)
             b.position_at_end(head)
             i = b.phi(i64)
-            acc = b.phi(f32)
+            acc = b.phi(init.type)
             i.add_incoming(ir.Constant(i64, 0), pre)
             acc.add_incoming(init, pre)
             b.cbranch(b.icmp_signed("<", i, n), bodyb, done)
@@ -55,17 +57,57 @@ def _module():
     def load(b, p, i):
         return b.load(b.gep(p, [i]))
 
+    # lmc_exps(x, out, n, m): out[i] = expf(x[i] - m); with ``vector_exp`` 8 lanes
+    # at a time (``_vexp``), the tail by the library's expf
+    fn, b, loop = build("lmc_exps", ir.VoidType(), [fp, fp, i64, f32])
+    x, out, n, mx = fn.args
+    start = ir.Constant(i64, 0)
+    if vector_exp:
+        v8 = ir.VectorType(f32, 8)
+
+        def vex(i, a):
+            at = b.mul(i, ir.Constant(i64, 8))
+            xv = b.load(b.bitcast(b.gep(x, [at]), ir.PointerType(v8)), align=4)
+            b.store(_vexp(m, b, b.fsub(xv, _splat(b, mx, 8))), b.bitcast(b.gep(out, [at]), ir.PointerType(v8)),
+                    align=4)
+            return a
+
+        loop(b.lshr(n, ir.Constant(i64, 3)), vex, ir.Constant(f32, 0.0))
+        start = b.and_(n, ir.Constant(i64, -8))
+
+    def ex(i, a):
+        j = b.add(i, start)
+        b.store(b.call(expf, [b.fsub(load(b, x, j), mx)]), b.gep(out, [j]))
+        return a
+
+    loop(b.sub(n, start), ex, ir.Constant(f32, 0.0))
+    b.ret_void()
+    lmc_exps = fn
+
     def exps(b, loop, x, out, n):
         """out[i] = expf(x[i] - max x); returns their sequential float sum."""
-        mx = loop(n, lambda i, a: b.select(b.fcmp_ordered(">", load(b, x, i), a), load(b, x, i), a),
-                  load(b, x, ir.Constant(i64, 0)))
+        def larger(i, a):
+            v = load(b, x, i)
+            return b.select(b.fcmp_ordered(">", v, a), v, a)
 
-        def ex(i, s):
-            e = b.call(expf, [b.fsub(load(b, x, i), mx)])
-            b.store(e, b.gep(out, [i]))
-            return b.fadd(s, e)
+        # the maximum 8 lanes at a time, then across the lanes and the tail: the
+        # same value as one chain (a lane keeps its value over NaN as the chain
+        # does; of +0 and -0 it may keep the other, and x - m is the same either way)
+        v8 = ir.VectorType(f32, 8)
+        n8 = b.and_(n, ir.Constant(i64, -8))
 
-        return loop(n, ex, ir.Constant(f32, 0.0))
+        def vlarger(i, a):
+            v = b.load(b.bitcast(b.gep(x, [b.mul(i, ir.Constant(i64, 8))]), ir.PointerType(v8)), align=4)
+            return b.select(b.fcmp_ordered(">", v, a), v, a)
+
+        vmax = loop(b.lshr(n, ir.Constant(i64, 3)), vlarger, _splat(b, load(b, x, ir.Constant(i64, 0)), 8))
+        mx = b.extract_element(vmax, ir.Constant(ir.IntType(32), 0))
+        for lane in range(1, 8):
+            v = b.extract_element(vmax, ir.Constant(ir.IntType(32), lane))
+            mx = b.select(b.fcmp_ordered(">", v, mx), v, mx)
+        mx = loop(b.sub(n, n8), lambda i, a: larger(b.add(i, n8), a), mx)
+        b.call(lmc_exps, [x, out, n, mx])
+        return loop(n, lambda i, s_: b.fadd(s_, load(b, out, i)), ir.Constant(f32, 0.0))
 
     # lmc_softmax(x, out, n): out = softmax(x)
     fn, b, loop = build("lmc_softmax", ir.VoidType(), [fp, fp, i64])
@@ -106,12 +148,86 @@ def _module():
     return m
 
 
+def _splat(b, v, n: int):
+    """v in each of n lanes."""
+    import llvmlite.ir as ir
+
+    t = ir.VectorType(v.type, n)
+    one = b.insert_element(ir.Constant(t, ir.Undefined), v, ir.Constant(ir.IntType(32), 0))
+    return b.shuffle_vector(one, ir.Constant(t, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
+
+
+def _vexp(m, b, x):
+    """glibc's expf (its x86-64 FMA build, as ``sampling.expf_glibc``
+    reproduces it) on <8 x float>: the reduction k + r = x 32/ln2 by FMAs,
+    2^(k/32) from the table, the cubic in double with FMAs, one rounding
+    to float; then the special cases by the same thresholds. Bit for bit
+    the library's result, 8 lanes at once instead of a call per value."""
+    import llvmlite.ir as ir
+
+    from . import sampling as S
+
+    f32, f64, i64 = ir.FloatType(), ir.DoubleType(), ir.IntType(64)
+    vd, vi, vf = ir.VectorType(f64, 8), ir.VectorType(i64, 8), ir.VectorType(f32, 8)
+    fma = m.globals.get("llvm.fma.v8f64") or ir.Function(m, ir.FunctionType(vd, [vd, vd, vd]), "llvm.fma.v8f64")
+    table = m.globals.get("lmc_exp2f_table")
+    if table is None:
+        tt = ir.ArrayType(i64, 32)
+        table = ir.GlobalVariable(m, tt, "lmc_exp2f_table")
+        table.global_constant = True
+        table.linkage = "internal"
+        table.initializer = ir.Constant(tt, [int(v) for v in S._EXP2F_T])
+
+    def cd(v: float):
+        return ir.Constant(vd, [v] * 8)
+
+    def ci(v: int):
+        return ir.Constant(vi, [v] * 8)
+
+    xd = b.fpext(x, vd)
+    kd0 = b.call(fma, [cd(S._INVLN2N), xd, cd(S._SHIFT)])
+    ki = b.bitcast(kd0, vi)
+    kd = b.fsub(kd0, cd(S._SHIFT))
+    r = b.call(fma, [cd(S._INVLN2N), xd, b.fsub(cd(-0.0), kd)])
+    idx = b.and_(ki, ci(31))
+    t = ir.Constant(vi, ir.Undefined)
+    for lane in range(8):
+        at = b.extract_element(idx, ir.Constant(ir.IntType(32), lane))
+        t = b.insert_element(t, b.load(b.gep(table, [ir.Constant(i64, 0), at])), ir.Constant(ir.IntType(32), lane))
+    sc = b.bitcast(b.add(t, b.shl(ki, ci(47))), vd)
+    z = b.call(fma, [cd(S._C0), r, cd(S._C1)])
+    r2 = b.fmul(r, r)
+    y = b.call(fma, [cd(S._C2), r, cd(1.0)])
+    y = b.call(fma, [z, r2, y])
+    out = b.fptrunc(b.fmul(y, sc), vf)
+
+    def cf(v: float):
+        return ir.Constant(vf, [float(v)] * 8)
+
+    out = b.select(b.fcmp_ordered(">", x, cf(S._OFLOW)), cf(float("inf")), out)
+    out = b.select(b.fcmp_ordered("<", x, cf(S._MAY_UFLOW)), cf(2.0 ** -149), out)
+    return b.select(b.fcmp_ordered("<", x, cf(S._UFLOW)), cf(0.0), out)
+
+
+def _vector_exp_here() -> bool:
+    """``_vexp`` is glibc's expf only where glibc runs its FMA build: x86-64
+    Linux with glibc, on a CPU with FMA. Elsewhere each value calls the
+    library's own expf."""
+    import platform
+
+    from compiler.codegen.target import host_target
+
+    return (platform.system() == "Linux" and platform.machine() == "x86_64"
+            and platform.libc_ver()[0] == "glibc" and host_target().has("fma"))
+
+
 @functools.cache
 def _compiled():
     from compiler.codegen.jit import LoadedCode
 
-    code = LoadedCode(_object_code(_module()), shared=True)
-    return code, _FN(code.address("lmc_softmax")), _DRAW(code.address("lmc_sample_mult"))
+    code = LoadedCode(_object_code(_module(_vector_exp_here())), shared=True)
+    return (code, _FN(code.address("lmc_softmax")), _DRAW(code.address("lmc_sample_mult")),
+            _EXPS(code.address("lmc_exps")))
 
 
 def prepare() -> None:
@@ -119,7 +235,7 @@ def prepare() -> None:
     compile child of a memory budget), so that a run under a budget never
     starts LLVM to sample: LLVM alone takes ~75 MB."""
     try:
-        _object_code(_module())
+        _object_code(_module(_vector_exp_here()))
     except Exception:  # no LLVM target for this machine: sampling falls back to numpy
         pass
 
@@ -162,7 +278,7 @@ def native_softmax(x: np.ndarray) -> np.ndarray | None:
     """softmax of a float32 vector as run.c computes it, or None if native
     code is not available here (the caller then uses the numpy emulation)."""
     try:
-        _, fn, _ = _compiled()
+        fn = _compiled()[1]
     except Exception:  # no LLVM target for this machine: fall back
         return None
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -178,9 +294,23 @@ def native_sample_mult(x: np.ndarray, coin: np.float32) -> int | None:
     sum, at about half their cost (one pass fewer, and the draw stops where
     it lands). None if native code is not available here."""
     try:
-        _, _, fn = _compiled()
+        fn = _compiled()[2]
     except Exception:  # no LLVM target for this machine: fall back
         return None
     x = np.ascontiguousarray(x, dtype=np.float32)
     scratch = np.empty_like(x)
     return int(fn(x.ctypes.data, scratch.ctypes.data, x.size, float(coin)))
+
+
+def native_exps(x: np.ndarray, m: float = 0.0) -> np.ndarray | None:
+    """expf(x - m) per value as the softmax computes it (the library's
+    expf, or ``_vexp`` where that is the same), or None if native code is
+    not available here."""
+    try:
+        fn = _compiled()[3]
+    except Exception:  # no LLVM target for this machine: fall back
+        return None
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    fn(x.ctypes.data, out.ctypes.data, x.size, float(m))
+    return out

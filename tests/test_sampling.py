@@ -515,3 +515,25 @@ def test_large_vocabulary_paths_do_not_mutate_and_validate():
                 Sampler(cfg, y.size).sample(y)
     with pytest.raises(ValueError, match="every logit is -inf"):
         Sampler(SamplerConfig(temperature=1.0, seed=1), 8192).sample(np.full(8192, -np.inf, np.float32))
+
+
+def test_vector_expf_is_glibc_expf_over_a_sweep_of_floats():
+    """Where glibc runs its FMA build the compiled softmax computes expf 8
+    lanes at a time (``native_softmax._vexp``): over every 97th float32
+    from -110 to 90 (the subnormal, underflow and overflow ranges), the
+    thresholds and the infinities, it equals the emulation of the library's
+    expf, and so the library's (``test_expf_glibc_matches_libm``)."""
+    from runtime.native_softmax import _vector_exp_here, native_exps
+    from runtime.sampling import _MAY_UFLOW, _OFLOW, _UFLOW, expf_glibc
+
+    if not GLIBC_X86_64:
+        pytest.skip("the vector expf reproduces glibc's x86-64 FMA build only")
+    from compiler.codegen.target import host_target
+    assert _vector_exp_here() == host_target().has("fma")
+    neg = np.arange(0x80000000, 0xC2DC0000, 97, dtype=np.uint64)
+    pos = np.arange(0, 0x42B40000, 97, dtype=np.uint64)
+    x = np.concatenate([neg, pos]).astype(np.uint32).view(np.float32)
+    edges = [t + d for t in (_UFLOW, _MAY_UFLOW, _OFLOW) for d in (np.float32(0), np.float32(1e-5), np.float32(-1e-5))]
+    x = np.concatenate([x, edges, [-np.inf, np.inf, np.uint32(0xC27C65D9).view(np.float32)]]).astype(np.float32)
+    got = native_exps(x)
+    np.testing.assert_array_equal(got.view(np.uint32), expf_glibc(x).view(np.uint32))
