@@ -10,6 +10,12 @@ numbers. As in vLLM's block manager:
 * a full block is content-addressed by the hash of every token up to its
   end, so sequences whose prompts share a prefix (the same system prompt)
   share those blocks (reference counts), and the prefix is prefilled once;
+* past the last full block they share, a prompt that starts like a cached
+  block (same tokens before it, same first r) gets a private copy of that
+  block and its first r positions are not computed again (``copies``): a
+  system prompt rarely ends on a block boundary, and the block after it
+  holds its end (as SGLang's radix cache shares to the token; vLLM shares
+  full blocks only);
 * a finished sequence's full blocks stay cached (evictable, least recently
   used first) until their room is needed;
 * a shared block is never written: a sequence about to write into one gets
@@ -33,6 +39,7 @@ class SeqBlocks:
 
     table: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)   # of table[i] for each full block i, in order
+    copies: list[tuple[int, int]] = field(default_factory=list)   # (src, dst) to make before its prefill
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -53,6 +60,9 @@ class BlockManager:
         self.hash_of: dict[int, bytes] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()       # cached blocks no sequence uses, LRU first
         self.seqs: dict[int, SeqBlocks] = {}
+        #: (parent hash, first r tokens) -> a cached block that starts so, for r < block_size
+        self.starts: dict[tuple[bytes, tuple[int, ...]], int] = {}
+        self.starts_of: dict[int, list[tuple[bytes, tuple[int, ...]]]] = {}
 
     # --- counts ----------------------------------------------------------------------------
     def blocks_for(self, n_tokens: int) -> int:
@@ -92,11 +102,35 @@ class BlockManager:
         spare = self.available - sum(1 for b in shared if b in self.evictable)
         if need > spare:
             raise OutOfBlocks(f"{need} blocks needed, {spare} available")
+        src, r = self._partial(parent, tokens[len(shared) * bs:])
+        if src is not None and src in self.evictable and need > spare - 1:
+            src, r = None, 0     # kept from eviction it would leave too few: compute those positions
         for b in shared:
             self._ref(b)
+        if src is not None:
+            self._ref(src)       # not evicted by this allocation's own takes before it is copied
         table = shared + [self._take() for _ in range(need)]
-        self.seqs[seq] = SeqBlocks(table, hashes)
-        return list(table), len(shared) * bs
+        self.seqs[seq] = SeqBlocks(table, hashes, [(src, table[len(shared)])] if src is not None else [])
+        if src is not None:
+            self._unref(src)
+        return list(table), len(shared) * bs + r
+
+    def _partial(self, parent: bytes, rest: Sequence[int]) -> tuple[int | None, int]:
+        """A cached block whose first r tokens (the most, below a block) are
+        the first r of ``rest`` after the same prefix, and r; else (None, 0)."""
+        for r in range(min(self.block_size - 1, len(rest)), 0, -1):
+            b = self.starts.get((parent, tuple(int(t) for t in rest[:r])))
+            if b is not None:
+                return b, r
+        return None, 0
+
+    def copies(self, seq: int) -> list[tuple[int, int]]:
+        """The (src, dst) block copies ``allocate`` chose for ``seq`` (a
+        cached block's first positions reused), taken once: the caller makes
+        them before the sequence's prefill writes into dst."""
+        s = self.seqs[seq]
+        out, s.copies = s.copies, []
+        return out
 
     def ensure(self, seq: int, pos: int) -> list[tuple[int, int]]:
         """Make position ``pos`` of ``seq`` writable: a new block when it
@@ -135,6 +169,11 @@ class BlockManager:
             if h not in self.cached and b not in self.hash_of:
                 self.cached[h] = b
                 self.hash_of[b] = h
+                block = tuple(int(t) for t in tokens[i * bs: (i + 1) * bs])
+                keys = [(parent, block[:r]) for r in range(1, bs)]
+                for k in keys:
+                    self.starts[k] = b
+                self.starts_of[b] = keys
 
     def release(self, seq: int) -> None:
         """The sequence is done: its blocks go back (cached ones stay cached)."""
@@ -174,3 +213,6 @@ class BlockManager:
         h = self.hash_of.pop(b)
         if self.cached.get(h) == b:
             del self.cached[h]
+        for k in self.starts_of.pop(b, ()):
+            if self.starts.get(k) == b:
+                del self.starts[k]

@@ -470,6 +470,10 @@ class Engine:
             except OutOfBlocks:
                 return
             self.waiting.popleft()
+            for src, dst in self.blocks.copies(s.key):    # a cached block's first positions, reused
+                self.ex.copy_block(src, dst)
+                if self.drafter is not None:
+                    self.drafter.copy_block(src, dst)
             # at least the last token runs: its logits give the next one
             s.computed = s.draft_kv = min(cached, len(s.tokens) - 1)
             if not s.admitted_once:

@@ -24,6 +24,11 @@ def check_invariants(bm: BlockManager) -> None:
         assert b in bm.hash_of, "an evictable block is a cached one"
     assert {bm.cached[h] for h in bm.cached} <= set(bm.hash_of)
     assert bm.available + sum(1 for r in bm.refs if r) == bm.n_blocks
+    for s in bm.seqs.values():
+        for src, dst in s.copies:
+            assert src != dst and dst in s.table and src not in s.table
+    for (_, start), b in bm.starts.items():
+        assert b in bm.hash_of and 0 < len(start) < bm.block_size, "a start indexes a cached block"
 
 
 def test_prompts_sharing_a_prefix_share_its_full_blocks():
@@ -34,13 +39,41 @@ def test_prompts_sharing_a_prefix_share_its_full_blocks():
     assert cached == 0 and len(a) == 4
     bm.commit(1, a_tokens)                              # its prefill is done: full blocks are cached
     b, cached = bm.allocate(2, system + [7, 8])
-    assert cached == 8 and b[:2] == a[:2] and b[2] != a[2]
-    assert bm.refs[a[0]] == bm.refs[a[1]] == 2
+    # two full blocks shared; the third starts as a's (108, 109): a private copy, 2 positions reused
+    assert cached == 10 and b[:2] == a[:2] and b[2] != a[2]
+    assert bm.copies(2) == [(a[2], b[2])] and bm.copies(2) == []
+    assert bm.refs[a[0]] == bm.refs[a[1]] == 2 and bm.refs[a[2]] == 1
     check_invariants(bm)
-    # the other sequence's tokens differ inside the second block: only the first is shared
+    # the other sequence's tokens differ inside the second block: the first is shared, one position copied
     c, cached = bm.allocate(3, system[:5] + [0] * 5)
-    assert cached == 4 and c[0] == a[0] and c[1] != a[1]
+    assert cached == 5 and c[0] == a[0] and c[1] != a[1] and bm.copies(3) == [(a[1], c[1])]
+    # nothing in common past the shared blocks: nothing to copy
+    d, cached = bm.allocate(4, system[:4] + [0] * 5)
+    assert cached == 4 and bm.copies(4) == []
     check_invariants(bm)
+
+
+def test_a_partial_match_is_the_longest_and_never_its_own_copy():
+    bm = BlockManager(4, 4)
+    for seq, toks in ((1, [1, 2, 3, 4]), (2, [1, 2, 9, 9])):
+        bm.allocate(seq, toks)
+        bm.commit(seq, toks)
+        bm.release(seq)
+    assert len(bm.evictable) == 2 and len(bm.free) == 2
+    # the longest start wins (3 of [1, 2, 3, 4]); the source, evictable, is not taken for the copy
+    t, cached = bm.allocate(3, [1, 2, 3, 7, 7, 7, 7, 7, 7])
+    (src, dst), = bm.copies(3)
+    assert cached == 3 and dst == t[0] and src != dst and src not in t
+    check_invariants(bm)
+    bm.release(3)
+    # when keeping the source would leave too few blocks, the positions are computed instead
+    bm2 = BlockManager(2, 4)
+    bm2.allocate(1, [1, 2, 3, 4])
+    bm2.commit(1, [1, 2, 3, 4])
+    bm2.release(1)
+    t, cached = bm2.allocate(2, [1, 2, 3, 5, 6, 7, 8, 9])
+    assert cached == 0 and bm2.copies(2) == [] and len(t) == 2
+    check_invariants(bm2)
 
 
 def test_writing_into_a_shared_block_copies_it_first():
