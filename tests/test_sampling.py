@@ -537,3 +537,30 @@ def test_vector_expf_is_glibc_expf_over_a_sweep_of_floats():
     x = np.concatenate([x, edges, [-np.inf, np.inf, np.uint32(0xC27C65D9).view(np.float32)]]).astype(np.float32)
     got = native_exps(x)
     np.testing.assert_array_equal(got.view(np.uint32), expf_glibc(x).view(np.uint32))
+
+
+def _nucleus_reference(probs: np.ndarray, top_p: np.float32) -> np.ndarray:
+    n = probs.shape[0]
+    cand = np.flatnonzero(probs >= (np.float32(1.0) - top_p) / np.float32(n - 1))
+    if cand.size == 0:
+        cand = np.arange(n)
+    order = cand[np.argsort(-probs[cand], kind="stable")]
+    cum = np.cumsum(probs[order])
+    return order[: min(int(np.searchsorted(cum, top_p, side="right")), cum.shape[0] - 1) + 1]
+
+
+def test_top_p_from_the_most_probable_first_keeps_the_same_nucleus():
+    """The nucleus is first sought among the most probable candidates (with
+    every tie of the last): the same ids in the same order as one stable
+    sort of all candidates, peaked or flat, with ties, small or large."""
+    from runtime.sampling import _top_p_nucleus
+
+    rng = np.random.default_rng(30)
+    for it in range(200):
+        n = int(rng.choice([40, 300, 5000, 151936]))
+        x = (rng.standard_normal(n) * rng.choice([0.5, 3, 8])).astype(np.float32)
+        if it % 3 == 0:
+            x = np.round(x)                      # many ties
+        p = softmax_f32(x / np.float32(rng.choice([0.3, 1.0, 3.0])))
+        top_p = np.float32(rng.choice([0.05, 0.5, 0.9, 0.95, 0.999]))
+        np.testing.assert_array_equal(_top_p_nucleus(p, top_p), _nucleus_reference(p, top_p))
