@@ -470,10 +470,7 @@ class Engine:
             except OutOfBlocks:
                 return
             self.waiting.popleft()
-            for src, dst in self.blocks.copies(s.key):    # a cached block's first positions, reused
-                self.ex.copy_block(src, dst)
-                if self.drafter is not None:
-                    self.drafter.copy_block(src, dst)
+            self._copy_blocks(self.blocks.copies(s.key))    # a cached block's first positions, reused
             # at least the last token runs: its logits give the next one
             s.computed = s.draft_kv = min(cached, len(s.tokens) - 1)
             if not s.admitted_once:
@@ -489,15 +486,19 @@ class Engine:
         for p in positions:
             while True:
                 try:
-                    for src, dst in self.blocks.ensure(s.key, p):
-                        self.ex.copy_block(src, dst)
-                        if self.drafter is not None:
-                            self.drafter.copy_block(src, dst)
+                    self._copy_blocks(self.blocks.ensure(s.key, p))
                     break
                 except OutOfBlocks:
                     if not (preempt and self._preempt_younger_than(s)):
                         return False
         return True
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """The block manager's (src, dst) copies, in the pool and the drafter's."""
+        for src, dst in copies:
+            self.ex.copy_block(src, dst)
+            if self.drafter is not None:
+                self.drafter.copy_block(src, dst)
 
     def _preempt_younger_than(self, s: _Seq) -> bool:
         victims = [v for v in self.running if v is not s and v.key > s.key]
