@@ -88,8 +88,7 @@ def _module(vector_exp: bool):
 
     def exps(b, loop, x, out, n):
         """out[i] = expf(x[i] - max x); returns their sequential float sum."""
-        def larger(i, a):
-            v = load(b, x, i)
+        def larger(v, a):
             return b.select(b.fcmp_ordered(">", v, a), v, a)
 
         # the maximum 8 lanes at a time, then across the lanes and the tail: the
@@ -98,16 +97,15 @@ def _module(vector_exp: bool):
         v8 = ir.VectorType(f32, 8)
         n8 = b.and_(n, ir.Constant(i64, -8))
 
-        def vlarger(i, a):
-            v = b.load(b.bitcast(b.gep(x, [b.mul(i, ir.Constant(i64, 8))]), ir.PointerType(v8)), align=4)
-            return b.select(b.fcmp_ordered(">", v, a), v, a)
+        def vload(i):
+            return b.load(b.bitcast(b.gep(x, [b.mul(i, ir.Constant(i64, 8))]), ir.PointerType(v8)), align=4)
 
-        vmax = loop(b.lshr(n, ir.Constant(i64, 3)), vlarger, _splat(b, load(b, x, ir.Constant(i64, 0)), 8))
+        vmax = loop(b.lshr(n, ir.Constant(i64, 3)), lambda i, a: larger(vload(i), a),
+                    _splat(b, load(b, x, ir.Constant(i64, 0)), 8))
         mx = b.extract_element(vmax, ir.Constant(ir.IntType(32), 0))
         for lane in range(1, 8):
-            v = b.extract_element(vmax, ir.Constant(ir.IntType(32), lane))
-            mx = b.select(b.fcmp_ordered(">", v, mx), v, mx)
-        mx = loop(b.sub(n, n8), lambda i, a: larger(b.add(i, n8), a), mx)
+            mx = larger(b.extract_element(vmax, ir.Constant(ir.IntType(32), lane)), mx)
+        mx = loop(b.sub(n, n8), lambda i, a: larger(load(b, x, b.add(i, n8)), a), mx)
         b.call(lmc_exps, [x, out, n, mx])
         return loop(n, lambda i, s_: b.fadd(s_, load(b, out, i)), ir.Constant(f32, 0.0))
 
@@ -276,12 +274,20 @@ def _object_code(m) -> bytes:
     return obj
 
 
+def _native(i: int):
+    """Entry i of ``_compiled()``, or None if native code is not available
+    here (no LLVM target for this machine: the callers fall back)."""
+    try:
+        return _compiled()[i]
+    except Exception:
+        return None
+
+
 def native_softmax(x: np.ndarray) -> np.ndarray | None:
     """softmax of a float32 vector as run.c computes it, or None if native
     code is not available here (the caller then uses the numpy emulation)."""
-    try:
-        fn = _compiled()[1]
-    except Exception:  # no LLVM target for this machine: fall back
+    fn = _native(1)
+    if fn is None:
         return None
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty_like(x)
@@ -295,9 +301,8 @@ def native_sample_mult(x: np.ndarray, coin: np.float32) -> int | None:
     the last), with the same floats as ``native_softmax`` and a cumulative
     sum, at about half their cost (one pass fewer, and the draw stops where
     it lands). None if native code is not available here."""
-    try:
-        fn = _compiled()[2]
-    except Exception:  # no LLVM target for this machine: fall back
+    fn = _native(2)
+    if fn is None:
         return None
     x = np.ascontiguousarray(x, dtype=np.float32)
     scratch = np.empty_like(x)
@@ -308,9 +313,8 @@ def native_exps(x: np.ndarray, m: float = 0.0) -> np.ndarray | None:
     """expf(x - m) per value as the softmax computes it (the library's
     expf, or ``_vexp`` where that is the same), or None if native code is
     not available here."""
-    try:
-        fn = _compiled()[3]
-    except Exception:  # no LLVM target for this machine: fall back
+    fn = _native(3)
+    if fn is None:
         return None
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty_like(x)

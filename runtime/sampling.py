@@ -279,6 +279,7 @@ class Sampler:
             ids = _top_k_ids(x, k)
             x = x[ids]
         x = x / self._temperature
+        coin = None
         if not (0.0 < self._top_p < 1.0 or self._min_p > 0.0) and x.size >= _NATIVE_MIN:
             # softmax and run.c's draw in one native call: the same floats, without
             # the probabilities' division pass and cumulative sum over the vocabulary
@@ -290,9 +291,8 @@ class Sampler:
             j = native_sample_mult(x, coin)
             if j is not None:
                 return int(j if ids is None else ids[j])
-            probs = softmax_f32(x)
-        else:
-            probs = softmax_f32(x)
+        probs = softmax_f32(x)
+        if coin is None:
             coin = self.rng.random_f32()
         j = self._pick(probs, coin)
         return int(j if ids is None else ids[j])
