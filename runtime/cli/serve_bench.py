@@ -225,9 +225,11 @@ def format_table(r: dict[str, Any]) -> str:
 
 
 def _rounded(v: Any) -> Any:
-    """Floats to 6 decimals, all the way down: the JSON stays readable."""
+    """Floats to 6 significant digits, all the way down: the JSON stays
+    readable, and a time per output token of a few microseconds (a tiny
+    model) keeps its digits, which 6 decimals would not."""
     if isinstance(v, float):
-        return round(v, 6) if math.isfinite(v) else None
+        return float(f"{v:.6g}") if math.isfinite(v) else None
     if isinstance(v, dict):
         return {k: _rounded(x) for k, x in v.items()}
     if isinstance(v, list):
