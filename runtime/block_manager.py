@@ -49,6 +49,28 @@ def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
+def prefix_hashes(tokens: Sequence[int], block_size: int) -> list[bytes]:
+    """The hashes of the full blocks of ``tokens``, in order (each one's
+    parent is the one before)."""
+    out: list[bytes] = []
+    parent = b""
+    for i in range(len(tokens) // block_size):
+        parent = block_hash(parent, tokens[i * block_size: (i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+def common_run(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+    """How many leading block hashes two chains share (equal hashes: equal
+    tokens up to the end of that block)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class BlockManager:
     def __init__(self, n_blocks: int, block_size: int) -> None:
         if n_blocks < 1 or block_size < 1:
@@ -76,6 +98,15 @@ class BlockManager:
     @property
     def used(self) -> int:
         return self.n_blocks - self.available
+
+    def cached_run(self, hashes: Sequence[bytes]) -> int:
+        """How many of these leading full blocks (``prefix_hashes``) the pool holds."""
+        n = 0
+        for h in hashes:
+            if h not in self.cached:
+                break
+            n += 1
+        return n
 
     # --- a sequence's life -----------------------------------------------------------------
     def allocate(self, seq: int, tokens: Sequence[int]) -> tuple[list[int], int]:

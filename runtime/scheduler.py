@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .block_manager import BlockManager, OutOfBlocks
+from .block_manager import BlockManager, OutOfBlocks, common_run, prefix_hashes
 from .pool_drafters import PoolDrafter, PoolLookup
 from .sampling import Sampler, SamplerConfig
 from .speculative import MAX_DRAFT_MAX, Draft, DraftLength, accept, draft_sampler
@@ -99,6 +99,13 @@ class _Seq:
         self.draft_len = DraftLength(req.draft_max) if drafter is not None else None
         self.draft_sampler = draft_sampler(req.sampling, vocab) if drafter is not None else None
         self.draft_kv = 0            # positions whose rows a draft model's own pool holds
+        self._hashes: tuple[int, list[bytes]] = (-1, [])
+
+    def block_hashes(self, block_size: int) -> list[bytes]:
+        """The hashes of its tokens' full blocks (computed again only when the tokens grew)."""
+        if self._hashes[0] != len(self.tokens):
+            self._hashes = (len(self.tokens), prefix_hashes(self.tokens, block_size))
+        return self._hashes[1]
 
 
 class EngineError(ValueError):
@@ -463,13 +470,22 @@ class Engine:
             self._sampled(s, logits)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_batch:
-            s = self.waiting[0]
+        """Waiting sequences in order while there is room, except one whose
+        prompt shares full blocks with a prompt still being prefilled: it
+        waits until they are in the pool and then shares them (SGLang's
+        in-batch prefix caching), rather than computing them beside it. So
+        8 requests with one system prompt, arriving together, prefill it
+        once. It loses no time: prefill goes oldest first anyway."""
+        for s in list(self.waiting):
+            if len(self.running) >= self.max_batch:
+                return
+            if self._prefix_in_flight(s):
+                continue
             try:
                 _, cached = self.blocks.allocate(s.key, s.tokens)
             except OutOfBlocks:
                 return
-            self.waiting.popleft()
+            self.waiting.remove(s)
             self._copy_blocks(self.blocks.copies(s.key))    # a cached block's first positions, reused
             # at least the last token runs: its logits give the next one
             s.computed = s.draft_kv = min(cached, len(s.tokens) - 1)
@@ -478,6 +494,22 @@ class Engine:
                 if self.metrics:
                     self.metrics.cached_prompt_tokens.inc(s.computed)
             self.running.append(s)
+
+    def _prefix_in_flight(self, s: _Seq) -> bool:
+        """A running sequence is prefilling full blocks that ``s``'s prompt
+        starts with and the pool does not hold yet."""
+        bs = self.blocks.block_size
+        mine = s.block_hashes(bs)
+        have = self.blocks.cached_run(mine)
+        if have == len(mine):
+            return False
+        for r in self.running:
+            if r.computed >= len(r.tokens) - 1:
+                continue      # generating: its blocks so far are in the pool (or never will be)
+            n = common_run(mine, r.block_hashes(bs))
+            if n > have and r.computed < n * bs:
+                return True
+        return False
 
     def _writable(self, s: _Seq, positions: range, preempt: bool = True) -> bool:
         """Blocks for ``positions`` of ``s``, copying shared ones; False when

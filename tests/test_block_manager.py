@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from runtime.block_manager import BlockManager, OutOfBlocks
+from runtime.block_manager import BlockManager, OutOfBlocks, common_run, prefix_hashes
 
 
 def check_invariants(bm: BlockManager) -> None:
@@ -51,6 +51,24 @@ def test_prompts_sharing_a_prefix_share_its_full_blocks():
     d, cached = bm.allocate(4, system[:4] + [0] * 5)
     assert cached == 4 and bm.copies(4) == []
     check_invariants(bm)
+
+
+def test_hash_chains_tell_what_is_shared_and_what_is_cached():
+    """``prefix_hashes`` of two prompts agree exactly on the full blocks with
+    the same tokens so far; ``cached_run`` counts the leading ones committed."""
+    bm = BlockManager(16, 4)
+    a = list(range(1, 15))                       # 3 full blocks and 2 tokens
+    b = a[:9] + [99] + a[10:]                    # differs in block 2
+    ha, hb = prefix_hashes(a, 4), prefix_hashes(b, 4)
+    assert len(ha) == 3 and common_run(ha, hb) == 2
+    assert common_run(prefix_hashes([7] + a[1:], 4), ha) == 0   # a block's hash covers all before it
+    assert bm.cached_run(ha) == 0
+    bm.allocate(1, a)
+    bm.commit(1, a[:8])                          # two blocks computed
+    assert bm.cached_run(ha) == 2 and bm.cached_run(hb) == 2
+    bm.commit(1, a)
+    assert bm.cached_run(ha) == 3 and bm.cached_run(hb) == 2
+    assert bm.allocate(2, b)[1] == 2 * 4 + 1     # allocate agrees (and copies the first token of block 2)
 
 
 def test_a_partial_match_is_the_longest_and_never_its_own_copy():

@@ -234,6 +234,29 @@ def test_shared_prefix_is_prefilled_once(pooled):
         assert ca.ids == c.ids
 
 
+def test_a_shared_prefix_arriving_together_is_prefilled_once(pooled):
+    """Four prompts with one system prompt, submitted at once: the first
+    prefills it, the others wait for its blocks instead of computing them
+    beside it, then share them; the tokens are a fresh engine's."""
+    eng = engine_for(pooled)
+    system = pooled.tokenizer.encode("Lily and Tom went to the park. " * 6, True)
+    full = len(system) // BS * BS
+    assert full >= 4 * BS
+    tails = [pooled.tokenizer.encode(f" Then {w} came.", False) for w in ("Ben", "Sue", "a dog", "the sun")]
+    pairs = [request(system + t, 4) for t in tails]
+    run_all(eng, [r for r, _ in pairs])
+    cached = [c.last.usage["cached_tokens"] for _, c in pairs]
+    assert cached[0] == 0 and all(n >= full for n in cached[1:]), cached
+    ran = eng.metrics.prompt_tokens._value.get()
+    assert ran == sum(len(r.prompt_ids) for r, _ in pairs) - sum(cached)
+    assert ran <= len(system) + sum(len(r.prompt_ids) - full for r, _ in pairs[1:])
+    for r, c in pairs:
+        alone, ca = request(r.prompt_ids, 4)
+        run_all(engine_for(batch_model()), [alone])
+        assert ca.ids == c.ids
+    assert eng.blocks.used == 0
+
+
 @pytest.mark.parametrize("mix", [True, False])
 def test_every_prompt_token_is_counted_once(pooled, monkeypatch, mix):
     """A chunk that stops one short of the prompt's end leaves the last
