@@ -18,15 +18,20 @@ cache row p. Its rows may be of different sequences and lengths, so threads
 take units strided (tid, tid + nthreads, ...) rather than one contiguous
 share: long and short rows spread over all threads.
 
-Per unit, two passes over the visible positions:
+Per unit, three passes over the visible positions:
 
 1. scores s_j = (k_j . q) * scale into this thread's scratch, B positions at
    a time: B dot products with q held in registers, their horizontal sums
    folded into one <B x float> (``hsum_many``), stored and max-reduced as a
    vector. Leftover positions (n % B) go one by one.
-2. p_j = exp(s_j - max) (inline vector exp, ``exp_poly``), sum += p_j and
-   acc += p_j * v_j with acc a few vector registers spanning head_dim; then
-   out = acc / sum.
+2. p_j = exp(s_j - max) (inline vector exp, ``exp_poly``) in place of the
+   scores, and sum += p_j.
+3. acc += p_j * v_j, then out = acc / sum; one pass over the values per
+   group of head_dim's vectors whose accumulators for all the unit's heads
+   fit in registers (``GROUP_ACCS``): Qwen2.5's 7 heads x 4 vectors at once
+   spilled on every position. Each value row is still read once: a group
+   reads its own part of it. Each accumulator takes the same products in
+   the same order as before.
 
 Vectors over head_dim have the largest power-of-two width <= the target's
 that divides head_dim, so any head_dim works without a scalar tail (8 ->
@@ -79,6 +84,25 @@ def heads_per_unit(sig: KernelSig) -> int:
     if "heads" in a:
         return int(a["heads"])
     return max(d for d in range(1, min(group, 8) + 1) if group % d == 0 and (H // d >= 2 or d == 1))
+
+
+#: paged: how many positions ahead of the scores the keys are prefetched (into L2). A
+#: Qwen2.5-0.5B step of 8 decode rows at position 120 (alternated, 3 runs each): attention
+#: 1.72-1.83 ms with one block (8) ahead into L1, 1.50-1.56 with 32 into L2, 1.65-1.78 with 64
+PREFETCH_AHEAD = 32
+#: accumulators (vectors) the weighted sum keeps in registers at once
+GROUP_ACCS = 16
+
+
+def _vectors_per_group(heads: int, nvec: int, unit: int) -> int:
+    """Vectors of head_dim the weighted sum does per pass over the values:
+    the most (a multiple of ``unit``, dividing ``nvec``) whose accumulators
+    for all the unit's heads fit GROUP_ACCS registers, at least ``unit``."""
+    best = unit
+    for g in range(unit, nvec + 1, unit):
+        if nvec % g == 0 and g * heads <= GROUP_ACCS:
+            best = g
+    return best
 
 
 def scratch_floats(sig: KernelSig) -> int:
@@ -230,10 +254,10 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
             v = kb.vload(p, idx, wd)
             return v if kind == "f32" else b.fpext(v, ir.VectorType(F32, wd))
 
-        def q8_blocks(p: ir.Value):
-            """Per block of a q8 head slice at byte pointer p: its scale (a
-            float) and its quants as <wd x float> pieces."""
-            for blk in range(hd // QK):
+        def q8_blocks(p: ir.Value, blocks: range | None = None):
+            """Per block of a q8 head slice at byte pointer p (of ``blocks``,
+            default all): its scale (a float) and its quants as <wd x float> pieces."""
+            for blk in blocks if blocks is not None else range(hd // QK):
                 bp = kb.gep(p, blk * Q8_BYTES)
                 d = b.fpext(b.load(b.bitcast(bp, ir.PointerType(HALF)), align=2), F32)
                 yield blk, d, [b.sitofp(kb.vload(bp, 2 + k * wd, wd), ir.VectorType(F32, wd))
@@ -261,13 +285,14 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
         last = b.sub(n, i64(1)) if addr.strided else None
         with kb.loop_carry(0, nb, [ninf] * hg, step=B, name="sb") as (j, mvs, setv):
             if addr.strided:
-                # paged: ask for the next block's keys and this block's values (pass 2 reads them); a
-                # sequence's rows jump from pool block to pool block, where the hardware's stream
-                # prefetch restarts (a contiguous cache streams without: there the prefetches cost)
+                # paged: ask for the keys PREFETCH_AHEAD positions on and this block's values (pass 3
+                # reads them), into L2; a sequence's rows jump from pool block to pool block, where
+                # the hardware's stream prefetch restarts (a contiguous cache streams without: there
+                # the prefetches cost)
                 for p in range(B):
-                    kb.prefetch(b.bitcast(krow(kb.imin(b.add(j, i64(B + p)), last)), kb.scratch.type),
-                                slice_bytes)
-                    kb.prefetch(b.bitcast(vrow(b.add(j, i64(p))), kb.scratch.type), slice_bytes)
+                    kb.prefetch(b.bitcast(krow(kb.imin(b.add(j, i64(PREFETCH_AHEAD + p)), last)), kb.scratch.type),
+                                slice_bytes, locality=2)
+                    kb.prefetch(b.bitcast(vrow(b.add(j, i64(p))), kb.scratch.type), slice_bytes, locality=2)
             new = []
             for i in heads:
                 s = scaled(hsum_many(kb, [dot(i, b.add(j, i64(p))) for p in range(B)]))
@@ -285,50 +310,46 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
         mx = list(kb.last_carry)
         mx_v = [kb.splat(m, B) for m in mx]
 
-        # pass 2: p = exp(s - max); acc += p * v; sum += p (each value row read once for the unit's heads)
-        zero_acc = [fconst(0.0, wd)] * nvec
-
-        def accumulate(accs: list[list[ir.Value]], pjs: list[ir.Value], j: ir.Value) -> list[list[ir.Value]]:
-            """Every head's accumulators plus its weight times value row j."""
-            vp = vrow(j)
-            if kind == "q8":
-                accs = [list(a_) for a_ in accs]
-                for blk, d, qs in q8_blocks(vp):
-                    for i in heads:
-                        ps = kb.splat(kb.fmul(pjs[i], d), wd)
-                        for k, qf in enumerate(qs):
-                            c = blk * (QK // wd) + k
-                            accs[i][c] = fmuladd(kb, ps, qf, accs[i][c])
-                return accs
-            vs = [load(vp, c * wd) for c in range(nvec)]
-            out_ = []
-            for i in heads:
-                ps = kb.splat(pjs[i], wd)
-                out_.append([fmuladd(kb, ps, vs[c], accs[i][c]) for c in range(nvec)])
-            return out_
-
-        def split(flat: list[ir.Value]) -> tuple[list[ir.Value], list[list[ir.Value]]]:
-            """Loop-carried values as (sums per head, accumulators per head)."""
-            return list(flat[:hg]), [list(flat[hg + i * nvec: hg + (i + 1) * nvec]) for i in heads]
-
-        def flat(sums: list[ir.Value], accs: list[list[ir.Value]]) -> list[ir.Value]:
-            return list(sums) + [v for a_ in accs for v in a_]
-
-        with kb.loop_carry(0, nb, [fconst(0.0, B)] * hg + zero_acc * hg, step=B, name="vb") as (j, cur, setv):
-            sums, accs = split(cur)
+        # pass 2: p_j = exp(s_j - max) in place of the scores, and their sum per head
+        with kb.loop_carry(0, nb, [fconst(0.0, B)] * hg, step=B, name="pb") as (j, sums, setv):
             pvs = [exp_poly(kb, kb.fsub(kb.vload(scs[i], j, B), mx_v[i])) for i in heads]
-            for p in range(B):
-                accs = accumulate(accs, [b.extract_element(pv, i64(p)) for pv in pvs], b.add(j, i64(p)))
-            setv(flat([kb.fadd(sums[i], pvs[i]) for i in heads], accs))
-        sums, accs = split(kb.last_carry)
-        sum0 = [kb.hsum(v) for v in sums]
-        with kb.loop_carry(nb, n, flat(sum0, accs), name="vt") as (j, cur, setv):
-            sums, accs = split(cur)
+            for i in heads:
+                kb.vstore(pvs[i], scs[i], j)
+            setv([kb.fadd(sums[i], pvs[i]) for i in heads])
+        sum0 = [kb.hsum(v) for v in kb.last_carry]
+        with kb.loop_carry(nb, n, sum0, name="pt") as (j, sums, setv):
             pjs = [exp_poly(kb, kb.fsub(kb.load(scs[i], j), mx[i])) for i in heads]
-            setv(flat([kb.fadd(sums[i], pjs[i]) for i in heads], accumulate(accs, pjs, j)))
-        totals, accs = split(kb.last_carry)
-        for i in heads:
-            inv = kb.splat(b.fdiv(fconst(1.0), totals[i]), wd)
-            for c in range(nvec):
-                kb.vstore(b.fmul(accs[i][c], inv), ops[i], c * wd)
+            for i in heads:
+                kb.store(pjs[i], scs[i], j)
+            setv([kb.fadd(sums[i], pjs[i]) for i in heads])
+        totals = list(kb.last_carry)
+
+        # pass 3: acc += p_j * v_j, a group of head_dim's vectors at a time (each value row's
+        # group read once for the unit's heads): every head's accumulators for all of head_dim
+        # (7 x 4 vectors for Qwen2.5) spilled to the stack on every position
+        gv = _vectors_per_group(hg, nvec, QK // wd if kind == "q8" else 1)
+        for g0 in range(0, nvec, gv):
+            group = range(g0, g0 + gv)
+            with kb.loop_carry(0, n, [fconst(0.0, wd)] * (gv * hg), name="vg") as (j, cur, setv):
+                accs = [list(cur[i * gv: (i + 1) * gv]) for i in heads]
+                pjs = [kb.load(scs[i], j) for i in heads]
+                vp = vrow(j)
+                if kind == "q8":
+                    for blk, d, qs in q8_blocks(vp, range(g0 // (QK // wd), (g0 + gv) // (QK // wd))):
+                        for i in heads:
+                            ps = kb.splat(kb.fmul(pjs[i], d), wd)
+                            for k, qf in enumerate(qs):
+                                c = blk * (QK // wd) + k - g0
+                                accs[i][c] = fmuladd(kb, ps, qf, accs[i][c])
+                else:
+                    vs = [load(vp, c * wd) for c in group]
+                    for i in heads:
+                        ps = kb.splat(pjs[i], wd)
+                        accs[i] = [fmuladd(kb, ps, vs[c], accs[i][c]) for c in range(gv)]
+                setv([v for a_ in accs for v in a_])
+            out_accs = kb.last_carry
+            for i in heads:
+                inv = kb.splat(b.fdiv(fconst(1.0), totals[i]), wd)
+                for c in range(gv):
+                    kb.vstore(b.fmul(out_accs[i * gv + c], inv), ops[i], (g0 + c) * wd)
 
