@@ -8,6 +8,7 @@ step from Python is one ctypes call (``lmc_run``), which releases the GIL.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 import threading
@@ -234,7 +235,7 @@ class NativeExecutor(PagedBatch):
                 else "reading streamed weights failed"
             raise OSError(f"{self.manifest['model']['path']}: {what} (the file changed or was truncated?)")
         shape = [T if isinstance(d, str) else d for d in e["output_shape"]]
-        n = int(np.prod(shape))
+        n = math.prod(shape)   # (np.prod on a short list: microseconds a step, ~1% of the engine thread)
         return self.arena[e["output_offset"]: e["output_offset"] + 4 * n].view(np.float32).reshape(shape)
 
     def _check(self, ids, pos: int) -> None:
