@@ -21,6 +21,7 @@ import llvmlite.ir as ir
 from ir.ops import rope_base_freqs, rope_mix
 
 from .emit import F32, KernelBuilder, const_f32_array, f32c, fconst, hsum_many, i64, memcpy, pow2_divisor
+from .k_matmul_int import quantize_block
 from .kernels import KernelSig, kernel
 from .paging import PagedRows, RowPositions
 
@@ -477,17 +478,9 @@ def _kv_write_q8(kb: KernelBuilder, d: int, xt, at: UnitIndex) -> None:
 
 def _q8_block(kb: KernelBuilder, src: ir.Value, at: ir.Value | int, bp: ir.Value) -> None:
     """The 32 floats at src[at] as one Q8_0 block at byte pointer bp,
-    quantized exactly as ``ir.ops.quantize_q8_rows``: d = f16(amax / 127),
-    q = rint(x * (127 / amax)) (no fast-math: the divisions and products
-    round as numpy's)."""
+    quantized exactly as ``ir.ops.quantize_q8_rows`` (by the integer dot's
+    own ``quantize_block``: d = f16(amax / 127), q = rint(x * (127 / amax)))."""
     b = kb.b
-    c127 = ir.Constant(F32, 127.0)
-    xv = kb.vload(src, at, QK)
-    amax = kb.hmax(kb.intrinsic("llvm.fabs", [xv]))
-    scale = b.fptrunc(b.fdiv(amax, c127), HALF)
-    inv = b.select(b.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)), b.fdiv(c127, amax),
-                   ir.Constant(F32, 0.0))
-    q = b.fptosi(kb.intrinsic("llvm.roundeven", [b.fmul(xv, kb.splat(inv, QK))]),
-                 ir.VectorType(ir.IntType(8), QK))
-    b.store(scale, b.bitcast(bp, ir.PointerType(HALF)), align=2)
+    q, d, _ = quantize_block(kb, i64(at) if isinstance(at, int) else at, src)
+    b.store(b.fptrunc(d, HALF), b.bitcast(bp, ir.PointerType(HALF)), align=2)   # d is a float16 value: exact
     kb.vstore(q, bp, 2)
