@@ -109,25 +109,21 @@ class BlockManager:
         return n
 
     # --- a sequence's life -----------------------------------------------------------------
-    def allocate(self, seq: int, tokens: Sequence[int]) -> tuple[list[int], int]:
+    def allocate(self, seq: int, tokens: Sequence[int],
+                 chain: Sequence[bytes] | None = None) -> tuple[list[int], int]:
         """Blocks for a new sequence whose prompt is ``tokens``: the longest
         run of full blocks already cached is shared, the rest is new.
+        ``chain``: ``prefix_hashes(tokens)``, if the caller has it.
         Returns (table, tokens already in the pool). Raises OutOfBlocks
         (taking nothing) when the rest does not fit."""
         if seq in self.seqs:
             raise ValueError(f"sequence {seq} already has blocks")
         bs = self.block_size
-        shared: list[int] = []
-        hashes: list[bytes] = []
-        parent = b""
-        for i in range(len(tokens) // bs):
-            h = block_hash(parent, tokens[i * bs: (i + 1) * bs])
-            b = self.cached.get(h)
-            if b is None:
-                break
-            shared.append(b)
-            hashes.append(h)
-            parent = h
+        if chain is None:
+            chain = prefix_hashes(tokens, bs)
+        hashes = list(chain[: self.cached_run(chain)])     # the shared blocks'
+        shared = [self.cached[h] for h in hashes]
+        parent = hashes[-1] if hashes else b""
         need = self.blocks_for(len(tokens)) - len(shared)
         # a shared block that is evictable now is taken by this allocation, not available for the rest
         spare = self.available - sum(1 for b in shared if b in self.evictable)

@@ -482,7 +482,7 @@ class Engine:
             if self._prefix_in_flight(s):
                 continue
             try:
-                _, cached = self.blocks.allocate(s.key, s.tokens)
+                _, cached = self.blocks.allocate(s.key, s.tokens, s.block_hashes(self.blocks.block_size))
             except OutOfBlocks:
                 return
             self.waiting.remove(s)
