@@ -327,22 +327,22 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
         # pass 3: acc += p_j * v_j, a group of head_dim's vectors at a time (each value row's
         # group read once for the unit's heads): every head's accumulators for all of head_dim
         # (7 x 4 vectors for Qwen2.5) spilled to the stack on every position
-        gv = _vectors_per_group(hg, nvec, QK // wd if kind == "q8" else 1)
+        per_block = QK // wd if kind == "q8" else 1     # vectors of a q8 block: a group holds whole blocks
+        gv = _vectors_per_group(hg, nvec, per_block)
         for g0 in range(0, nvec, gv):
-            group = range(g0, g0 + gv)
             with kb.loop_carry(0, n, [fconst(0.0, wd)] * (gv * hg), name="vg") as (j, cur, setv):
                 accs = [list(cur[i * gv: (i + 1) * gv]) for i in heads]
                 pjs = [kb.load(scs[i], j) for i in heads]
                 vp = vrow(j)
                 if kind == "q8":
-                    for blk, d, qs in q8_blocks(vp, range(g0 // (QK // wd), (g0 + gv) // (QK // wd))):
+                    for blk, d, qs in q8_blocks(vp, range(g0 // per_block, (g0 + gv) // per_block)):
                         for i in heads:
                             ps = kb.splat(kb.fmul(pjs[i], d), wd)
                             for k, qf in enumerate(qs):
-                                c = blk * (QK // wd) + k - g0
+                                c = blk * per_block + k - g0
                                 accs[i][c] = fmuladd(kb, ps, qf, accs[i][c])
                 else:
-                    vs = [load(vp, c * wd) for c in group]
+                    vs = [load(vp, (g0 + c) * wd) for c in range(gv)]
                     for i in heads:
                         ps = kb.splat(pjs[i], wd)
                         accs[i] = [fmuladd(kb, ps, vs[c], accs[i][c]) for c in range(gv)]
