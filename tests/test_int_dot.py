@@ -35,7 +35,7 @@ def compiled(sig, vector_width=None, portable=False) -> CompiledKernel:
     key = (sig, vector_width, portable)
     if key not in _KERNELS:
         if portable:
-            saved, k_matmul_int._vnni_name = k_matmul_int._vnni_name, (lambda g: None)
+            saved, k_matmul_int._vnni_name = k_matmul_int._vnni_name, (lambda t, g: None)
         try:
             _KERNELS[key] = CompiledKernel(sig, vector_width=vector_width)
         finally:

@@ -268,7 +268,7 @@ def compiled(sig, vector_width=None, portable=False) -> CompiledKernel:
     if key not in _KERNELS:
         saved = k_matmul_int_kquants._x86_names
         if portable:
-            k_matmul_int_kquants._x86_names = lambda n: None
+            k_matmul_int_kquants._x86_names = lambda t, n: None
         try:
             _KERNELS[key] = CompiledKernel(sig, vector_width=vector_width)
         finally:

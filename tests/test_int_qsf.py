@@ -48,7 +48,7 @@ def kernel(sig, vw=None, portable=False) -> CompiledKernel:
     if key not in _KERNELS:
         saved = k_matmul_int._vnni_name, k_matmul_int_qsf._sad_name
         if portable:
-            k_matmul_int._vnni_name = k_matmul_int_qsf._sad_name = lambda g: None
+            k_matmul_int._vnni_name = k_matmul_int_qsf._sad_name = lambda t, g: None
         try:
             _KERNELS[key] = CompiledKernel(sig, vector_width=vw)
         finally:

@@ -19,6 +19,8 @@ import llvmlite.ir as ir
 
 from ir.types import Dim
 
+from .target import Target, host_target
+
 F32 = ir.FloatType()
 F64 = ir.DoubleType()
 I8 = ir.IntType(8)
@@ -50,8 +52,11 @@ def _intrinsic_suffix(t: ir.Type) -> str:
 class KernelBuilder:
     """An IRBuilder positioned in a fresh kernel function, plus helpers."""
 
-    def __init__(self, module: ir.Module, name: str, vector_width: int) -> None:
+    def __init__(self, module: ir.Module, name: str, vector_width: int, target: "Target | None" = None) -> None:
         self.module = module
+        #: the CPU the kernel is compiled for: emitters ask it, never the host, what instructions
+        #: they may use, so one process can compile for other CPUs (tests do)
+        self.target = target or host_target()
         self.fn = ir.Function(module, KERNEL_TYPE, name)
         self.fn.linkage = "internal"
         self.fn.attributes.add("nounwind")
@@ -129,6 +134,15 @@ class KernelBuilder:
 
     def fma(self, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
         return self.intrinsic("llvm.fma", [a, b, c])
+
+    def mul_add(self, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+        """a*b + c, rounded once where the target has fused multiply-adds (an
+        explicit ``llvm.fma``), else a strict multiply then add. Not
+        ``llvm.fmuladd``, whose fusing is LLVM's choice: kernels that must
+        give the same bits (a decode step and a batch of its rows) use this."""
+        if self.target.has_fma:
+            return self.intrinsic("llvm.fma", [a, b, c])
+        return self.b.fadd(self.b.fmul(a, b), c)
 
     # --- math -----------------------------------------------------------------
     def intrinsic(self, name: str, args: Sequence[ir.Value]) -> ir.Value:

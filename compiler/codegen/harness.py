@@ -20,7 +20,7 @@ from .emit import I8P, I64, KERNEL_TYPE, N_INPUTS, VOID
 from .jit import LoadedCode, emit_object
 from .kernels import KernelSig, emit_kernel, kernel_attrs
 from .lower import STEP_TYPE, Ctl, _Lowering
-from .target import host_target
+from .target import Target, host_target
 
 _CFUNC = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * (1 + N_INPUTS)), *([ctypes.c_int64] * 4),
                           ctypes.c_void_p)
@@ -29,12 +29,16 @@ _CFUNC = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * (1 + N_INPUTS)), *([ctypes
 class CompiledKernel:
     """One kernel with an exported wrapper, callable from Python."""
 
-    def __init__(self, sig: KernelSig, vector_width: int | None = None, level: int = 3) -> None:
-        target = host_target()
+    def __init__(self, sig: KernelSig, vector_width: int | None = None, level: int = 3,
+                 target: Target | None = None) -> None:
+        """``target``: the CPU to compile for (the host by default); it must
+        be one the host can run."""
+        target = target or host_target()
         self.sig = sig
+        self.target = target
         self.vector_width = vector_width or target.vector_width
         m = ir.Module(name=sig.name)
-        fn = emit_kernel(m, sig, self.vector_width)
+        fn = emit_kernel(m, sig, self.vector_width, target=target)
         # an exported wrapper so the internal kernel has a stable symbol
         w = ir.Function(m, KERNEL_TYPE, "lmc_kernel")
         b = ir.IRBuilder(w.append_basic_block())
@@ -128,7 +132,7 @@ class ThreadedKernel:
         self.rotate = rotate
         low = _Lowering(target, self.vector_width)
         self.tuning: dict[str, int] = {}
-        fn = emit_kernel(low.module, sig, self.vector_width, self.tuning)
+        fn = emit_kernel(low.module, sig, self.vector_width, self.tuning, target=target)
         low.entry_points([self._step(low, fn)])
         self.code = LoadedCode(emit_object(low.module, target, level), target, shared=True)
         self._run = _RUN(self.code.address("lmc_run"))

@@ -37,7 +37,7 @@ import llvmlite.ir as ir
 
 from .emit import F32, I32, KernelBuilder, i64
 from .k_matmul import HALF, Decoder, register_decoder
-from .target import host_target
+
 
 #: values per block. (Not imported from ir.layouts_gguf: importing a layouts
 #: module directly would fill ir.layouts.LAYOUTS and stop get_layout from
@@ -188,7 +188,7 @@ class NibbleDecoder(GGUFBlockDecoder):
 
     def __init__(self, kb, raw, n, k):
         super().__init__(kb, raw, n, k)
-        t = host_target()
+        t = kb.target
         self.lut = kb.vw == 16 and t.triple.startswith("x86_64") and t.has("avx512f")
 
     def _nibbles(self, blk: _Block, o: int, w: int) -> ir.Value:

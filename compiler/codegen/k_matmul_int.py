@@ -83,7 +83,7 @@ from ir.int_qsf import QSF_INT_LAYOUTS
 from .emit import F32, FAST, I32, KernelBuilder, i64
 from .k_matmul import HALF, PREFETCH_BYTES, _tuned, out_rows
 from .kernels import KernelSig
-from .target import host_target
+from .target import Target, host_target
 
 QK = 32
 I1 = ir.IntType(1)
@@ -183,9 +183,8 @@ def _call(kb: KernelBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> i
     return kb.b.call(fn, args)
 
 
-def _vnni_name(groups: int) -> str | None:
-    """The vpdpbusd intrinsic for 32 * groups bytes, if the host has it."""
-    t = host_target()
+def _vnni_name(t: Target, groups: int) -> str | None:
+    """The vpdpbusd intrinsic for 32 * groups bytes, if the target has it."""
     if not t.triple.startswith("x86_64"):
         return None
     if groups == 2 and t.has("avx512vnni"):
@@ -307,7 +306,7 @@ class _IntKernel:
     def _dot(self, u: ir.Value, xq: ir.Value, init: ir.Value, g: int) -> ir.Value:
         """<8g x i32>: per block, 8 lanes summing to init + sum(u * xq)."""
         kb, b = self.kb, self.b
-        name = _vnni_name(g)
+        name = _vnni_name(kb.target, g)
         if name:
             return _call(kb, name, init.type, [init, u, xq])
         n = QK * g
@@ -429,7 +428,7 @@ def emit_int_matvec(kb: KernelBuilder, sig: KernelSig) -> None:
     else:
         kern = _IntKernel(kb, sig)
     from .k_matmul_int_gemm import emit_int_gemm, use_gemm
-    if use_gemm(sig, kb.vw):
+    if use_gemm(sig, kb.vw, kb.target):
         return emit_int_gemm(kb, sig, kern)
     b = kb.b
     lo, hi = kb.thread_share(kern.n)

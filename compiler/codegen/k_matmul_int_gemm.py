@@ -41,7 +41,7 @@ from .emit import F32, I32, KernelBuilder, i64
 from .k_matmul import _tuned
 from .k_matmul_int import _call, quantize_block
 from .kernels import KernelSig
-from .target import host_target
+from .target import Target, host_target
 
 QK = 32
 I8 = ir.IntType(8)
@@ -56,10 +56,11 @@ _P = 8
 _KC = 32
 
 
-def gemm_width(vw: int) -> int | None:
-    """Output rows per tile at vector width ``vw``, if the host has the
-    ``vpdpbusd`` for it; None: no GEMM (the decode kernel's path)."""
-    t = host_target()
+def gemm_width(vw: int, target: Target | None = None) -> int | None:
+    """Output rows per tile at vector width ``vw``, if the target (the host
+    by default) has the ``vpdpbusd`` for it; None: no GEMM (the decode
+    kernel's path)."""
+    t = target or host_target()
     if not t.triple.startswith("x86_64"):
         return None
     if vw >= 16 and t.has("avx512vnni"):
@@ -69,11 +70,11 @@ def gemm_width(vw: int) -> int | None:
     return None
 
 
-def use_gemm(sig: KernelSig, vw: int) -> bool:
+def use_gemm(sig: KernelSig, vw: int, target: Target | None = None) -> bool:
     """The GEMM runs for a [T, K] ``qmatmul`` marked ``gemm`` whose rows fill tiles."""
     if not sig.attr.get("gemm") or sig.attr.get("act") not in ("q8", "q8k") or len(sig.in_types[0].shape) < 2:
         return False
-    w = gemm_width(vw)
+    w = gemm_width(vw, target)
     return w is not None and int(sig.in_types[1].shape[0]) % w == 0
 
 
@@ -144,7 +145,7 @@ class GemmBase:
     def __init__(self, kb: KernelBuilder, sig: KernelSig, kern, slot_bytes: int, block_bytes: int,
                  kc: int, width: int | None = None) -> None:
         self.kb, self.b, self.kern = kb, kb.b, kern
-        self.W = width or gemm_width(kb.vw)
+        self.W = width or gemm_width(kb.vw, kb.target)
         self.k, self.nb = kern.k, kern.nb
         self.ts = int(sig.attr.get("gemm", 1))   # a repacked weight's kernel has no tile in scratch
         self.P = _tuned(kb, sig.attr, "tokens", _P)
@@ -265,7 +266,7 @@ class Q8Gemm(GemmBase):
     biases, and the microkernel."""
 
     def __init__(self, kb: KernelBuilder, sig: KernelSig, kern) -> None:
-        super().__init__(kb, sig, kern, act_slot_bytes(kern.k), tile_block_bytes(gemm_width(kb.vw)), _KC)
+        super().__init__(kb, sig, kern, act_slot_bytes(kern.k), tile_block_bytes(gemm_width(kb.vw, kb.target)), _KC)
 
     def _gather(self, ptrs: list[ir.Value], off: int, t: ir.Type) -> ir.Value:
         """<W x t>: the scalar at byte ``off`` of each row's block."""

@@ -73,7 +73,7 @@ class KQGemm(GemmBase):
     scales, the sub-block size, minimums or an offset."""
 
     def __init__(self, kb: KernelBuilder, sig: KernelSig, kern, width: int | None = None) -> None:
-        w = width or gemm_width(kb.vw)
+        w = width or gemm_width(kb.vw, kb.target)
         super().__init__(kb, sig, kern, act_slot_bytes(kern.k), block_bytes(w, kern.layout), KC_K, width=w)
         self.minimums, self.offset, self.sub = kern.minimums, kern.offset, kern.sub
         self.n_sub = QK_K // self.sub

@@ -58,7 +58,7 @@ from .emit import F32, FAST, I32, KernelBuilder, i64
 from .k_matmul import HALF, PREFETCH_BYTES, _tuned, out_rows
 from .k_matmul_kquants import Q3K_SCALES_AT, q3k_scales
 from .kernels import KernelSig
-from .target import host_target
+from .target import Target
 
 QK_K = 256
 RUN = 32
@@ -90,10 +90,9 @@ def chunk_runs(layout: str, vw: int) -> list[tuple[int, ...]]:
     return FORMATS[layout].runs_64 if vw >= 16 else [(r,) for r in range(QK_K // RUN)]
 
 
-def _x86_names(nbytes: int) -> tuple[str, str, str | None] | None:
+def _x86_names(t: Target, nbytes: int) -> tuple[str, str, str | None] | None:
     """(maddubs, maddwd, VNNI dpwssd or None) intrinsics for ``nbytes``-byte
-    operands, if the host has them."""
-    t = host_target()
+    operands, if the target has them."""
     if not t.triple.startswith("x86_64"):
         return None
     if nbytes == 64 and t.has("avx512bw"):
@@ -137,7 +136,7 @@ def maddubs(kb: KernelBuilder, u: ir.Value, x: ir.Value) -> ir.Value:
     """<n x i8> unsigned u, signed x -> <n/2 x i16>: u[2i] x[2i] + u[2i+1] x[2i+1]
     (exact for the K-quants' ranges: never saturates)."""
     b, n = kb.b, u.type.count
-    names = _x86_names(n)
+    names = _x86_names(kb.target, n)
     if names:
         return _call(kb, names[0], ir.VectorType(I16, n // 2), [u, x])
     v16 = ir.VectorType(I16, n)
@@ -147,7 +146,7 @@ def maddubs(kb: KernelBuilder, u: ir.Value, x: ir.Value) -> ir.Value:
 def maddwd(kb: KernelBuilder, a: ir.Value, s: ir.Value) -> ir.Value:
     """<2n x i16> a, s -> <n x i32>: a[2i] s[2i] + a[2i+1] s[2i+1]."""
     b, n = kb.b, a.type.count
-    names = _x86_names(2 * n)
+    names = _x86_names(kb.target, 2 * n)
     if names:
         return _call(kb, names[1], ir.VectorType(I32, n // 2), [a, s])
     v32 = ir.VectorType(I32, n)
@@ -157,7 +156,7 @@ def maddwd(kb: KernelBuilder, a: ir.Value, s: ir.Value) -> ir.Value:
 def dpwssd(kb: KernelBuilder, acc: ir.Value, a: ir.Value, s: ir.Value) -> ir.Value:
     """acc + maddwd(a, s): ``vpdpwssd`` on VNNI hosts (LLVM may still split
     one into ``vpmaddwd`` + ``vpaddd`` where that shortens a dependency chain)."""
-    names = _x86_names(2 * a.type.count)
+    names = _x86_names(kb.target, 2 * a.type.count)
     if names and names[2]:
         return _call(kb, names[2], acc.type, [acc, a, s])
     return kb.b.add(acc, maddwd(kb, a, s))

@@ -60,7 +60,7 @@ from ir.int_qsf import QSF_BLOCK_BYTES, QSF_OFFSET_LAYOUTS
 from .emit import F32, I32, KernelBuilder, i64
 from .k_matmul_int import I1, I8, QK, _call, _IntKernel, _shuffle, _vc, f16_gather, fold_pairs
 from .kernels import KernelSig
-from .target import host_target
+from .target import Target
 
 I64 = ir.IntType(64)
 #: bias that makes each type's quants unsigned (``vpdpbusd``'s first operand)
@@ -72,9 +72,8 @@ _SIGN_AT, _ZERO_AT = 2, 10
 _SAD_BIAS = 8 * 128
 
 
-def _sad_name(groups: int) -> str | None:
-    """The vpsadbw intrinsic for 32 * groups bytes, if the host has it."""
-    t = host_target()
+def _sad_name(t: Target, groups: int) -> str | None:
+    """The vpsadbw intrinsic for 32 * groups bytes, if the target has it."""
     if not t.triple.startswith("x86_64"):
         return None
     if groups == 2 and t.has("avx512bw"):
@@ -187,7 +186,7 @@ class QSFIntKernel(_IntKernel):
         n = QK * g
         zero = _vc(I8, [0] * n)
         s = b.select(neg, b.sub(zero, xq), b.select(pos, xq, zero))     # t * q_x, no multiply
-        name = _sad_name(g)
+        name = _sad_name(kb.target, g)
         if name:
             sad = _call(kb, name, ir.VectorType(I64, 4 * g), [b.xor(s, _vc(I8, [0x80] * n)), zero])
             lanes = b.add(b.bitcast(sad, ir.VectorType(I32, 8 * g)), _vc(I32, [-_SAD_BIAS, 0] * 4 * g))

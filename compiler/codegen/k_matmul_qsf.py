@@ -37,7 +37,7 @@ import llvmlite.ir as ir
 from .emit import F32, I32
 from .k_matmul import register_decoder
 from .k_matmul_gguf import EXACT, GGUFBlockDecoder, _Block, _vconst, _x86_intrinsic
-from .target import host_target
+
 
 #: values per block (``ir/layouts_qsf.py``; not imported from there, as the
 #: GGUF decoders do not import their layouts module)
@@ -64,7 +64,7 @@ class QSFDecoder(GGUFBlockDecoder):
 
     def __init__(self, kb, raw, n, k):
         super().__init__(kb, raw, n, k)
-        t = host_target()
+        t = kb.target
         self.lut = self.tabled and kb.vw == 16 and t.triple.startswith("x86_64") and t.has("avx512f")
 
     # --- per-type parts of the table path ---------------------------------------------------

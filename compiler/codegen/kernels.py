@@ -15,6 +15,7 @@ from ir.graph import Node
 from ir.types import TensorType
 
 from .emit import KernelBuilder
+from .target import Target
 
 
 @dataclass(frozen=True)
@@ -77,14 +78,16 @@ def load_emitters() -> None:
             importlib.import_module(f"{__package__}.{m.name}")
 
 
-def emit_kernel(module, sig: KernelSig, vector_width: int, tuning: dict[str, int] | None = None):
-    """Emit ``sig``'s kernel function into ``module`` (llvmlite ir.Module).
+def emit_kernel(module, sig: KernelSig, vector_width: int, tuning: dict[str, int] | None = None,
+                target: Target | None = None):
+    """Emit ``sig``'s kernel function into ``module`` (llvmlite ir.Module),
+    for ``target`` (the host by default).
     ``tuning``, if given, receives the parameters the emitter chose
     (``KernelBuilder.tuning``: what ``lmc kernel`` reports and may override)."""
     load_emitters()
     if sig.op not in EMITTERS:
         raise NotImplementedError(f"no native kernel for op {sig.op!r}")
-    kb = KernelBuilder(module, sig.name, vector_width)
+    kb = KernelBuilder(module, sig.name, vector_width, target)
     EMITTERS[sig.op](kb, sig)
     if tuning is not None:
         tuning.update(kb.tuning)

@@ -103,7 +103,7 @@ class _Lowering:
             if self.external_kernels:
                 fn = ir.Function(self.module, KERNEL_TYPE, sig.name)
             else:
-                fn = emit_kernel(self.module, sig, self.vw)
+                fn = emit_kernel(self.module, sig, self.vw, target=self.target)
             self.kernels[sig] = fn
         return fn
 

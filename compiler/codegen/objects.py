@@ -30,7 +30,7 @@ def kernel_object(sig: KernelSig, target: Target, vector_width: int, level: int 
     """The object code of ``sig``'s kernel alone, its symbol ``sig.name``."""
     m = ir.Module(name=sig.name)
     m.triple = target.triple
-    fn = emit_kernel(m, sig, vector_width)
+    fn = emit_kernel(m, sig, vector_width, target=target)
     fn.linkage = "external"
 
     def prepare(mod: "llvm.ModuleRef") -> None:

@@ -41,6 +41,11 @@ class Target:
     def has(self, feature: str) -> bool:
         return f"+{feature}" in self.features.split(",")
 
+    @property
+    def has_fma(self) -> bool:
+        """Fused multiply-adds in hardware (x86 FMA3; every AArch64 core)."""
+        return self.has("fma") or not self.triple.startswith(("x86_64", "i386", "i686"))
+
     def machine(self, opt: int = 3) -> "llvm.TargetMachine":
         import llvmlite.binding as llvm
 
