@@ -31,6 +31,8 @@ F32P = ir.PointerType(F32)
 VOID = ir.VoidType()
 N_INPUTS = 5  # attention_paged: q, K pool, V pool, positions, block tables
 KERNEL_TYPE = ir.FunctionType(VOID, [I8P] * (1 + N_INPUTS) + [I64] * 4 + [I8P])
+#: fast-math flags, for code whose bits may vary with LLVM's choices (the bandwidth probe's sum);
+#: no kernel uses them: a kernel's numbers must not depend on what surrounds its arithmetic
 FAST = ("reassoc", "nsz", "arcp", "contract", "afn")  # not nnan/ninf: -inf masks and overflow to inf must work
 
 
@@ -126,8 +128,10 @@ class KernelBuilder:
         return self.b.extract_element(v, i64(0))
 
     def hsum(self, v: ir.Value) -> ir.Value:
-        """Horizontal sum (reassociated)."""
-        return self._reduce(v, lambda a, b: self.b.fadd(a, b, flags=FAST))
+        """Horizontal sum by a fixed halving tree of strict adds: LLVM may not
+        reorder it, so a dot product ends with the same bits in every kernel
+        that sums it this way, whatever surrounds it."""
+        return self._reduce(v, lambda a, b: self.b.fadd(a, b))
 
     def hmax(self, v: ir.Value) -> ir.Value:
         return self._reduce(v, lambda a, b: self.intrinsic("llvm.maxnum", [a, b]))
@@ -170,17 +174,21 @@ class KernelBuilder:
             self.b.call(fn, [self.gep(ptr, off) if off else ptr, ir.Constant(I32, 0), ir.Constant(I32, locality),
                              ir.Constant(I32, 1)])
 
+    # Strict IEEE operations (no fast-math flags): LLVM may not reassociate, contract or
+    # approximate them, so the same operations give the same bits in every kernel that writes
+    # them (a decode step and a batch of its rows), vectorized or not, on every CPU; where a
+    # fused multiply-add is wanted it is written (``mul_add``).
     def fadd(self, a, b):
-        return self.b.fadd(a, b, flags=FAST)
+        return self.b.fadd(a, b)
 
     def fmul(self, a, b):
-        return self.b.fmul(a, b, flags=FAST)
+        return self.b.fmul(a, b)
 
     def fsub(self, a, b):
-        return self.b.fsub(a, b, flags=FAST)
+        return self.b.fsub(a, b)
 
     def fdiv(self, a, b):
-        return self.b.fdiv(a, b, flags=FAST)
+        return self.b.fdiv(a, b)
 
     def tanh(self, u: ir.Value) -> ir.Value:
         """tanh(u) for a float or a vector, inline so loops over it stay
@@ -328,8 +336,8 @@ def memcpy(kb: KernelBuilder, dst: ir.Value, src: ir.Value, nbytes: ir.Value) ->
 
 
 def fmuladd(kb: KernelBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
-    """a*b + c, fused where the target has FMA (llvm.fmuladd, never a libcall)."""
-    return kb.intrinsic("llvm.fmuladd", [a, b, c])
+    """a*b + c: ``kb.mul_add`` (an explicit FMA where the target has one)."""
+    return kb.mul_add(a, b, c)
 
 
 def _shuffle(kb: KernelBuilder, x: ir.Value, y: ir.Value, idx: list[int]) -> ir.Value:

@@ -68,7 +68,7 @@ import llvmlite.ir as ir
 from ir.layouts import PlanarQ8Layout, get_layout
 from ir.types import TensorType
 
-from .emit import F32, F32P, FAST, I32, I64, KernelBuilder, f32c, i64
+from .emit import F32, F32P, I32, I64, KernelBuilder, f32c, i64
 from .kernels import KernelSig, kernel
 from .paging import RowPositions
 
@@ -105,8 +105,9 @@ def _pow2_pieces(n: int, vw: int) -> list[int]:
 
 
 def _muladd(kb: KernelBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
-    """a*b + c, fused where the target has FMA (llvm.fmuladd)."""
-    return kb.intrinsic("llvm.fmuladd", [a, b, c])
+    """a*b + c, an explicit FMA where the target has one (``kb.mul_add``):
+    a dot product's bits must not depend on what LLVM chooses to fuse."""
+    return kb.mul_add(a, b, c)
 
 
 def _as_int(d) -> int:
@@ -232,7 +233,7 @@ class PlanarQ8Decoder(Decoder):
                 assert off % g == 0 and w % g == 0, (off, w, g)
                 sc = kb.vload(self.s, b.add(grp0, i64(off // g)), w // g)
                 sv = b.shuffle_vector(sc, sc, ir.Constant(ir.VectorType(I32, w), [i // g for i in range(w)]))
-            out.append(b.fmul(qv, sv, flags=FAST))
+            out.append(b.fmul(qv, sv))
             off += w
         return out, (shared_scale if defer else None)
 
@@ -318,7 +319,7 @@ def _tile(kb: KernelBuilder, dec: Decoder, x: ir.Value, out: ir.Value, r0: ir.Va
                         scv = kb.splat(s_)
                         for t in range(C):
                             j0 = gi * per
-                            p = b.fmul(ws[j0], xs[t][j0], flags=("contract",))
+                            p = b.fmul(ws[j0], xs[t][j0])
                             for j in range(j0 + 1, j0 + per):
                                 p = _muladd(kb, ws[j], xs[t][j], p)
                             a_ = at(i, t, gi % nacc)
@@ -348,21 +349,22 @@ def _tile(kb: KernelBuilder, dec: Decoder, x: ir.Value, out: ir.Value, r0: ir.Va
                         a = at(i, t, j % nacc)
                         accs[a] = _muladd(kb, ws[j], xs[t][j], accs[a])
                     else:
-                        p = kb.hsum(b.fmul(ws[j], xs[t][j], flags=FAST))
+                        p = kb.hsum(b.fmul(ws[j], xs[t][j]))
                         tt = tails[i * C + t]
-                        tails[i * C + t] = p if tt is None else b.fadd(tt, p, flags=FAST)
+                        tails[i * C + t] = p if tt is None else b.fadd(tt, p)
 
     for i in range(R):
         for t in range(C):
+            # strict from here on (no reassociation): each token's sum in a fixed order
             v = accs[at(i, t, 0)]
             for u in range(1, nacc):
-                v = b.fadd(v, accs[at(i, t, u)], flags=FAST)
+                v = b.fadd(v, accs[at(i, t, u)])
             s = kb.hsum(v)
             if tails[i * C + t] is not None:
-                s = b.fadd(s, tails[i * C + t], flags=FAST)
+                s = b.fadd(s, tails[i * C + t])
             o = b.add(b.mul(b.add(t0, i64(t)), i64(n)), rows[i])
             if first is not None:  # later K chunks add to the partial sums
-                s = b.select(first, s, b.fadd(s, kb.load(out, o), flags=FAST))
+                s = b.select(first, s, b.fadd(s, kb.load(out, o)))
             kb.store(s, out, o)
 
 
@@ -418,7 +420,7 @@ def _planar_rowwise_tile(kb: KernelBuilder, dec: Decoder, x: ir.Value, out: ir.V
              + [_muladd(kb, ps[t], sc, acc_s[t]) for t in range(C)])
     fin = list(kb.last_carry)
     for t in range(C):
-        v = b.fadd(kb.hsum(fin[t]), fin[C + t], flags=FAST)
+        v = b.fadd(kb.hsum(fin[t]), fin[C + t])
         kb.store(v, out, b.add(b.mul(b.add(t0, i64(t)), i64(n_out)), r))
 
 
@@ -575,5 +577,5 @@ def emit_embedding(kb: KernelBuilder, sig: KernelSig) -> None:
             base = b.mul(row, i64(d))
             with kb.loop(0, d, name="col") as c:
                 e = b.add(base, c)
-                val = b.fmul(b.sitofp(kb.load(dec.raw, e), F32), kb.load(s, b.udiv(e, i64(g))), flags=FAST)
+                val = b.fmul(b.sitofp(kb.load(dec.raw, e), F32), kb.load(s, b.udiv(e, i64(g))))
                 kb.store(val, out, b.add(obase, c))

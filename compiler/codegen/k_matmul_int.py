@@ -80,7 +80,7 @@ import llvmlite.ir as ir
 
 from ir.int_qsf import QSF_INT_LAYOUTS
 
-from .emit import F32, FAST, I32, KernelBuilder, i64
+from .emit import F32, I32, KernelBuilder, i64
 from .k_matmul import HALF, PREFETCH_BYTES, _tuned, out_rows
 from .kernels import KernelSig
 from .target import Target, host_target
@@ -334,7 +334,7 @@ class _IntKernel:
             xq = kb.vload(sl.q, b.mul(j, i64(QK)), QK * g)
             init = zero if self.offset else kb.vload(sl.init, b.mul(j, i64(8)), 8 * g)
             dots = b.sitofp(self._dot(u, xq, init, g), ir.VectorType(F32, 8 * g))
-            scale = b.fmul(dw, kb.vload(sl.dx, b.mul(j, i64(8)), 8 * g), flags=FAST)
+            scale = b.fmul(dw, kb.vload(sl.dx, b.mul(j, i64(8)), 8 * g))
             acc = kb.fma(dots, scale, acc)
             if mw is not None:  # lane 0 of each block: m_w * d_x sum(q_x); the other lanes add m_w * 0
                 acc = kb.fma(mw, kb.vload(sl.sxd, b.mul(j, i64(8)), 8 * g), acc)
@@ -402,12 +402,13 @@ class _IntKernel:
         out, n_out = self.out, self.n_out
         for i in range(R):
             for p in range(P):
+                # strict (no reassociation): every slot sums in the one-row code's order
                 v = accs[at(i, 0, p)]
                 for u in range(1, U):
-                    v = b.fadd(v, accs[at(i, u, p)], flags=FAST)
+                    v = b.fadd(v, accs[at(i, u, p)])
                 s = kb.hsum(v)
                 if tails[i] is not None:
-                    s = b.fadd(s, kb.hsum(tails[i][p]), flags=FAST)
+                    s = b.fadd(s, kb.hsum(tails[i][p]))
                 kb.store(s, out, b.add(b.mul(ts[p], i64(n_out)), rows[i]))
 
 

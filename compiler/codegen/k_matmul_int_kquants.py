@@ -54,7 +54,7 @@ from typing import NamedTuple
 
 import llvmlite.ir as ir
 
-from .emit import F32, FAST, I32, KernelBuilder, i64
+from .emit import F32, I32, KernelBuilder, i64
 from .k_matmul import HALF, PREFETCH_BYTES, _tuned, out_rows
 from .k_matmul_kquants import Q3K_SCALES_AT, q3k_scales
 from .kernels import KernelSig
@@ -395,8 +395,8 @@ class KQuantIntKernel:
         for i in range(R):
             for p in range(P):
                 v = accs[at(i, 0, p)]
-                for u in range(1, U):
-                    v = b.fadd(v, accs[at(i, u, p)], flags=FAST)
+                for u in range(1, U):   # strict: every slot sums in the one-row code's order
+                    v = b.fadd(v, accs[at(i, u, p)])
                 kb.store(kb.hsum(v), self.out, b.add(b.mul(ts[p], i64(self.n_out)), rows[i]))
 
 

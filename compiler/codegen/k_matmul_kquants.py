@@ -203,7 +203,7 @@ class _ScaleMinDecoder(KQuantDecoder):
         self.factors(blk)
         f = self.factor(blk, s, w, shared=True)   # both pieces of the sub-block
         m = self.kb.b.fneg(self.factor(blk, 8 + s, w))
-        return self.kb.intrinsic("llvm.fmuladd", [self.widen(q), f, m])
+        return self.kb.mul_add(self.widen(q), f, m)
 
 
 @register_decoder("Q4_K")
@@ -316,7 +316,7 @@ class Q2KDecoder(KQuantDecoder):
         self.factors(blk)
         f = self.factor(blk, io // 16, w)
         m = b.fneg(self.factor(blk, 16 + io // 16, w))
-        return self.kb.intrinsic("llvm.fmuladd", [self.widen(q), f, m])
+        return self.kb.mul_add(self.widen(q), f, m)
 
 
 @register_decoder("Q3_K")

@@ -46,6 +46,24 @@ class Target:
         """Fused multiply-adds in hardware (x86 FMA3; every AArch64 core)."""
         return self.has("fma") or not self.triple.startswith(("x86_64", "i386", "i686"))
 
+    def variant(self, cpu: str, drop: tuple[str, ...] = ()) -> "Target":
+        """This target's instructions, less every feature whose name starts
+        with one of ``drop``, scheduled and tuned by LLVM for ``cpu``: code
+        as LLVM would make it for another CPU, which this one still runs.
+        Tests compile kernels for several such variants, so that code
+        whose numbers must not depend on LLVM's choices is shown not to."""
+        feats = []
+        for f in self.features.split(","):
+            if f[:1] in "+-" and f[1:].startswith(drop):
+                f = "-" + f[1:]
+            feats.append(f)
+        flat = ",".join(feats)
+        has = set(f[1:] for f in feats if f.startswith("+"))
+        width = 16 if "avx512f" in has else 8 if ("avx" in has or "avx2" in has) else 4
+        if not self.triple.startswith(("x86_64", "i386", "i686")):
+            width = self.vector_width
+        return Target(cpu=cpu, features=flat, triple=self.triple, vector_width=width)
+
     def machine(self, opt: int = 3) -> "llvm.TargetMachine":
         import llvmlite.binding as llvm
 
