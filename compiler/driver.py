@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from frontends.arch import ModelError, build_graph
 from frontends.loader import LoadedModel, load_model
 from ir.graph import Graph
-from ir.layouts_repacked import split_repacked
+from ir.quant.repack import split_repacked
 from ir.printer import print_graph
 
 from .pipeline import default_pipeline, run_pipeline

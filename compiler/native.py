@@ -110,9 +110,8 @@ def codegen_fingerprint() -> str:
 
     h = sha256()
     here = pathlib.Path(__file__).resolve().parent
-    for f in sorted([*here.glob("*.py"), *(here / "codegen").glob("*.py"), *(here.parent / "ir").glob("*.py"),
-                     *(here.parent / "passes").glob("*.py")]):
-        h.update(f.name.encode() + f.read_bytes())
+    for f in sorted([*here.rglob("*.py"), *(here.parent / "ir").rglob("*.py"), *(here.parent / "passes").rglob("*.py")]):
+        h.update(str(f.relative_to(here.parent)).encode() + f.read_bytes())
     return h.hexdigest()[:16]
 
 

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from frontends.cache_dir import cache_root, write_entry
-from ir.layouts import get_layout
+from ir.quant import get_layout
 
 from .artifact import sampled_digest
 
@@ -59,7 +59,7 @@ def cache_key(model: dict[str, Any], regions: Sequence[Any]) -> str | None:
     """The key of a manifest's repacked regions (``model``: the manifest's
     model fingerprint); None when the cache is off or there are none."""
     from ir.digest import sha256
-    import ir.layouts_repacked as layouts
+    import ir.quant.repack as layouts
 
     rp = repack_regions(regions)
     if not enabled() or not rp:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ir.graph import Graph, Value, WeightRef
-from ir.layouts import get_layout
+from ir.quant import get_layout
 from ir.types import KV_TYPES, TensorType, kv_cache_type
 
 

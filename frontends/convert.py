@@ -33,7 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-from ir.layouts import get_layout
+from ir.quant import get_layout
 
 from .arch import ModelConfig, ModelError, RopeScaling, expected_shapes
 from .loader import LoadedModel, load_model

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ir.graph import WeightRef
-from ir.layouts import get_layout
+from ir.quant import get_layout
 from ir.types import TensorType
 
 from .arch import (ARCHITECTURES, ROPE_SCALING_TYPES, ModelConfig, ModelError, RopeScaling, WeightInfo,

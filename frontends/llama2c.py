@@ -18,7 +18,7 @@ import struct
 from dataclasses import dataclass
 
 from ir.graph import WeightRef
-from ir.layouts import get_layout, planar_q8
+from ir.quant import get_layout, planar_q8
 from ir.types import TensorType
 
 from .arch import ModelConfig, ModelError, WeightInfo, check_weights

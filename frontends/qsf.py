@@ -27,7 +27,7 @@ from typing import Any
 
 from ir.digest import sha256
 from ir.graph import PackedRegion, WeightRef
-from ir.layouts import get_layout
+from ir.quant import get_layout
 from ir.types import TensorType
 
 from .arch import ARCHITECTURES, ModelConfig, ModelError, WeightInfo, check_weights

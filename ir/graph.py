@@ -28,7 +28,7 @@ class PackedRegion:
     image_offset: int
     size: int
     #: codec "repack": the region is the file's [rows, cols] weight in this
-    #: repacked layout (``ir/layouts_repacked.py``), built at load
+    #: repacked layout (``ir/quant/repack.py``), built at load
     layout: str = ""
     shape: tuple[int, ...] = ()
 

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .graph import Graph, PackedRegion, Value, WeightRef
-from .layouts import get_layout
+from .quant import get_layout
 from .ops import WeightData, get_op
 from .types import DTYPES, TensorType
 

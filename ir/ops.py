@@ -17,11 +17,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .int_kquants import KQ_INT_LAYOUTS, qmatmul_q8k_ref
-from .int_qsf import QSF_INT_LAYOUTS, qsf_int_blocks
-from .layouts import get_layout
-from .layouts_repacked import base_layout, split_repacked
-from .layouts_kquants import QK_K
+from .int_dot import ACT_LAYOUTS, QK8, qmatmul_int_ref, quantize_q8_rows
+from .quant import ACT_BLOCK, get_layout, quant_type
+from .quant.repack import base_layout, split_repacked
 from .types import Dim, TensorType
 
 
@@ -48,7 +46,7 @@ class WeightData:
 
 
 def unrepacked(w: WeightData) -> WeightData:
-    """A repacked weight (``ir/layouts_repacked.py``) as its file layout's bytes."""
+    """A repacked weight (``ir/quant/repack.py``) as its file layout's bytes."""
     base = base_layout(w.type.layout)
     rows, cols = int(w.type.shape[0]), int(w.type.shape[1])
     raw = get_layout(w.type.layout).unrepack(np.asarray(w.raw), rows, cols)
@@ -353,44 +351,20 @@ def qmatmul_ref(x: np.ndarray, w: WeightData, nw: Any = None, *, layout: str, ac
     """matmul with a stored (quantized) weight; the reference dequantizes.
     With ``norm_eps``, x is first ``rmsnorm(x, nw)`` (``passes/fuse_norm``).
 
-    ``act="q8k"`` is the K-quants' integer path (``ir.int_kquants``).
-    With ``act="q8"`` (the integer path, as llama.cpp's ``ggml_vec_dot_q*_0_q8_0``
-    and ``ggml_vec_dot_q*_1_q8_1``) x is first quantized per row in blocks of 32
-    (:func:`quantize_q8_rows`) and out = sum over blocks of
-    d_w * d_x * (integer sum of q_w * q_x) + m_w * d_x * (integer sum of q_x),
-    the second term only for the offset layouts (Q4_1, Q5_1: v = d q + m). The
-    QSF layouts' 64-value blocks are two such blocks sharing d and the offset
-    (QSF_Q4 m = -z d, QSF_Q2 m, QSF_Q2S m = -1.5 d; ternary q in {-1, 0, 1}:
-    ``ir.int_qsf``). The integer sums are exact; the products and the sum over blocks are done in
-    float64, then rounded once to float32. ``decode_rows``: as ``matmul_ref``.
+    With ``act`` ("q8", "q8k") the integer path's numbers (``ir.int_dot``):
+    x quantized per block, integer dot products with the weight's quants.
+    ``decode_rows``: as ``matmul_ref``.
     ``gemm`` (prompt chunks, ``passes/int_dot``) names the kernel, not the
     numbers: every row is computed on its own here either way."""
     if norm_eps is not None:
         x = rmsnorm_ref(x, nw, eps=norm_eps)
-    if split_repacked(layout):   # the same numbers as the file's layout (ir/layouts_repacked.py)
+    if split_repacked(layout):   # the same numbers as the file's layout (ir/quant/repack.py)
         w, layout = unrepacked(w), base_layout(layout)
     if decode_rows and np.ndim(x) > 1:
         return _decode_rows(x, lambda r: qmatmul_ref(r, w, layout=layout, act=act))
     if act is None:
         return np.asarray(x, np.float32) @ w.to_f32().T
-    if act == "q8k":
-        return qmatmul_q8k_ref(x, w)
-    xf = np.asarray(x, np.float32)
-    k = xf.shape[-1]
-    dx, qx = quantize_q8_rows(xf.reshape(-1, k))                    # [M, nb], [M, nb, 32]
-    dw, qw, mw = int_blocks(w)                                      # [N, nb], [N, nb, 32], [N, nb] | None
-    n = qw.shape[0]
-    out = np.empty((qx.shape[0], n), np.float64)
-    qxf, dx64 = qx.astype(np.float32), dx.astype(np.float64)
-    sxd = dx64 * qx.sum(axis=2, dtype=np.int64)                     # [M, nb]: d_x * sum(q_x), exact
-    for r in range(0, n, 4096):  # row chunks bound the temporaries on large vocabularies
-        # block sums are integers below 2^24 (32 x 127 x 128): exact in float32
-        isum = np.einsum("nbj,mbj->mnb", qw[r:r + 4096].astype(np.float32), qxf)
-        out[:, r:r + 4096] = np.einsum("mnb,nb,mb->mn", isum.astype(np.float64),
-                                       dw[r:r + 4096].astype(np.float64), dx64)
-        if mw is not None:
-            out[:, r:r + 4096] += sxd @ mw[r:r + 4096].astype(np.float64).T
-    return out.astype(np.float32).reshape(xf.shape[:-1] + (n,))
+    return qmatmul_int_ref(x, w, act)
 
 
 def _matmul_rows(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -436,73 +410,6 @@ def qmatmul_add_ref(x: np.ndarray, w: WeightData, r: Any, nw: Any = None, **attr
     added to every row) as its epilogue; float32 addition commutes, so the
     bits are the two ops'. ``nw``: as qmatmul's."""
     return (qmatmul_ref(x, w, nw, **attrs) + f32_of(r)).astype(np.float32)
-
-#: values per block of the integer path, and the weight layouts it reads
-QK8 = 32
-INT_DOT_LAYOUTS = ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1")
-#: activation quantization (``act``) -> the weight layouts it multiplies, and its block
-#: (q8 also takes QSF's 64-value blocks, as two 32-value blocks each)
-ACT_LAYOUTS = {"q8": INT_DOT_LAYOUTS + QSF_INT_LAYOUTS, "q8k": KQ_INT_LAYOUTS}
-ACT_BLOCK = {"q8": QK8, "q8k": QK_K}
-
-
-def int_act(layout: str | None) -> str | None:
-    """The integer path's activation quantization for a weight layout
-    ("q8" for the 32-value blocks and QSF's, "q8k" for the K-quants), None if none."""
-    base = base_layout(layout)
-    return next((a for a, lays in ACT_LAYOUTS.items() if base in lays), None)
-
-
-def quantize_q8_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of x [M, K] as llama.cpp's x86 ``quantize_row_q8_0``: per block of
-    32, amax = max|x|, d = float16(amax / 127), q = rint(x * (127 / amax))
-    (round half to even; 0 where amax is 0), all in float32. Returns d as
-    float32 [M, K/32] (the float16 value) and q as int8 [M, K/32, 32]."""
-    x = np.asarray(x, np.float32)
-    m, k = x.shape
-    xb = x.reshape(m, k // QK8, QK8)
-    amax = np.abs(xb).max(axis=2)
-    d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    q = np.rint(xb * inv[:, :, None]).astype(np.int8)
-    return d, q
-
-
-def int_blocks(w: WeightData) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """An ``INT_DOT_LAYOUTS`` weight's blocks as (d, q, m), read from the
-    stored bytes (byte layouts: ``ir/layouts_gguf.py``): the scales d
-    (float32 [N, K/32]), the integer quants q (int8 [N, K/32, 32]) with
-    value = d * q, or = d * q + m for the offset layouts Q4_1 / Q5_1 (q
-    unsigned, 0..15 / 0..31), whose block minimums m (float32 [N, K/32]) come
-    third; m is None for the symmetric layouts. QSF weights: the same form,
-    ``ir.int_qsf.qsf_int_blocks``."""
-    name = w.type.layout
-    n, k = int(w.type.shape[0]), int(w.type.shape[1])
-    if name in QSF_INT_LAYOUTS:
-        return qsf_int_blocks(name, w.raw, n, k)
-    nb = k // QK8
-    bb = {"Q8_0": 34, "Q4_0": 18, "Q5_0": 22, "Q4_1": 20, "Q5_1": 24}.get(name)
-    if bb is None:
-        raise ShapeError(f"no integer quants for layout {name}")
-    blk = np.asarray(w.raw, np.uint8).reshape(n * nb, bb)
-
-    def f16(off: int) -> np.ndarray:
-        return np.ascontiguousarray(blk[:, off:off + 2]).view("<f2").astype(np.float32).reshape(n, nb)
-
-    m = f16(2) if name in ("Q4_1", "Q5_1") else None
-    if name == "Q8_0":
-        q = np.ascontiguousarray(blk[:, 2:34]).view(np.int8)
-    else:
-        qs = blk[:, bb - 16:]
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int16)
-        if name in ("Q5_0", "Q5_1"):
-            at = 2 if name == "Q5_0" else 4
-            qh = np.unpackbits(np.ascontiguousarray(blk[:, at:at + 4]), axis=1, bitorder="little")
-            q = q | (qh.astype(np.int16) << 4)
-        q = q - {"Q4_0": 8, "Q5_0": 16}.get(name, 0)
-    return f16(0), q.astype(np.int8).reshape(n, nb, QK8), m
-
 
 #: attributes of ``rope`` that scale it (absent: no scaling), with their defaults
 ROPE_SCALING_DEFAULTS = {"freq_scale": 1.0, "ext_factor": 0.0, "attn_factor": 1.0, "yarn_orig_ctx": 0,
@@ -628,7 +535,7 @@ def rope_ref(x: np.ndarray, pos: Any, freq_factors: Any = None, *, head_dim: int
 
 
 #: bytes of one Q8_0 block of a q8 KV cache row: float16 scale, 32 int8
-KV_Q8_BLOCK = 2 + QK8
+KV_Q8_BLOCK = quant_type("Q8_0").block_bytes
 
 
 def kv_row_width(cache: np.ndarray) -> int:

@@ -53,7 +53,7 @@ class TensorType:
     def nbytes(self, symbols: dict[str, int] | None = None) -> int:
         """Bytes of the value in memory (for weights: of the stored layout)."""
         if self.layout is not None:
-            from .layouts import get_layout
+            from .quant import get_layout
 
             return get_layout(self.layout).nbytes(self.shape)
         return self.numel(symbols) * DTYPES[self.dtype].itemsize

@@ -16,7 +16,8 @@ own (``fuse_glu``, ``fuse_rope_kv``) so either can be compared on and off.
 from __future__ import annotations
 
 from ir.graph import Graph, Node
-from ir.ops import GLU_ACTS, QK8
+from ir.ops import GLU_ACTS
+from ir.quant import quant_type
 
 from .registry import register_pass
 from .uses import Uses
@@ -55,7 +56,7 @@ def _rope_fits(rope: Node, write: Node) -> bool:
         return False
     if write.op == "kv_write" and pos.type.rank != 0:
         return False
-    return cache.layout != "Q8_0" or int(rope.attrs["head_dim"]) % QK8 == 0
+    return cache.layout != "Q8_0" or int(rope.attrs["head_dim"]) % quant_type("Q8_0").block == 0
 
 
 @register_pass("fuse_rope_kv")

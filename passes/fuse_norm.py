@@ -20,7 +20,7 @@ attribute ``norm_eps`` and g as its last operand (``ir.ops.qmatmul_ref``:
 from __future__ import annotations
 
 from ir.graph import Graph, Node
-from ir.layouts_repacked import split_repacked
+from ir.quant.repack import split_repacked
 
 from .registry import register_pass
 from .uses import Uses

@@ -15,7 +15,7 @@ weights, QSF) keep the two ops: only the repacked kernel has the epilogue.
 from __future__ import annotations
 
 from ir.graph import Graph, Value
-from ir.layouts_repacked import split_repacked
+from ir.quant.repack import split_repacked
 from ir.ops import ShapeError, get_op
 
 from .registry import register_pass

@@ -1,10 +1,10 @@
 """int_dot: decode-step ``qmatmul`` on 32-value block weights (Q8_0, Q4_0,
 Q5_0, Q4_1, Q5_1) takes the integer path (``act="q8"``), and on the
 K-quants Q2_K .. Q6_K the same with 256-value activation blocks and
-per-16 partial sums (``act="q8k"``, llama.cpp's Q8_K: ``ir.int_kquants``).
+per-16 partial sums (``act="q8k"``, llama.cpp's Q8_K: ``ir.int_dot``).
 QSF's 64-value blocks (QSF_Q8, QSF_Q4, QSF_Q2, QSF_Q2S, QSF_TERNARY) take
 ``act="q8"`` too, each block two activation blocks sharing its scale and
-offset (``ir.int_qsf``; kernels ``k_matmul_int_qsf``, ternary without
+offset (``ir.int_dot``; kernels ``k_matmul_int_qsf``, ternary without
 multiplies), in decode, batches of decode rows and prompt chunks alike.
 
 A decode step is one matrix-vector product per weight: bandwidth-bound, and
@@ -36,9 +36,10 @@ integer path as in decode.
 from __future__ import annotations
 
 from ir.graph import Graph
-from ir.layouts import get_layout
-from ir.layouts_repacked import base_layout
-from ir.ops import ACT_BLOCK, int_act
+from ir.quant import get_layout
+from ir.quant.repack import base_layout
+from ir.int_dot import int_act
+from ir.quant import ACT_BLOCK
 
 from .registry import register_pass
 

@@ -1,5 +1,5 @@
 """repack: the integer path's weights move to their repacked form
-(``ir/layouts_repacked.py``), W rows interleaved in VNNI order, which the
+(``ir/quant/repack.py``), W rows interleaved in VNNI order, which the
 runtime builds once at load; every row count of every graph then runs one
 kernel (``k_matmul_repacked``) with one arithmetic.
 
@@ -29,8 +29,8 @@ from __future__ import annotations
 import os
 
 from ir.graph import Graph, PackedRegion, Value, WeightRef
-from ir.layouts import get_layout
-from ir.layouts_repacked import can_repack, repacked_name
+from ir.quant import get_layout
+from ir.quant.repack import can_repack, repacked_name
 from ir.types import TensorType
 
 from .dce import dce

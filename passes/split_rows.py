@@ -12,7 +12,7 @@ split costs no copy. Which weights, and how many rows per block, come from
 from __future__ import annotations
 
 from ir.graph import Graph, Node, Value, WeightRef
-from ir.layouts import PlanarQ8Layout, get_layout
+from ir.quant import PlanarQ8Layout, get_layout
 from ir.types import TensorType
 
 from .dce import dce

@@ -27,7 +27,7 @@ from compiler.codegen.k_matmul_int_gemm import gemm_width
 from compiler.codegen.target import Target, host_target
 from ir import ops
 from ir.interp import state_array
-from ir.layouts_repacked import REPACKABLE
+from ir.quant.repack import REPACKABLE
 from ir.ops import WeightData
 from ir.types import TensorType, f32, i32, kv_cache_type
 from test_gguf_layouts import gguf_weight

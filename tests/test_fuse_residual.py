@@ -18,7 +18,7 @@ from compiler.codegen.harness import CompiledKernel, sig_for
 from compiler.driver import BatchOptions, CompileOptions, build_graphs
 from compiler.native import NativeOptions, compile_native, plan_native
 from compiler.pipeline import run_pipeline
-from ir.layouts_repacked import split_repacked
+from ir.quant.repack import split_repacked
 from ir.types import TensorType
 from kernel_checks import call_with_guard
 from runtime.native import NativeExecutor

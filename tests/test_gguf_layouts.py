@@ -1,6 +1,6 @@
 """GGUF's simple block quant types (BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1).
 
-The numpy dequantizers in ``ir/layouts_gguf.py`` are checked bit for bit
+The numpy dequantizers in ``ir/quant/gguf.py`` are checked bit for bit
 against the ``gguf`` package (llama.cpp's own Python reference) on random
 bytes, extreme float16 scales and ``gguf.quants.quantize`` output; the
 native kernels (``compiler/codegen/k_matmul_gguf.py``) against the op
@@ -20,7 +20,7 @@ from compiler.codegen import k_matmul
 from compiler.codegen.harness import sig_for
 from compiler.codegen.jit import emit_assembly
 from compiler.codegen.target import host_target
-from ir.layouts import BlockLayout, get_layout
+from ir.quant import BlockLayout, get_layout
 from ir.ops import WeightData, embedding_ref
 from ir.types import TensorType
 from kernel_checks import activations, check_dot, check_long_rows_and_k_chunks, compiled, run_embedding, run_qmatmul

@@ -19,7 +19,8 @@ from compiler.codegen import k_matmul_int
 from compiler.codegen.harness import CompiledKernel, run_kernel_like_reference, sig_for
 from compiler.codegen.jit import emit_assembly
 from compiler.codegen.target import host_target
-from ir.ops import ShapeError, WeightData, get_op, int_blocks, qmatmul_ref, quantize_q8_rows
+from ir.int_dot import int_blocks, quantize_q8_rows
+from ir.ops import ShapeError, WeightData, get_op, qmatmul_ref
 from ir.types import TensorType
 from kernel_checks import call_with_guard, check_within, same_tokens_interp_and_native
 from test_gguf_layouts import gguf_weight

@@ -1,6 +1,6 @@
 """The K-quants' integer path of qmatmul (``act="q8k"``): activations
 quantized to Q8_K blocks of 256 with per-16 sums, integer sub-block dot
-products (``ir/int_kquants.py``, ``compiler/codegen/k_matmul_int_kquants.py``).
+products (``ir/int_dot.py``, ``compiler/codegen/k_matmul_int_kquants.py``).
 
 The numpy reference is checked against a slow formula written with Python
 ints straight from the block bytes; the native kernel against the
@@ -19,16 +19,15 @@ from hypothesis import strategies as st
 import passes.int_dot  # noqa: F401  (registers the pass)
 from compiler.codegen import k_matmul_int, k_matmul_int_kquants
 from compiler.codegen.harness import CompiledKernel, run_kernel_like_reference, sig_for
-from ir import layouts
-from ir.int_kquants import KQ_INT_LAYOUTS, kquant_ints, quantize_q8k_rows
-from ir.ops import ShapeError, WeightData, get_op, int_act, qmatmul_ref
+from ir.int_dot import ACT_LAYOUTS, kquant_ints, quantize_q8k_rows
+from ir.int_dot import int_act
+from ir.ops import ShapeError, WeightData, get_op, qmatmul_ref
 from ir.types import TensorType
 from kernel_checks import call_with_guard, check_within, same_tokens_interp_and_native
 from test_kquants import random_blocks
 
-layouts._load_block_layouts()
 
-KQ = list(KQ_INT_LAYOUTS)
+KQ = list(ACT_LAYOUTS["q8k"])
 BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 #: what the kernel adds to the signed quants to make them unsigned bytes
 OFFSET = {"Q3_K": 4, "Q6_K": 32}

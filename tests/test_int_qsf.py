@@ -1,5 +1,5 @@
 """The integer path (``act="q8"``) on QSF's block types: the reference
-(``ir.int_qsf``, ``ir.ops.qmatmul_ref``) against a slow formula written
+(``ir.int_dot``, ``ir.ops.qmatmul_ref``) against a slow formula written
 from the stored bytes, the native kernels (``k_matmul_int_qsf``: decode,
 ``decode_rows`` batches, prompt chunks through the GEMM or its fallback;
 VNNI / vpsadbw and the portable code; vector widths 4, 8, 16; 1..3
@@ -18,8 +18,9 @@ from compiler.codegen.harness import CompiledKernel, sig_for
 from compiler.codegen.jit import emit_assembly
 from compiler.codegen.k_matmul_int_gemm import gemm_width, use_gemm
 from compiler.codegen.target import host_target
-from ir.layouts import get_layout
-from ir.ops import ShapeError, WeightData, get_op, int_act, int_blocks, qmatmul_ref, quantize_q8_rows
+from ir.quant import get_layout
+from ir.int_dot import int_act, int_blocks, quantize_q8_rows
+from ir.ops import ShapeError, WeightData, get_op, qmatmul_ref
 from ir.types import TensorType
 from kernel_checks import call_with_guard
 from shared_data import MODELS, needs_shared

@@ -17,7 +17,7 @@ from compiler.codegen import k_matmul
 from compiler.codegen.harness import CompiledKernel, run_kernel_like_reference, sig_for
 from compiler.codegen.jit import emit_assembly
 from compiler.codegen.target import host_target
-from ir.layouts import get_layout, planar_q8
+from ir.quant import get_layout, planar_q8
 from ir.ops import WeightData, embedding_ref, matmul_ref, qmatmul_ref
 from ir.types import TensorType
 from kernel_checks import check_dot

@@ -19,8 +19,7 @@ from hypothesis import strategies as st
 from compiler.codegen.harness import sig_for
 from compiler.codegen.jit import emit_assembly
 from compiler.codegen.target import host_target
-from ir import layouts
-from ir.layouts import get_layout
+from ir.quant import get_layout
 from ir.ops import WeightData, embedding_ref
 from ir.types import TensorType
 from kernel_checks import activations, check_dot, compiled, run_embedding, run_qmatmul
@@ -28,7 +27,6 @@ from kernel_checks import activations, check_dot, compiled, run_embedding, run_q
 # get_layout only auto-loads the ir/layouts_*.py modules while no layout is
 # registered; another module importing one of them by name (as the GGUF
 # decoders do) would hide the rest. Load them all before any test runs.
-layouts._load_block_layouts()
 
 KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 #: byte offsets of the f16 super-block scales (d, then dmin where there is one)
@@ -156,7 +154,7 @@ def test_roundtrip_q2_k_q3_k_quantizers(seed, scale, shift):
             step = d * (blk[:, 0:16] & 15)
             bound = 0.5 * step + 0.5 * dmin + 1.5 * d
         else:
-            from ir.layouts_kquants import scales_q3k
+            from ir.quant.kquants import scales_q3k
 
             d = np.abs(blk[:, 108:110].copy().view("<f2").astype(np.float64))
             step = d * np.abs(scales_q3k(blk[:, 96:108]).astype(np.float64))

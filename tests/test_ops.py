@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ir import ops
-from ir.layouts import get_layout, planar_q8
+from ir.quant import get_layout, planar_q8
 from ir.ops import WeightData
 from ir.types import TensorType
 

@@ -1,6 +1,6 @@
 """QSF's block quant types (QSF_Q8, QSF_Q4, QSF_Q2, QSF_Q2S, QSF_TERNARY).
 
-The numpy dequantizers (``ir/layouts_qsf.py``) are checked bit for bit
+The numpy dequantizers (``ir/quant/qsf.py``) are checked bit for bit
 against a slow per-value formula written from the format table; the
 quantizers for their error bounds and against the plain quantizers they
 must beat; the native decoders (``compiler/codegen/k_matmul_qsf.py``)
@@ -18,7 +18,7 @@ import pytest
 from compiler.codegen.harness import sig_for
 from compiler.codegen.jit import emit_assembly
 from compiler.codegen.target import host_target
-from ir.layouts import get_layout
+from ir.quant import get_layout
 from ir.ops import WeightData, embedding_ref
 from ir.types import TensorType
 from kernel_checks import activations, check_dot, check_long_rows_and_k_chunks, compiled, run_embedding, run_qmatmul
@@ -35,7 +35,7 @@ HOST_VW = host_target().vector_width
 
 # --- the format table, one value at a time ------------------------------------------------------------
 def slow_value(name: str, blk: bytes, j: int) -> np.float32:
-    """Value j of one block, straight from the table in ir/layouts_qsf.py
+    """Value j of one block, straight from the table in ir/quant/qsf.py
     (numpy float32 scalars: float32 operations in the table's order)."""
     f32 = np.float32
 
@@ -247,7 +247,7 @@ def test_quantize_whole_tensors_and_bad_input(name):
 
 def test_quantize_in_chunks(monkeypatch):
     """Large tensors go through quantize_blocks a chunk at a time: same bytes."""
-    import ir.layouts_qsf as qsf
+    import ir.quant.qsf as qsf
 
     x = np.random.default_rng(6).standard_normal((5, 320)).astype(np.float32)
     whole = {n: get_layout(n).quantize(x) for n in LAYOUTS}
@@ -314,7 +314,7 @@ def test_avx512_uses_permutes(name):
 # --- the compiler around them ------------------------------------------------------------------------------
 def test_int_dot_marks_qsf_too():
     """The integer dot pass marks a decode qmatmul on Q8_0 and on every QSF
-    type (``ir.int_qsf``, ``k_matmul_int_qsf``) alike."""
+    type (``ir.int_dot``, ``k_matmul_int_qsf``) alike."""
     from compiler.pipeline import run_pipeline
     from ir.graph import Graph, WeightRef
 

@@ -21,7 +21,7 @@ from compiler.native import NativeOptions, compile_native, plan_native
 from frontends.arch import ModelConfig, expected_shapes
 from frontends.gguf_writer import write_gguf
 from ir.interp import new_state, run
-from ir.layouts_repacked import split_repacked
+from ir.quant.repack import split_repacked
 from llamacpp_oracle import printable_vocab, random_tensor
 from runtime.native import NativeExecutor
 

@@ -14,8 +14,8 @@ from compiler.codegen.harness import CompiledKernel, sig_for
 from compiler.codegen.jit import emit_assembly
 from compiler.codegen.k_matmul_int_gemm import gemm_width
 from compiler.codegen.target import host_target
-from ir.layouts import get_layout
-from ir.layouts_repacked import REPACKABLE, repacked_name
+from ir.quant import get_layout
+from ir.quant.repack import REPACKABLE, repacked_name
 from ir.ops import WeightData
 from ir.types import TensorType
 from kernel_checks import call_with_guard

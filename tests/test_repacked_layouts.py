@@ -1,4 +1,4 @@
-"""Repacked layouts (``ir/layouts_repacked.py``): a weight's blocks regrouped
+"""Repacked layouts (``ir/quant/repack.py``): a weight's blocks regrouped
 W rows at a time for the integer GEMM. Repacking is lossless (unrepack gives
 the file's bytes back, for any bytes, NaN scales included), the repacked
 tensor dequantizes to the same floats, and the byte order is the documented
@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ir.layouts import get_layout
-from ir.layouts_repacked import REPACKABLE, WIDTHS, base_layout, can_repack, repacked_name, split_repacked
+from ir.quant import get_layout
+from ir.quant.repack import REPACKABLE, WIDTHS, base_layout, can_repack, repacked_name, split_repacked
 from runtime.cli.kernel_lab import make_weight
 
 SHAPES = [(16, 256), (48, 512), (32, 768)]

@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import llvmlite.ir as ir
 
-from ir.layouts import PlanarQ8Layout, get_layout
+from ir.quant import PlanarQ8Layout, get_layout
 from ir.types import TensorType
 
 from .emit import F32, F32P, I32, I64, KernelBuilder, f32c, i64

@@ -1,6 +1,6 @@
 """Decoders for GGUF's simple block quant types (BF16, Q8_0, Q4_0, Q4_1,
 Q5_0, Q5_1): stored blocks -> float32 vectors in registers, for the matmul,
-qmatmul and embedding loops of ``k_matmul``. Byte layouts: ``ir/layouts_gguf.py``.
+qmatmul and embedding loops of ``k_matmul``. Byte layouts: ``ir/quant/gguf.py``.
 
 Row ``r`` of an ``[N, K]`` matrix is ``K/32`` consecutive blocks starting at
 byte ``r * (K/32) * block_bytes``; a block never crosses a row. ``step`` is

@@ -63,7 +63,7 @@ quantization, slots and tiles, driven by the same ``emit_int_matvec``
 unpacked weight block).
 
 QSF's 64-value blocks (``act="q8"`` too: each is two 32-value blocks
-sharing d and the offset, ``ir.int_qsf``) are ``k_matmul_int_qsf.QSFIntKernel``,
+sharing d and the offset, ``ir.int_dot``) are ``k_matmul_int_qsf.QSFIntKernel``,
 a subclass of this module's kernel that says where a 32-value half lives
 and how it becomes unsigned quants; the ternary type's dot product has no
 multiply (masked byte sums).
@@ -78,7 +78,7 @@ from typing import NamedTuple
 
 import llvmlite.ir as ir
 
-from ir.int_qsf import QSF_INT_LAYOUTS
+from ir.quant import quant_type, types_with
 
 from .emit import F32, I32, KernelBuilder, i64
 from .k_matmul import HALF, PREFETCH_BYTES, _tuned, out_rows
@@ -89,10 +89,9 @@ QK = 32
 I1 = ir.IntType(1)
 I8 = ir.IntType(8)
 I16 = ir.IntType(16)
-#: layout -> (bytes per block, bias added to make the quants unsigned)
-LAYOUTS = {"Q8_0": (34, 128), "Q4_0": (18, 8), "Q5_0": (22, 16), "Q4_1": (20, 0), "Q5_1": (24, 0)}
-#: layouts with a block minimum m (value = d q + m), a float16 at byte 2
-OFFSET_LAYOUTS = ("Q4_1", "Q5_1")
+#: the 32-value block types of this kernel (their rows in ir.quant.table: bytes per block, the
+#: bias that makes the quants unsigned, and whether a block has a minimum m: value = d q + m)
+LAYOUTS = types_with(act="q8", family="gguf")
 #: weight rows per tile (rows of at least _LONG_ROW columns; shorter rows
 #: go one at a time: one sequential stream, which the prefetcher follows best
 #: -- on znver4 4-row tiles of 640-column Q8_0 rows ran at 8 GB/s, single
@@ -214,7 +213,7 @@ def fold_pairs(kb: KernelBuilder, p: ir.Value) -> ir.Value:
 
 def quantize_block(kb: KernelBuilder, at: ir.Value, x: ir.Value | None = None) -> tuple[ir.Value, ir.Value, ir.Value]:
     """The 32 values of x (input 0, or the float rows ``x``) at float index ``at`` as a q8 block
-    (``ir.ops.quantize_q8_rows``): <32 x i8> quants, d_x (a float16 value as
+    (``ir.int_dot.quantize_q8_rows``): <32 x i8> quants, d_x (a float16 value as
     float32) and the int32 sum of the quants."""
     b = kb.b
     xv = kb.vload(kb.in_f32(0) if x is None else x, at, QK)
@@ -239,7 +238,8 @@ class _IntKernel:
         layout = sig.in_types[1].layout
         if layout not in LAYOUTS:
             raise NotImplementedError(f"int8 matvec on a {layout} weight")
-        self._setup(kb, sig, *LAYOUTS[layout], layout in OFFSET_LAYOUTS)
+        qt = quant_type(layout)
+        self._setup(kb, sig, qt.block_bytes, qt.zero, qt.offset)
 
     def _setup(self, kb: KernelBuilder, sig: KernelSig, bb: int, bias: int, offset: bool) -> None:
         """Shapes and attributes; ``bb`` bytes per stored block, ``bias``
@@ -423,7 +423,7 @@ def emit_int_matvec(kb: KernelBuilder, sig: KernelSig) -> None:
     if sig.attr.get("act") == "q8k":
         from .k_matmul_int_kquants import kquant_int_kernel
         kern = kquant_int_kernel(kb, sig)
-    elif sig.in_types[1].layout in QSF_INT_LAYOUTS:
+    elif sig.in_types[1].layout in types_with(family="qsf"):
         from .k_matmul_int_qsf import QSFIntKernel
         kern = QSFIntKernel(kb, sig)
     else:

@@ -8,7 +8,7 @@ the lanes hold W output rows instead (W = 16 at vector width 16, 8 at 8),
 as oneDNN's and llama.cpp's repacked VNNI GEMMs do:
 
 1. Every thread quantizes up to ``gemm`` token rows into its scratch (the
-   q8 numbers of ``ir.ops.quantize_q8_rows``; per block also the scalar
+   q8 numbers of ``ir.int_dot.quantize_q8_rows``; per block also the scalar
    -bias * sum(q_x), or d_x * sum(q_x) for the offset layouts, and d_x).
 2. Per tile of W weight rows of its share and per chunk of ``KC`` blocks,
    the tile is unpacked once into scratch in VNNI order: per 32-value block

@@ -1,5 +1,5 @@
 """The prompt-chunk GEMM (``k_matmul_int_gemm``) on the K-quants Q2_K ..
-Q6_K, with the q8k numbers (``ir.int_kquants.qmatmul_q8k_ref``).
+Q6_K, with the q8k numbers (``ir.int_dot.qmatmul_q8k_ref``).
 
 Why q8k and not q8 (per-32 activations): the reference, the interpreter
 and the fallback kernel (the decode path, for tiles that do not fit) stay

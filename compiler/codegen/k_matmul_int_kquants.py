@@ -1,7 +1,7 @@
 """The integer path of ``qmatmul`` on K-quant weights (``act="q8k"``: GGUF
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), as llama.cpp's ``ggml_vec_dot_q*_K_q8_K``.
 
-The numbers are ``ir.int_kquants.qmatmul_q8k_ref``: x is quantized per
+The numbers are ``ir.int_dot.qmatmul_q8k_ref``: x is quantized per
 256 values (Q8_K: float32 d_x, int8 q_x, per-16 sums of q_x) and each
 super-block adds d_w d_x * (integer sum over sub-blocks of sc * q_w . q_x)
 - dmin_w d_x * (integer sum of m * bsum). The integer parts are exact, so
@@ -165,7 +165,7 @@ def dpwssd(kb: KernelBuilder, acc: ir.Value, a: ir.Value, s: ir.Value) -> ir.Val
 def quantize_q8k_block(kb: KernelBuilder, at: ir.Value,
                        x: ir.Value | None = None) -> tuple[ir.Value, ir.Value, ir.Value]:
     """The 256 values of x (input 0, or the float rows ``x``) at float index ``at`` as a Q8_K block
-    (``ir.int_kquants.quantize_q8k_rows``): <256 x i8> quants, float32 d_x,
+    (``ir.int_dot.quantize_q8k_rows``): <256 x i8> quants, float32 d_x,
     and the <16 x i16> sums of 16 consecutive quants."""
     b = kb.b
     zero = ir.Constant(F32, 0.0)
@@ -270,7 +270,7 @@ class KQuantIntKernel:
 
     # --- step 1: x -> Q8_K blocks in scratch ------------------------------------------
     def quantize(self, xrow: ir.Value, sl: KSlot) -> None:
-        """Row x[xrow / K] into slot ``sl`` (``ir.int_kquants.quantize_q8k_rows``)."""
+        """Row x[xrow / K] into slot ``sl`` (``ir.int_dot.quantize_q8k_rows``)."""
         kb, b = self.kb, self.b
         with kb.loop(0, self.nb, name="qblk") as j:
             q, d, v = quantize_q8k_block(kb, b.add(xrow, b.mul(j, i64(QK_K))))

@@ -1,9 +1,9 @@
 """The integer path of ``qmatmul`` (``act="q8"``) on QSF's block types
-(QSF_Q8, QSF_Q4, QSF_Q2, QSF_Q2S, QSF_TERNARY; bytes: ``ir/layouts_qsf.py``).
+(QSF_Q8, QSF_Q4, QSF_Q2, QSF_Q2S, QSF_TERNARY; bytes: ``ir/quant/qsf.py``).
 
 The numbers are ``ir.ops.qmatmul_ref``'s: a 64-value weight block is two
 32-value blocks of the q8 activation sharing its d and offset
-(``ir.int_qsf``). So this is ``k_matmul_int``'s kernel (quantization,
+(``ir.int_dot``). So this is ``k_matmul_int``'s kernel (quantization,
 slots, tiles, ``decode_rows`` batches, the prompt-chunk GEMM and its
 fallback, all reused) with hooks that find a 32-value half of a block and
 make its quants unsigned for ``vpdpbusd``:
@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import llvmlite.ir as ir
 
-from ir.int_qsf import QSF_BLOCK_BYTES, QSF_OFFSET_LAYOUTS
+from ir.quant import quant_type, types_with
 
 from .emit import F32, I32, KernelBuilder, i64
 from .k_matmul_int import I1, I8, QK, _call, _IntKernel, _shuffle, _vc, f16_gather, fold_pairs
@@ -63,8 +63,6 @@ from .kernels import KernelSig
 from .target import Target
 
 I64 = ir.IntType(64)
-#: bias that makes each type's quants unsigned (``vpdpbusd``'s first operand)
-BIAS = {"QSF_Q8": 128, "QSF_Q4": 0, "QSF_Q2": 0, "QSF_Q2S": 0, "QSF_TERNARY": 1}
 #: byte offset of the quants of the 4- and 2-bit types, of the masks of ternary
 _QUANTS_AT = {"QSF_Q8": 2, "QSF_Q4": 4, "QSF_Q2": 4, "QSF_Q2S": 2}
 _SIGN_AT, _ZERO_AT = 2, 10
@@ -88,9 +86,10 @@ class QSFIntKernel(_IntKernel):
 
     def __init__(self, kb: KernelBuilder, sig: KernelSig) -> None:
         layout = sig.in_types[1].layout
-        if layout not in QSF_BLOCK_BYTES:
+        if layout not in types_with(family="qsf"):
             raise NotImplementedError(f"QSF int8 matvec on a {layout} weight")
-        self._setup(kb, sig, QSF_BLOCK_BYTES[layout], BIAS[layout], layout in QSF_OFFSET_LAYOUTS)
+        qt = quant_type(layout)
+        self._setup(kb, sig, qt.block_bytes, qt.zero, qt.offset)
         if self.nb % 2:
             raise NotImplementedError(f"row length {self.k} is not a multiple of 64")
         self.bytes_per_block = self.bb // 2

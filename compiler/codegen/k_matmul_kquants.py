@@ -1,6 +1,6 @@
 """Decoders for GGUF's K-quants (Q2_K .. Q6_K): 256-value super-blocks
 -> float32 vectors in registers, for the matmul / qmatmul / embedding loops
-of ``k_matmul``. Byte layouts and value order: ``ir/layouts_kquants.py``.
+of ``k_matmul``. Byte layouts and value order: ``ir/quant/kquants.py``.
 
 K is a multiple of 256 and ``step`` is one super-block, so a decode call
 starts at a super-block boundary and every vector piece lies in one
@@ -35,7 +35,7 @@ import llvmlite.ir as ir
 from .emit import F32, I32, KernelBuilder, i64
 from .k_matmul import HALF, Decoder, register_decoder
 
-#: values per super-block (``ir/layouts_kquants.py``; not imported from
+#: values per super-block (``ir/quant/kquants.py``; not imported from
 #: there: importing one layouts module by name keeps ``get_layout`` from
 #: auto-loading the others)
 QK_K = 256

@@ -1,7 +1,7 @@
 """Decoders for QSF's block quant types (QSF_Q8, QSF_Q4, QSF_Q2, QSF_Q2S,
 QSF_TERNARY): 64-value blocks -> float32 vectors in registers, for the
 matmul, qmatmul and embedding loops of ``k_matmul``. Byte layouts and the
-float32 order of operations: ``ir/layouts_qsf.py``.
+float32 order of operations: ``ir/quant/qsf.py``.
 
 They are ``GGUFBlockDecoder``s with ``qk = 64``: ``step`` is a whole number
 of blocks, so a decode call starts at a block boundary; the block address
@@ -39,7 +39,7 @@ from .k_matmul import register_decoder
 from .k_matmul_gguf import EXACT, GGUFBlockDecoder, _Block, _vconst, _x86_intrinsic
 
 
-#: values per block (``ir/layouts_qsf.py``; not imported from there, as the
+#: values per block (``ir/quant/qsf.py``; not imported from there, as the
 #: GGUF decoders do not import their layouts module)
 QK = 64
 I8 = ir.IntType(8)

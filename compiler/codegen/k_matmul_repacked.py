@@ -1,4 +1,4 @@
-"""``qmatmul`` on a repacked weight (``ir/layouts_repacked.py``): the integer
+"""``qmatmul`` on a repacked weight (``ir/quant/repack.py``): the integer
 GEMM of ``k_matmul_int_gemm`` reading its weight vectors straight from the
 weight, which the runtime put in VNNI order once at load.
 
@@ -31,8 +31,8 @@ import dataclasses
 
 import llvmlite.ir as ir
 
-from ir.layouts import get_layout
-from ir.layouts_repacked import repacked_name, split_repacked
+from ir.quant import get_layout
+from ir.quant.repack import repacked_name, split_repacked
 from ir.types import TensorType
 
 from .emit import F32, I32, KernelBuilder, i64

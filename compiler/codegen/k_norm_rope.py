@@ -478,7 +478,7 @@ def _kv_write_q8(kb: KernelBuilder, d: int, xt, at: UnitIndex) -> None:
 
 def _q8_block(kb: KernelBuilder, src: ir.Value, at: ir.Value | int, bp: ir.Value) -> None:
     """The 32 floats at src[at] as one Q8_0 block at byte pointer bp,
-    quantized exactly as ``ir.ops.quantize_q8_rows`` (by the integer dot's
+    quantized exactly as ``ir.int_dot.quantize_q8_rows`` (by the integer dot's
     own ``quantize_block``: d = f16(amax / 127), q = rint(x * (127 / amax)))."""
     b = kb.b
     q, d, _ = quantize_block(kb, i64(at) if isinstance(at, int) else at, src)

@@ -103,7 +103,7 @@ def _layout_checks(tensors: list[dict], size: int) -> list[dict]:
 
 def _lmc_layout_check(tensors: list[dict], shape_of: Callable[[dict], tuple[int, ...]]) -> dict:
     """Each tensor's stored size against what lmc's layout of its type needs."""
-    from ir.layouts import get_layout
+    from ir.quant import get_layout
 
     bad = []
     for t in tensors:

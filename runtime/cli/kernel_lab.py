@@ -37,7 +37,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ir.ops import ACT_BLOCK, ACT_LAYOUTS, WeightData, int_act
+from ir.int_dot import ACT_LAYOUTS, int_act
+from ir.ops import WeightData
+from ir.quant import ACT_BLOCK
 from ir.types import TensorType, f32, i32
 
 KINDS = ("matvec", "matmul", "qmatvec", "qmatmul", "rmsnorm", "rope", "attention", "softmax")
@@ -172,7 +174,7 @@ def supported_layouts() -> tuple[str, ...]:
     from compiler.codegen.kernels import load_emitters
 
     load_emitters()
-    from ir.layouts_repacked import REPACKABLE, repacked_name
+    from ir.quant.repack import REPACKABLE, repacked_name
 
     names = {"F32", "F16", *DECODERS}
     ordered = [n for n in _ORDER if n in names] + sorted(names - set(_ORDER))
@@ -181,7 +183,7 @@ def supported_layouts() -> tuple[str, ...]:
 
 
 def _layout(name: str):
-    from ir.layouts import get_layout
+    from ir.quant import get_layout
 
     try:
         return get_layout(name)
@@ -202,7 +204,7 @@ def default_int_dot(p: Problem) -> bool:
 
 def validate(p: Problem, prm: Params) -> None:
     """Everything that can be said before building anything; one line each."""
-    from ir.layouts_repacked import split_repacked
+    from ir.quant.repack import split_repacked
 
     kind = p.kind
     if kind not in KINDS:
@@ -313,7 +315,7 @@ def make_weight(rng: np.random.Generator, layout: str, n: int, k: int) -> Weight
     one (gguf.quants, our Q2_K / Q3_K / Q4_K and llama2.c Q8 writers, a
     layout's own ``quantize`` such as QSF's); random quants with small
     positive and negative super-block scales otherwise (Q5_K, Q6_K)."""
-    from ir.layouts_repacked import split_repacked
+    from ir.quant.repack import split_repacked
 
     if split_repacked(layout):   # the file layout's weight, repacked as the runtime does at load
         base = make_weight(rng, split_repacked(layout)[0], n, k)

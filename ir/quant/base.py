@@ -1,18 +1,23 @@
-"""Quant layouts: how a weight's numbers are stored in its file.
+"""Layouts: how a weight's numbers are stored, as numpy (de)quantizers.
 
 A layout knows the byte size of a tensor of a given shape and how to turn its
 raw bytes (a whole tensor, or one row of it) into float32. These dequantizers
 are the numpy references that fused kernels are tested against; no kernel
-ever writes a dequantized matrix out.
+ever writes a dequantized matrix out. A block layout reads the facts of its
+type (block size, bytes, where each field sits) from its row of the quant
+type table (``ir.quant.table``), never from constants of its own.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .types import Dim
+from ..types import Dim
+
+if TYPE_CHECKING:
+    from .table import QuantType
 
 
 def _rows_cols(shape: tuple[Dim, ...]) -> tuple[int, int]:
@@ -83,13 +88,24 @@ class PlanarQ8Layout(Layout):
 
 @dataclass(frozen=True)
 class BlockLayout(Layout):
-    """Rows of fixed-size blocks (GGUF's quant types): ``block`` values in
-    ``block_bytes`` bytes, scales inside each block; a block never crosses a
-    row. Subclasses give ``dequant_blocks``: uint8 [nblocks, block_bytes] ->
-    float32 [nblocks, block]."""
+    """Rows of fixed-size blocks (GGUF's quant types, QSF's): ``block``
+    values in ``block_bytes`` bytes, scales inside each block; a block never
+    crosses a row. Made from a quant type's row (``qt``), whose ``fields``
+    say where each part of a block sits (``at``). Subclasses give
+    ``dequant_blocks``: uint8 [nblocks, block_bytes] -> float32 [nblocks, block]."""
 
     block: int = 32
     block_bytes: int = 34
+    qt: Any = None
+
+    @classmethod
+    def of(cls, qt: "QuantType", **extra: Any) -> "BlockLayout":
+        return cls(name=qt.name, itemsize=qt.block_bytes, np_dtype="u1", block=qt.block,
+                   block_bytes=qt.block_bytes, qt=qt, **extra)
+
+    def at(self, field: str) -> int:
+        """Byte offset of ``field`` in a block (the type's row says)."""
+        return self.qt.at(field)
 
     def nbytes(self, shape: tuple[Dim, ...]) -> int:
         rows, cols = _rows_cols(shape)
@@ -112,58 +128,3 @@ class BlockLayout(Layout):
         rows = np.asarray(rows, dtype=np.int64)
         picked = mat[rows.reshape(-1)].reshape(-1, self.block_bytes)
         return self.dequant_blocks(picked).reshape(rows.shape + (cols,))
-
-
-_FIXED: dict[str, Layout] = {
-    "F32": Layout("F32", 4, "<f4"),
-    "F16": Layout("F16", 2, "<f2"),
-}
-
-_PLANAR_Q8 = re.compile(r"^L2C_Q8G(\d+)$")
-
-
-#: block layouts registered by their own modules (GGUF quant types)
-LAYOUTS: dict[str, Layout] = {}
-
-
-def register_layout(layout: Layout) -> Layout:
-    LAYOUTS[layout.name] = layout
-    return layout
-
-
-def get_layout(name: str) -> Layout:
-    """Look a layout up by its name (``F32``, ``Q4_K``, ``L2C_Q8G64`` ...)."""
-    if name in _FIXED:
-        return _FIXED[name]
-    if name not in LAYOUTS:
-        _load_block_layouts()
-    if name in LAYOUTS:
-        return LAYOUTS[name]
-    m = _PLANAR_Q8.match(name)
-    if m and int(m.group(1)) > 0:
-        return PlanarQ8Layout(name, 1, "i1", int(m.group(1)))
-    raise KeyError(f"unknown quant layout {name!r}")
-
-
-_loaded = False
-
-
-def _load_block_layouts() -> None:
-    """Import the modules that register block layouts (``layouts_*.py``)."""
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    import importlib
-    import pkgutil
-
-    from . import __path__ as pkg_path
-
-    for m in pkgutil.iter_modules(pkg_path):
-        if m.name.startswith("layouts_"):
-            importlib.import_module(f"{__package__}.{m.name}")
-
-
-def planar_q8(group: int) -> str:
-    """Layout name of llama2.c's Q8_0 with the given group size."""
-    return f"L2C_Q8G{group}"

@@ -56,16 +56,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layouts import Layout, get_layout, register_layout
-from .layouts_kquants import scale_min_k4
-from .types import Dim
+from typing import TYPE_CHECKING
 
-#: base layouts that have a repacked form, and the tile widths
-REPACKABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+from .base import Layout
+from .kquants import scale_min_k4
+from .table import QuantType, quant_type, repackable
+
+if TYPE_CHECKING:
+    from ..types import Dim
+
+#: base layouts that have a repacked form (their rows' ``tile_bytes``), and the tile widths
+REPACKABLE = repackable()
 WIDTHS = (8, 16)
-_BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
-_BASE_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-_TILE_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 148, "Q5_K": 180, "Q6_K": 212}
 
 
 def repacked_name(base: str, width: int) -> str:
@@ -92,7 +94,7 @@ def base_layout(name: str | None) -> str | None:
 def can_repack(base: str | None, rows: int, cols: int, width: int) -> bool:
     """Whether a [rows, cols] weight of layout ``base`` has a repacked form at ``width``."""
     return (base in REPACKABLE and width in WIDTHS and rows > 0 and rows % width == 0
-            and cols > 0 and cols % _BLOCK[base] == 0)
+            and cols > 0 and cols % quant_type(base).block == 0)
 
 
 @dataclass(frozen=True)
@@ -103,13 +105,17 @@ class RepackedLayout(Layout):
     width: int = 16
 
     @property
+    def qt(self) -> QuantType:
+        return quant_type(self.base)
+
+    @property
     def block(self) -> int:
-        return _BLOCK[self.base]
+        return self.qt.block
 
     @property
     def tile_block_bytes(self) -> int:
         """Bytes of one block of a W-row tile."""
-        return _TILE_BYTES[self.base] * self.width
+        return self.qt.tile_bytes * self.width
 
     def nbytes(self, shape: tuple[Dim, ...]) -> int:
         rows, cols = int(shape[0]), int(shape[-1])
@@ -123,29 +129,31 @@ class RepackedLayout(Layout):
         tiles repack on their own into bytes [a / W, b / W) x the tile's
         bytes: callers may split a large weight between threads."""
         nb, W = cols // self.block, self.width
-        src = np.asarray(raw, np.uint8)[: rows * nb * _BASE_BYTES[self.base]]
+        bb = self.qt.block_bytes
+        src = np.asarray(raw, np.uint8)[: rows * nb * bb]
         dst = np.empty(self.nbytes((rows, cols)), np.uint8) if out is None else out
-        blocks = src.reshape(rows // W, W, nb, _BASE_BYTES[self.base])                  # tile, r, j, byte
-        tiles = dst.reshape(rows // W, nb, self.tile_block_bytes)                        # tile, j, byte
-        step = max(1, _CHUNK_BYTES // (W * nb * _BASE_BYTES[self.base]))
+        blocks = src.reshape(rows // W, W, nb, bb)                  # tile, r, j, byte
+        tiles = dst.reshape(rows // W, nb, self.tile_block_bytes)   # tile, j, byte
+        step = max(1, _CHUNK_BYTES // (W * nb * bb))
+        pack = _PACK[self.base]
         for lo in range(0, rows // W, step):     # a few MB at a time: temporaries stay small
-            _PACK[self.base](blocks[lo:lo + step], tiles[lo:lo + step], W)
+            pack(self.qt, blocks[lo:lo + step], tiles[lo:lo + step], W)
         return dst
 
     def unrepack(self, raw: np.ndarray, rows: int, cols: int) -> np.ndarray:
         """This layout's bytes -> the base layout's (the inverse of ``repack``)."""
         nb, W = cols // self.block, self.width
         tiles = np.asarray(raw, np.uint8)[: self.nbytes((rows, cols))].reshape(rows // W, nb, self.tile_block_bytes)
-        blocks = _UNPACK[self.base](tiles, W)                       # tile, j, r, byte
+        blocks = _UNPACK[self.base](self.qt, tiles, W)              # tile, j, r, byte
         return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3)).reshape(-1)
 
     def dequantize(self, raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         rows, cols = int(shape[0]), int(shape[1])
-        return get_layout(self.base).dequantize(self.unrepack(raw, rows, cols), shape)
+        return self.qt.layout.dequantize(self.unrepack(raw, rows, cols), shape)
 
     def dequantize_rows(self, raw: np.ndarray, shape: tuple[int, ...], rows: np.ndarray) -> np.ndarray:
         n, cols = int(shape[0]), int(shape[1])
-        return get_layout(self.base).dequantize_rows(self.unrepack(raw, n, cols), shape, rows)
+        return self.qt.layout.dequantize_rows(self.unrepack(raw, n, cols), shape, rows)
 
 
 #: source bytes repacked per numpy pass
@@ -194,28 +202,23 @@ def _unf16s(v: np.ndarray, W: int) -> np.ndarray:
     return v.reshape(*lead, W, 2)
 
 
-def _unpack32(base: str):
-    offset = base in ("Q4_1", "Q5_1")
-    five = base in ("Q5_0", "Q5_1")
-    qs_at = _BASE_BYTES[base] - 16
-
-    def unpack(t: np.ndarray, W: int) -> np.ndarray:
-        out = np.empty(t.shape[:-1] + (W, _BASE_BYTES[base]), np.uint8)
-        if base == "Q8_0":
-            out[..., 2:34] = _unvectors(t[..., :32 * W], W, 8) ^ np.uint8(0x80)
-            out[..., 0:2] = _unf16s(t[..., 32 * W:34 * W], W)
-            return out
-        out[..., qs_at:qs_at + 16] = _unvectors(t[..., :16 * W], W, 4)
-        at = 16 * W
-        if five:
-            out[..., 4 if offset else 2:(4 if offset else 2) + 4] = _unmasks(t[..., at:at + 4 * W], W)
-            at += 4 * W
-        out[..., 0:2] = _unf16s(t[..., at:at + 2 * W], W)
-        if offset:
-            out[..., 2:4] = _unf16s(t[..., at + 2 * W:at + 4 * W], W)
+def _unpack32(qt: QuantType, t: np.ndarray, W: int) -> np.ndarray:
+    """Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 tile blocks back to the file's blocks (``_pack32``'s inverse)."""
+    out = np.empty(t.shape[:-1] + (W, qt.block_bytes), np.uint8)
+    qs, d = qt.at("qs"), qt.at("d")
+    if qt.name == "Q8_0":
+        out[..., qs:qs + 32] = _unvectors(t[..., :32 * W], W, 8) ^ np.uint8(0x80)
+        out[..., d:d + 2] = _unf16s(t[..., 32 * W:34 * W], W)
         return out
-
-    return unpack
+    out[..., qs:qs + 16] = _unvectors(t[..., :16 * W], W, 4)
+    at = 16 * W
+    if qt.has("qh"):
+        out[..., qt.at("qh"):qt.at("qh") + 4] = _unmasks(t[..., at:at + 4 * W], W)
+        at += 4 * W
+    out[..., d:d + 2] = _unf16s(t[..., at:at + 2 * W], W)
+    if qt.offset:
+        out[..., qt.at("m"):qt.at("m") + 2] = _unf16s(t[..., at + 2 * W:at + 4 * W], W)
+    return out
 
 
 # --- K-quants -----------------------------------------------------------------------------------
@@ -253,21 +256,23 @@ def _pack_scale_min_k4(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
     return out
 
 
-def _unpack_kfactors(t: np.ndarray, out: np.ndarray, at: int, W: int) -> None:
-    """Q4_K/Q5_K: d, dmin and the packed scales and minimums (file bytes 0..15)
-    back from the repacked factors at byte ``at`` (``_put_kfactors``' inverse)."""
-    out[..., 0:2] = _unf16s(t[..., at:at + 2 * W], W)
-    out[..., 2:4] = _unf16s(t[..., at + 2 * W:at + 4 * W], W)
+def _unpack_kfactors(qt: QuantType, t: np.ndarray, out: np.ndarray, at: int, W: int) -> None:
+    """Q4_K/Q5_K: d, dmin and the packed scales and minimums back from the
+    repacked factors at byte ``at`` (``_put_kfactors``' inverse)."""
+    d, dmin, scales = qt.at("d"), qt.at("dmin"), qt.at("scales")
+    out[..., d:d + 2] = _unf16s(t[..., at:at + 2 * W], W)
+    out[..., dmin:dmin + 2] = _unf16s(t[..., at + 2 * W:at + 4 * W], W)
     sc = _unrows_bytes(t[..., at + 4 * W:at + 12 * W], W, 8)
     mn = _unrows_bytes(t[..., at + 12 * W:at + 20 * W], W, 8)
-    out[..., 4:16] = _pack_scale_min_k4(sc, mn)
+    out[..., scales:scales + 12] = _pack_scale_min_k4(sc, mn)
 
 
-def _unpack_q4k(t: np.ndarray, W: int) -> np.ndarray:
-    out = np.empty(t.shape[:-1] + (W, 144), np.uint8)
+def _unpack_q4k(qt: QuantType, t: np.ndarray, W: int) -> np.ndarray:
+    out = np.empty(t.shape[:-1] + (W, qt.block_bytes), np.uint8)
     lo, hi = _unpair_vectors(t[..., :128 * W], W)
-    out[..., 16:144] = (lo | (hi << 4)).reshape(*out.shape[:-1], 128)
-    _unpack_kfactors(t, out, 128 * W, W)
+    qs = qt.at("qs")
+    out[..., qs:qs + 128] = (lo | (hi << 4)).reshape(*out.shape[:-1], 128)
+    _unpack_kfactors(qt, t, out, 128 * W, W)
     return out
 
 
@@ -291,20 +296,21 @@ def _q5k_unmasks(m: np.ndarray, W: int) -> np.ndarray:
     return (bits << np.arange(8, dtype=np.uint8)[:, None]).sum(-2, dtype=np.uint8)      # [..., r', 32]
 
 
-def _unpack_q5k(t: np.ndarray, W: int) -> np.ndarray:
-    out = np.empty(t.shape[:-1] + (W, 176), np.uint8)
+def _unpack_q5k(qt: QuantType, t: np.ndarray, W: int) -> np.ndarray:
+    out = np.empty(t.shape[:-1] + (W, qt.block_bytes), np.uint8)
     lo, hi = _unpair_vectors(t[..., :128 * W], W)
-    out[..., 48:176] = (lo | (hi << 4)).reshape(*out.shape[:-1], 128)
-    out[..., 16:48] = _q5k_unmasks(t[..., 128 * W:160 * W].reshape(*t.shape[:-1], 8, 8, W // 2), W)
-    _unpack_kfactors(t, out, 160 * W, W)
+    qs, qh = qt.at("qs"), qt.at("qh")
+    out[..., qs:qs + 128] = (lo | (hi << 4)).reshape(*out.shape[:-1], 128)
+    out[..., qh:qh + 32] = _q5k_unmasks(t[..., 128 * W:160 * W].reshape(*t.shape[:-1], 8, 8, W // 2), W)
+    _unpack_kfactors(qt, t, out, 160 * W, W)
     return out
 
 
-def _q6k_values(blk: np.ndarray) -> np.ndarray:
+def _q6k_values(qt: QuantType, blk: np.ndarray) -> np.ndarray:
     """[..., 210] -> the unsigned quants u = q + 32 (0..63) [..., 256] in value order."""
     lead = blk.shape[:-1]
-    ql = blk[..., 0:128].reshape(*lead, 2, 2, 32)
-    qh = blk[..., 128:192].reshape(*lead, 2, 1, 32)
+    ql = blk[..., qt.at("ql"):qt.at("ql") + 128].reshape(*lead, 2, 2, 32)
+    qh = blk[..., qt.at("qh"):qt.at("qh") + 64].reshape(*lead, 2, 1, 32)
     lo = np.concatenate([ql & 15, ql >> 4], axis=-2)                     # h, i, l
     hi = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
     return (lo | (hi << 4)).reshape(*lead, 256)
@@ -320,9 +326,9 @@ def _q6k_bytes(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ql.reshape(*lead, 128), qh.reshape(*lead, 64)
 
 
-def _unpack_q6k(t: np.ndarray, W: int) -> np.ndarray:
+def _unpack_q6k(qt: QuantType, t: np.ndarray, W: int) -> np.ndarray:
     lead = t.shape[:-1]
-    out = np.empty(lead + (W, 210), np.uint8)
+    out = np.empty(lead + (W, qt.block_bytes), np.uint8)
     groups = t[..., 20 * W:].reshape(*lead, 4, 48 * W)
     lo, hi = _unpair_vectors(np.ascontiguousarray(groups[..., :32 * W]).reshape(*lead, 128 * W), W)
     hv = np.moveaxis(groups[..., 32 * W:].reshape(*lead, 4, 4, W, 4), -2, -4)   # r, g, k, c
@@ -330,9 +336,9 @@ def _unpack_q6k(t: np.ndarray, W: int) -> np.ndarray:
     h = h.reshape(*lead, W, 4, 2, 32)
     u = np.stack([lo, hi], axis=-2) | (h << 4)                            # r, g, h, value
     ql, qh = _q6k_bytes(u.reshape(*lead, W, 256))
-    out[..., 0:128], out[..., 128:192] = ql, qh
-    out[..., 192:208] = _unrows_bytes(t[..., :16 * W], W, 16)
-    out[..., 208:210] = _unf16s(t[..., 16 * W:18 * W], W)
+    out[..., qt.at("ql"):qt.at("ql") + 128], out[..., qt.at("qh"):qt.at("qh") + 64] = ql, qh
+    out[..., qt.at("scales"):qt.at("scales") + 16] = _unrows_bytes(t[..., :16 * W], W, 16)
+    out[..., qt.at("d"):qt.at("d") + 2] = _unf16s(t[..., 16 * W:18 * W], W)
     return out
 
 
@@ -367,57 +373,63 @@ def _put_masks(dst: np.ndarray, at: int, qh: np.ndarray, W: int) -> None:
     dst[..., at:at + 4 * W].reshape(t, nb, 8, W // 2)[...] = pairs.transpose(0, 2, 3, 1)
 
 
-def _pack32(base: str):
-    offset = base in ("Q4_1", "Q5_1")
-    five = base in ("Q5_0", "Q5_1")
-    qs_at = _BASE_BYTES[base] - 16
-
-    def pack(src: np.ndarray, dst: np.ndarray, W: int) -> None:
-        if base == "Q8_0":
-            _put_vectors(dst, 0, _u32s(src, 2, 8) ^ np.uint32(0x80808080), W)
-            _put_rows(dst, 32 * W, _u32s(src, 0, 1).view("<u2")[..., :1], W)
-            return
-        _put_vectors(dst, 0, _u32s(src, qs_at, 4), W)
-        at = 16 * W
-        if five:
-            _put_masks(dst, at, src[..., 4 if offset else 2:][..., :4], W)
-            at += 4 * W
-        halves = np.ascontiguousarray(src[..., 0:4]).view("<u2")              # d, and m for the offset layouts
-        _put_rows(dst, at, halves[..., :2 if offset else 1], W)
-
-    return pack
+def _f16_pair(src: np.ndarray, a: int, b: int) -> np.ndarray:
+    """The float16s at bytes a and b of every block, as uint16 [..., 2]."""
+    return np.stack([np.ascontiguousarray(src[..., a:a + 2]).view("<u2")[..., 0],
+                     np.ascontiguousarray(src[..., b:b + 2]).view("<u2")[..., 0]], axis=-1)
 
 
-def _put_kfactors(src: np.ndarray, dst: np.ndarray, at: int, W: int) -> None:
+def _pack32(qt: QuantType, src: np.ndarray, dst: np.ndarray, W: int) -> None:
+    """Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 file blocks into tile blocks (module docstring)."""
+    qs, d = qt.at("qs"), qt.at("d")
+    if qt.name == "Q8_0":
+        _put_vectors(dst, 0, _u32s(src, qs, 8) ^ np.uint32(0x80808080), W)
+        _put_rows(dst, 32 * W, np.ascontiguousarray(src[..., d:d + 2]).view("<u2"), W)
+        return
+    _put_vectors(dst, 0, _u32s(src, qs, 4), W)
+    at = 16 * W
+    if qt.has("qh"):
+        _put_masks(dst, at, src[..., qt.at("qh"):qt.at("qh") + 4], W)
+        at += 4 * W
+    if qt.offset:        # d then m, W of each
+        _put_rows(dst, at, _f16_pair(src, d, qt.at("m")), W)
+    else:
+        _put_rows(dst, at, np.ascontiguousarray(src[..., d:d + 2]).view("<u2"), W)
+
+
+def _put_kfactors(qt: QuantType, src: np.ndarray, dst: np.ndarray, at: int, W: int) -> None:
     """Q4_K/Q5_K: d, dmin (W float16 each), then the 8 scales and the 8
     minimums unpacked to bytes (8W each), from byte ``at``."""
     t, _, nb, _ = src.shape
-    _put_rows(dst, at, _u32s(src, 0, 1).view("<u2"), W)                    # d, dmin
-    sc, mn = scale_min_k4(np.ascontiguousarray(src[..., 4:16]).reshape(-1, 12))
+    _put_rows(dst, at, _f16_pair(src, qt.at("d"), qt.at("dmin")), W)
+    scales = qt.at("scales")
+    sc, mn = scale_min_k4(np.ascontiguousarray(src[..., scales:scales + 12]).reshape(-1, 12))
     _put_rows(dst, at + 4 * W, sc.reshape(t, W, nb, 8), W)
     _put_rows(dst, at + 12 * W, mn.reshape(t, W, nb, 8), W)
 
 
-def _pack_q4k(src: np.ndarray, dst: np.ndarray, W: int) -> None:
-    _put_vectors(dst, 0, _u32s(src, 16, 32), W)
-    _put_kfactors(src, dst, 128 * W, W)
+def _pack_q4k(qt: QuantType, src: np.ndarray, dst: np.ndarray, W: int) -> None:
+    _put_vectors(dst, 0, _u32s(src, qt.at("qs"), 32), W)
+    _put_kfactors(qt, src, dst, 128 * W, W)
 
 
-def _pack_q5k(src: np.ndarray, dst: np.ndarray, W: int) -> None:
+def _pack_q5k(qt: QuantType, src: np.ndarray, dst: np.ndarray, W: int) -> None:
     t, _, nb, _ = src.shape
-    _put_vectors(dst, 0, _u32s(src, 48, 32), W)
-    dst[..., 128 * W:160 * W].reshape(t, nb, 8, 8, W // 2)[...] = _q5k_masks(src[..., 16:48], W)
-    _put_kfactors(src, dst, 160 * W, W)
+    qh = qt.at("qh")
+    _put_vectors(dst, 0, _u32s(src, qt.at("qs"), 32), W)
+    dst[..., 128 * W:160 * W].reshape(t, nb, 8, 8, W // 2)[...] = _q5k_masks(src[..., qh:qh + 32], W)
+    _put_kfactors(qt, src, dst, 160 * W, W)
 
 
-def _pack_q6k(src: np.ndarray, dst: np.ndarray, W: int) -> None:
+def _pack_q6k(qt: QuantType, src: np.ndarray, dst: np.ndarray, W: int) -> None:
     t, _, nb, _ = src.shape
-    u = _q6k_values(src).reshape(t, W, nb, 4, 2, 32)                          # g, run 2g + h, value
+    u = _q6k_values(qt, src).reshape(t, W, nb, 4, 2, 32)                      # g, run 2g + h, value
     nib = (u[..., 0, :] & 15) | ((u[..., 1, :] & 15) << 4)                    # [t, r, j, g, 32]
     h = (u >> 4).reshape(t, W, nb, 4, 4, 4, 4)                                # g, k, t, c: vector 4k + t
     hb = h[..., 0, :] | (h[..., 1, :] << 2) | (h[..., 2, :] << 4) | (h[..., 3, :] << 6)   # [t, r, j, g, k, c]
-    _put_rows(dst, 0, np.ascontiguousarray(src[..., 192:208]), W)            # sc
-    _put_rows(dst, 16 * W, np.ascontiguousarray(src[..., 208:210]).view("<u2"), W)   # d
+    sc, d = qt.at("scales"), qt.at("d")
+    _put_rows(dst, 0, np.ascontiguousarray(src[..., sc:sc + 16]), W)                 # sc
+    _put_rows(dst, 16 * W, np.ascontiguousarray(src[..., d:d + 2]).view("<u2"), W)   # d
     dst[..., 18 * W:20 * W] = 0
     groups = dst[..., 20 * W:].reshape(t, nb, 4, 48 * W)
     nw = np.ascontiguousarray(nib).view("<u4")                                # [t, r, j, g, 8]
@@ -425,11 +437,17 @@ def _pack_q6k(src: np.ndarray, dst: np.ndarray, W: int) -> None:
     hw = np.ascontiguousarray(hb).reshape(t, W, nb, 4, 16).view("<u4")        # [t, r, j, g, 4]
     groups[..., 32 * W:].view("<u4").reshape(t, nb, 4, 4, W)[...] = hw.transpose(0, 2, 3, 4, 1)
 
-_PACK = {b: _pack32(b) for b in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")}
-_UNPACK = {b: _unpack32(b) for b in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")}
-_PACK.update(Q4_K=_pack_q4k, Q5_K=_pack_q5k, Q6_K=_pack_q6k)
-_UNPACK.update(Q4_K=_unpack_q4k, Q5_K=_unpack_q5k, Q6_K=_unpack_q6k)
 
+#: how each repackable type's blocks go into tiles and back (its row's ``tile_bytes`` is the size)
+_PACK = {"Q4_K": _pack_q4k, "Q5_K": _pack_q5k, "Q6_K": _pack_q6k}
+_UNPACK = {"Q4_K": _unpack_q4k, "Q5_K": _unpack_q5k, "Q6_K": _unpack_q6k}
 for _base in REPACKABLE:
-    for _w in WIDTHS:
-        register_layout(RepackedLayout(repacked_name(_base, _w), 1, "u1", _base, _w))
+    if quant_type(_base).block == 32:
+        _PACK[_base], _UNPACK[_base] = _pack32, _unpack32
+
+
+def repacked_layout(base: str, width: int) -> RepackedLayout:
+    """The layout of ``base`` weights repacked ``width`` rows at a time."""
+    if base not in REPACKABLE or width not in WIDTHS:
+        raise KeyError(f"no repacked layout of {base} at width {width}")
+    return RepackedLayout(repacked_name(base, width), 1, "u1", base, width)

@@ -26,6 +26,23 @@ Each layout also has a quantizer (``quantize_blocks``, ``quantize``) that
 searches its block parameters against the squared error as stored, i.e.
 with f16-rounded scales; see the methods for how. They take finite values
 within the float16 range (|x| <= 65504) and raise ValueError otherwise.
+
+Block sizes and field offsets are the types' rows in ``ir.quant.table``.
+``int_blocks`` gives the integer path's view (``ir.int_dot``): each 64-value
+block as two 32-value blocks sharing d and the offset m:
+
+    layout        q_w                      d_w    m_w
+    QSF_Q8        int8 q                   d      (none)
+    QSF_Q4        nibble q, 0..15          d      -z * d
+    QSF_Q2        crumb q, 0..3            d      m
+    QSF_Q2S       crumb q, 0..3            d      -1.5 * d
+    QSF_TERNARY   t in {-1, 0, +1}         d      (none)
+
+Every m_w is exact in float32: d, z and m are float16, and a product of two
+float16 values (11-bit significands) fits float32's 24 bits (Q2S: 1.5 has
+two). So d_w q_w + m_w equals the layout's float dequantization up to that
+one float32 rounding of (q - z) * d, (q - 1.5) * d, which the integer
+path's float64 does not make: the values are the same reals.
 """
 from __future__ import annotations
 
@@ -33,9 +50,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layouts import BlockLayout, register_layout
+from .base import BlockLayout
 
-QK = 64  # values per block
+#: values per activation block of the integer path (``ir.int_dot``)
+_QA = 32
 #: blocks quantized per numpy call: bounds the memory of the candidate searches
 _CHUNK = 2048
 #: least-squares refinements of (d, z | m) after the candidate search (Q4, Q2):
@@ -96,13 +114,13 @@ def _to_f16(x: np.ndarray) -> np.ndarray:
         return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
 
 
-def _checked_blocks(name: str, values: np.ndarray) -> np.ndarray:
+def _checked_blocks(name: str, values: np.ndarray, block: int) -> np.ndarray:
     """float32 [nblocks, 64] of finite values within the float16 range. (With
     |x| <= 65504 every search below has finite candidates, so no block can
     silently come out as zeros because its scales overflowed.)"""
     x = np.asarray(values, np.float32)
-    if x.ndim != 2 or x.shape[1] != QK:
-        raise ValueError(f"{name}: quantize_blocks takes float32 [nblocks, {QK}], got shape {x.shape}")
+    if x.ndim != 2 or x.shape[1] != block:
+        raise ValueError(f"{name}: quantize_blocks takes float32 [nblocks, {block}], got shape {x.shape}")
     if not np.all(np.isfinite(x)):
         raise ValueError(f"{name}: cannot quantize non-finite values (inf or nan)")
     amax = float(np.abs(x).max(initial=0))
@@ -141,14 +159,33 @@ class QSFLayout(BlockLayout):
     def quantize_blocks(self, values: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
+    def int_quants(self, blk: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """(integer quants [nblocks, 64], offset m float32 [nblocks, 1] or None)."""
+        raise NotImplementedError
+
+    def int_blocks(self, raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """A [n, k] weight's stored bytes as 32-value integer blocks: (d
+        float32 [n, k/32], q int8 [n, k/32, 32], m float32 [n, k/32] or
+        None), value = d * q (+ m); each 64-value block's d and m twice."""
+        blk = np.asarray(raw, np.uint8).reshape(-1, self.block_bytes)
+        d = _f16_at(blk, self.at("d"))                                 # [blocks, 1]
+        q, m = self.int_quants(blk)
+        nb = k // _QA
+
+        def per_block(v: np.ndarray) -> np.ndarray:
+            return np.repeat(v[:, 0], self.block // _QA).astype(np.float32).reshape(n, nb)
+
+        return (per_block(d), q.astype(np.int8).reshape(n, nb, _QA),
+                None if m is None else per_block(m))
+
     def quantize(self, matrix: np.ndarray) -> np.ndarray:
         """float32 [rows, cols] -> the stored bytes of the whole tensor (uint8,
         rows * cols / 64 * block_bytes long), blocks in row-major order."""
         m = np.asarray(matrix, np.float32)
         cols = m.shape[-1] if m.ndim else 1
-        if m.ndim == 0 or cols % QK:
-            raise ValueError(f"{self.name}: {cols} columns are not a multiple of the block size {QK}")
-        blocks = np.ascontiguousarray(m).reshape(-1, QK)
+        if m.ndim == 0 or cols % self.block:
+            raise ValueError(f"{self.name}: {cols} columns are not a multiple of the block size {self.block}")
+        blocks = np.ascontiguousarray(m).reshape(-1, self.block)
         out = np.empty((blocks.shape[0], self.block_bytes), np.uint8)
         for s in range(0, blocks.shape[0], _CHUNK):
             out[s:s + _CHUNK] = self.quantize_blocks(blocks[s:s + _CHUNK])
@@ -158,13 +195,16 @@ class QSFLayout(BlockLayout):
 @dataclass(frozen=True)
 class Q8Layout(QSFLayout):
     def dequant_blocks(self, blocks: np.ndarray) -> np.ndarray:
-        q = np.ascontiguousarray(blocks[:, 2:2 + QK]).view(np.int8)
-        return q.astype(np.float32) * _f16_at(blocks, 0)
+        q = np.ascontiguousarray(blocks[:, self.at("qs"):self.at("qs") + self.block]).view(np.int8)
+        return q.astype(np.float32) * _f16_at(blocks, self.at("d"))
+
+    def int_quants(self, blk):
+        return np.ascontiguousarray(blk[:, self.at("qs"):self.at("qs") + self.block]).view(np.int8), None
 
     def quantize_blocks(self, values: np.ndarray) -> np.ndarray:
         """Absmax: d = f16(max|x| / 127), q = round(x / d). Quants are picked
         with the stored (rounded) d, so they are the nearest levels."""
-        x = _checked_blocks(self.name, values)
+        x = _checked_blocks(self.name, values, self.block)
         d = _to_f16(np.abs(x).max(axis=1, keepdims=True) / np.float32(127))
         with np.errstate(divide="ignore", invalid="ignore"):
             q = np.clip(np.rint(np.where(d > 0, x / d, 0)), -127, 127).astype(np.int8)
@@ -240,7 +280,7 @@ class _AffineLayout(QSFLayout):
         3. ``LS_ITERATIONS`` more rounds of fit / store / re-pick on the best,
            keeping a round only where it lowers the error.
         """
-        x = _checked_blocks(self.name, values)
+        x = _checked_blocks(self.name, values, self.block)
         n = x.shape[0]
         mn, mx = x.min(1, keepdims=True).astype(np.float64), x.max(1, keepdims=True).astype(np.float64)
         mn0, mx0 = np.minimum(mn, 0), np.maximum(mx, 0)
@@ -275,8 +315,12 @@ class _AffineLayout(QSFLayout):
 @dataclass(frozen=True)
 class Q4Layout(_AffineLayout):
     def dequant_blocks(self, blocks: np.ndarray) -> np.ndarray:
-        q = _nibbles(blocks[:, 4:4 + QK // 2]).astype(np.float32)
-        return (q - _f16_at(blocks, 2)) * _f16_at(blocks, 0)
+        q = _nibbles(blocks[:, self.at("qs"):self.at("qs") + self.block // 2]).astype(np.float32)
+        return (q - _f16_at(blocks, self.at("z"))) * _f16_at(blocks, self.at("d"))
+
+    def int_quants(self, blk):
+        return (_nibbles(blk[:, self.at("qs"):self.at("qs") + self.block // 2]),
+                -(_f16_at(blk, self.at("z")) * _f16_at(blk, self.at("d"))))
 
     def _store(self, d, m):
         d16 = _to_f16(d)
@@ -308,8 +352,11 @@ class Q2Layout(_AffineLayout):
     grid: tuple[float, float] = (-1.0, 3.0)
 
     def dequant_blocks(self, blocks: np.ndarray) -> np.ndarray:
-        q = _crumbs(blocks[:, 4:4 + QK // 4]).astype(np.float32)
-        return q * _f16_at(blocks, 0) + _f16_at(blocks, 2)
+        q = _crumbs(blocks[:, self.at("qs"):self.at("qs") + self.block // 4]).astype(np.float32)
+        return q * _f16_at(blocks, self.at("d")) + _f16_at(blocks, self.at("m"))
+
+    def int_quants(self, blk):
+        return _crumbs(blk[:, self.at("qs"):self.at("qs") + self.block // 4]), _f16_at(blk, self.at("m"))
 
     def _store(self, d, m):
         return _to_f16(d), _to_f16(m)
@@ -338,8 +385,12 @@ Q2S_SCALES = (*np.round(np.arange(0.30, 1.0001, 0.05), 2), 3.0)
 @dataclass(frozen=True)
 class Q2SLayout(QSFLayout):
     def dequant_blocks(self, blocks: np.ndarray) -> np.ndarray:
-        q = _crumbs(blocks[:, 2:2 + QK // 4]).astype(np.float32)
-        return (q - np.float32(1.5)) * _f16_at(blocks, 0)
+        q = _crumbs(blocks[:, self.at("qs"):self.at("qs") + self.block // 4]).astype(np.float32)
+        return (q - np.float32(1.5)) * _f16_at(blocks, self.at("d"))
+
+    def int_quants(self, blk):
+        return (_crumbs(blk[:, self.at("qs"):self.at("qs") + self.block // 4]),
+                -(np.float32(1.5) * _f16_at(blk, self.at("d"))))
 
     @staticmethod
     def _try(x: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -354,7 +405,7 @@ class Q2SLayout(QSFLayout):
         """Grid search over ``Q2S_SCALES`` x max|x|/1.5 (vectorised: all
         candidates at once), then two least-squares refits of d on the
         winner's quants, kept where they lower the error."""
-        x = _checked_blocks(self.name, values)
+        x = _checked_blocks(self.name, values, self.block)
         n = x.shape[0]
         base = np.abs(x).max(1, keepdims=True).astype(np.float64) / 1.5
         cand = np.stack([base * f for f in Q2S_SCALES])
@@ -371,20 +422,24 @@ class Q2SLayout(QSFLayout):
 @dataclass(frozen=True)
 class TernaryLayout(QSFLayout):
     def dequant_blocks(self, blocks: np.ndarray) -> np.ndarray:
-        d = _f16_at(blocks, 0)
-        signed = np.where(_bits64(blocks, 2), -d, d)
-        return np.where(_bits64(blocks, 10), np.float32(0), signed).astype(np.float32)
+        d = _f16_at(blocks, self.at("d"))
+        signed = np.where(_bits64(blocks, self.at("sign")), -d, d)
+        return np.where(_bits64(blocks, self.at("zero")), np.float32(0), signed).astype(np.float32)
+
+    def int_quants(self, blk):   # zero wins over sign
+        t = np.where(_bits64(blk, self.at("sign")), np.int8(-1), np.int8(1))
+        return np.where(_bits64(blk, self.at("zero")), np.int8(0), t), None
 
     def quantize_blocks(self, values: np.ndarray) -> np.ndarray:
         """Every threshold at once: with |x| sorted descending, keeping the
         k largest costs sum(x^2) - 2 d S_k + k d^2 (S_k their sum, d = f16 of
         S_k / k, the least-squares d rounded). The best k of 0..64 per block."""
-        x = _checked_blocks(self.name, values)
+        x = _checked_blocks(self.name, values, self.block)
         a = np.abs(x).astype(np.float64)
         order = np.argsort(-a, axis=1, kind="stable")
         s1 = np.cumsum(np.take_along_axis(a, order, axis=1), axis=1)      # S_k, k = 1..64
         total = (a * a).sum(1, keepdims=True)
-        k = np.arange(1, QK + 1, dtype=np.float64)
+        k = np.arange(1, self.block + 1, dtype=np.float64)
         d = _to_f16(s1 / k).astype(np.float64)
         with np.errstate(invalid="ignore"):
             err = total - 2 * d * s1 + k * d * d
@@ -396,15 +451,3 @@ class TernaryLayout(QSFLayout):
         nonzero = rank < kbest[:, None]
         sign = nonzero & (x < 0)
         return np.concatenate([_f16_bytes(dbest), _pack_bits64(sign), _pack_bits64(~nonzero)], axis=1)
-
-
-def _block(cls: type, name: str, block_bytes: int) -> QSFLayout:
-    return register_layout(cls(name=name, itemsize=block_bytes, np_dtype="u1", block=QK,
-                               block_bytes=block_bytes))
-
-
-QSF_Q8 = _block(Q8Layout, "QSF_Q8", 2 + QK)
-QSF_Q4 = _block(Q4Layout, "QSF_Q4", 4 + QK // 2)
-QSF_Q2 = _block(Q2Layout, "QSF_Q2", 4 + QK // 4)
-QSF_Q2S = _block(Q2SLayout, "QSF_Q2S", 2 + QK // 4)
-QSF_TERNARY = _block(TernaryLayout, "QSF_TERNARY", 2 + 16)

@@ -1,0 +1,35 @@
+"""Quant types: the table of every weight type lmc reads (``table``), the
+numpy (de)quantizers it points to (``base``, ``gguf``, ``kquants``, ``qsf``)
+and repacked tiles (``repack``). ``get_layout`` finds any layout by name."""
+from __future__ import annotations
+
+import functools
+import re
+
+from .base import BlockLayout, Layout, PlanarQ8Layout
+from .repack import repacked_layout, split_repacked
+from .table import ACT_BLOCK, QUANT_TYPES, QuantType, quant_type, repackable, types_with
+
+__all__ = ["ACT_BLOCK", "BlockLayout", "Layout", "PlanarQ8Layout", "QUANT_TYPES", "QuantType", "get_layout",
+           "planar_q8", "quant_type", "repackable", "types_with"]
+
+_PLANAR_Q8 = re.compile(r"^L2C_Q8G(\d+)$")
+
+
+@functools.cache
+def get_layout(name: str) -> Layout:
+    """The layout of a type (``F32``, ``Q4_K``, ``L2C_Q8G64``, ``Q5_0x16`` ...)."""
+    if name in QUANT_TYPES:
+        return QUANT_TYPES[name].layout
+    rep = split_repacked(name)
+    if rep:
+        return repacked_layout(*rep)
+    m = _PLANAR_Q8.match(name)
+    if m and int(m.group(1)) > 0:
+        return PlanarQ8Layout(name, 1, "i1", int(m.group(1)))
+    raise KeyError(f"unknown quant layout {name!r}")
+
+
+def planar_q8(group: int) -> str:
+    """Layout name of llama2.c's Q8_0 with the given group size."""
+    return f"L2C_Q8G{group}"
