@@ -19,9 +19,11 @@ from ir.digest import sha256
 
 MAGIC = b"LMCART1\0"
 #: 2: the object code is a pack of objects (``objpack``: glue and kernels);
-#: format 1 (one object) still reads
-FORMAT_VERSION = 2
-READS_VERSIONS = (1, 2)
+#: format 1 (one object) still reads. 3: a repacked region names its base
+#: layout and tile width apart (``repack``), not as one name ("Q5_0x16"),
+#: which formats 1 and 2 did (``runtime.weight_image.regions`` reads both)
+FORMAT_VERSION = 3
+READS_VERSIONS = (1, 2, 3)
 
 
 class ArtifactError(ValueError):

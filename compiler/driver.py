@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from frontends.arch import ModelError, build_graph
 from frontends.loader import LoadedModel, load_model
 from ir.graph import Graph
-from ir.quant.repack import split_repacked
 from ir.printer import print_graph
 
 from .pipeline import default_pipeline, run_pipeline
@@ -144,7 +143,7 @@ def _rows_as_decode(g: Graph) -> None:
     for node in g.nodes:
         if node.op not in ("matmul", "qmatmul", "qmatmul_rows") or "decode_rows" in node.attrs:
             continue
-        if split_repacked(node.inputs[1].type.layout):   # one arithmetic for every row count already
+        if node.inputs[1].type.repack:   # one arithmetic for every row count already
             continue
         attrs = {k: v for k, v in node.attrs.items() if k != "gemm"}
         node.attrs = {**attrs, "decode_rows": PROMPT_ROWS if "gemm" in node.attrs else VERIFY_ROWS}

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from frontends.cache_dir import cache_root, write_entry
-from ir.quant import get_layout
+from ir.quant import repacked_layout
 
 from .artifact import sampled_digest
 
@@ -59,15 +59,20 @@ def cache_key(model: dict[str, Any], regions: Sequence[Any]) -> str | None:
     """The key of a manifest's repacked regions (``model``: the manifest's
     model fingerprint); None when the cache is off or there are none."""
     from ir.digest import sha256
-    import ir.quant.repack as layouts
+    import ir.quant.repack as packing
+    import ir.quant.table as table
 
     rp = repack_regions(regions)
     if not enabled() or not rp:
         return None
-    with open(layouts.__file__, "rb") as f:
-        code = sha256(f.read()).hexdigest()
+    h = sha256()
+    for mod in (packing, table):   # the tiles' code and the types' facts
+        with open(mod.__file__, "rb") as f:
+            h.update(f.read())
+    code = h.hexdigest()
     rows = [{k: list(v) if isinstance(v, tuple) else v for k, v in
-             ((n, _get(r, n)) for n in ("file_offset", "stored", "image_offset", "size", "layout", "shape"))}
+             ((n, _get(r, n)) for n in ("file_offset", "stored", "image_offset", "size", "layout", "shape",
+                                        "repack"))}
             for r in rp]
     ident = {k: v for k, v in model.items() if k != "path"}
     what = json.dumps({"model": ident, "regions": rows, "code": code}, sort_keys=True)
@@ -134,7 +139,7 @@ def repack_into(src: np.ndarray, dst: np.ndarray, regions: Sequence[Any], lo: in
     core (numpy's copies release the GIL)."""
     def run(r: Any, row0: int, rows: int) -> None:
         s0, sn, d0, dn = _rows(r, row0, rows)
-        get_layout(_get(r, "layout")).repack(src[s0:s0 + sn], rows, int(_get(r, "shape")[1]),
+        repacked_layout(_get(r, "layout"), _get(r, "repack")).repack(src[s0:s0 + sn], rows, int(_get(r, "shape")[1]),
                                              out=dst[d0 - lo:d0 - lo + dn])
 
     _in_threads(run, _jobs(regions))
@@ -174,7 +179,7 @@ def prepare(model_path: str, key: str | None, regions: Sequence[Any]) -> None:
                 raw = os.pread(src.fileno(), sn, s0)
                 if len(raw) != sn:
                     raise OSError(f"{model_path}: short read at byte {s0}")
-                out = get_layout(_get(r, "layout")).repack(np.frombuffer(raw, np.uint8), rows,
+                out = repacked_layout(_get(r, "layout"), _get(r, "repack")).repack(np.frombuffer(raw, np.uint8), rows,
                                                            int(_get(r, "shape")[1]))
                 os.pwrite(dst.fileno(), out.data, d0 - lo)
 

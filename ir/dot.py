@@ -23,7 +23,7 @@ import networkx as nx
 from .graph import Graph, Node, Value
 from .layers import EMBED, count_layers, layer_variation, node_sections, section_nodes
 from .ops import OPS
-from .printer import ref
+from .printer import layout_label, ref
 
 
 def _q(s: str) -> str:
@@ -40,7 +40,7 @@ def to_networkx(graph: Graph) -> nx.DiGraph:
     for v in graph.states.values():
         g.add_node(ref(v), kind="state", label=f"{v.name}\n{v.type}")
     for node in graph.nodes:
-        label = node.op + (f"[{node.attrs['layout']}]" if "layout" in node.attrs else "")
+        label = node.op + (f"[{layout_label(node)}]" if "layout" in node.attrs else "")
         g.add_node(ref(node.output), kind="op", label=f"{label}\n{node.output.type}")
         for v in node.inputs:
             g.add_edge(ref(v), ref(node.output))
@@ -181,7 +181,7 @@ class _Picture:
             label = f"{v.name}\nKV cache {v.type}\n{human_bytes(v.type.nbytes())}"
             style = f'shape=cylinder, style=filled, fillcolor="{STATE_COLOUR}"'
         else:
-            fam = layout_family(v.type.layout)
+            fam = layout_family(v.type.stored)
             self.families.add(fam)
             label = self._weight_label(v)
             style = f'shape=note, style=filled, fillcolor="{WEIGHT_FAMILIES[fam][1]}", fontsize=9'
@@ -191,7 +191,7 @@ class _Picture:
     def _weight_label(self, v: Value) -> str:
         dims = ", ".join(str(d) for d in v.type.shape)
         nbytes = v.ref.nbytes if v.ref is not None else v.type.nbytes()
-        lines = [v.name, f"{v.type.layout or v.type.dtype} [{dims}]", human_bytes(nbytes)]
+        lines = [v.name, f"{v.type.stored or v.type.dtype} [{dims}]", human_bytes(nbytes)]
         if self.n_uses[id(v)] > 1:
             lines.append(f"one tensor, read by {self.n_uses[id(v)]} ops")
         if self.overview and v.name.startswith("blk.0."):
@@ -199,7 +199,7 @@ class _Picture:
             same = [w for w in same if w is not None]
             total = sum(w.ref.nbytes if w.ref is not None else w.type.nbytes() for w in same)
             lines[-1] += f" (x{len(same)}: {human_bytes(total)})"
-            kinds = Counter(w.type.layout or w.type.dtype for w in same)
+            kinds = Counter(w.type.stored or w.type.dtype for w in same)
             if len(kinds) > 1:
                 lines.append(", ".join(f"{k} in {c}" for k, c in kinds.most_common()))
         return "\n".join(lines)

@@ -27,10 +27,14 @@ class PackedRegion:
     stored: int
     image_offset: int
     size: int
-    #: codec "repack": the region is the file's [rows, cols] weight in this
-    #: repacked layout (``ir/quant/repack.py``), built at load
+    #: codec "repack": the region is the file's [rows, cols] weight of this
+    #: layout, repacked ``repack`` rows at a time (``ir/quant/repack.py``), built at load
     layout: str = ""
     shape: tuple[int, ...] = ()
+    repack: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))   # a list, from a manifest
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .quant import ACT_BLOCK, quant_type, types_with
-from .quant.repack import split_repacked
 
 if TYPE_CHECKING:
     from .ops import WeightData
@@ -52,10 +51,8 @@ ACT_LAYOUTS = {act: types_with(act=act) for act in ACT_BLOCK}
 def int_act(layout: str | None) -> str | None:
     """The integer path's activation format for a weight layout ("q8" for
     the 32-value blocks and QSF's, "q8k" for the K-quants), None if none."""
-    rep = split_repacked(layout)
-    base = rep[0] if rep else layout
     try:
-        return quant_type(base).act if base else None
+        return quant_type(layout).act if layout else None
     except KeyError:
         return None
 

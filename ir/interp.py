@@ -10,7 +10,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .graph import Graph, PackedRegion, Value, WeightRef
-from .quant import get_layout
+from .quant import repacked_layout
 from .ops import WeightData, get_op
 from .types import DTYPES, TensorType
 
@@ -43,7 +43,7 @@ class WeightStore:
         key = (ref.path, p)
         if key not in self._regions and p.codec == "repack":   # the file's bytes, repacked (passes/repack)
             src = self.raw(WeightRef(ref.path, p.file_offset, p.stored))
-            self._regions[key] = get_layout(p.layout).repack(src, *p.shape)
+            self._regions[key] = repacked_layout(p.layout, p.repack).repack(src, *p.shape)
         if key not in self._regions:
             if self._unpack is None:
                 raise ValueError(f"{ref.path}: weights in a {p.codec}-compressed region need a decompressor")

@@ -18,8 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .int_dot import ACT_LAYOUTS, QK8, qmatmul_int_ref, quantize_q8_rows
-from .quant import ACT_BLOCK, get_layout, quant_type
-from .quant.repack import base_layout, split_repacked
+from .quant import ACT_BLOCK, layout_of, quant_type
 from .types import Dim, TensorType
 
 
@@ -35,22 +34,19 @@ class WeightData:
     type: TensorType
 
     def to_f32(self) -> np.ndarray:
-        layout = get_layout(self.type.layout or "F32")
         shape = tuple(int(d) for d in self.type.shape)
-        return layout.dequantize(self.raw, shape)
+        return layout_of(self.type).dequantize(self.raw, shape)
 
     def rows(self, idx: np.ndarray) -> np.ndarray:
-        layout = get_layout(self.type.layout or "F32")
         shape = tuple(int(d) for d in self.type.shape)
-        return layout.dequantize_rows(self.raw, shape, idx)
+        return layout_of(self.type).dequantize_rows(self.raw, shape, idx)
 
 
 def unrepacked(w: WeightData) -> WeightData:
     """A repacked weight (``ir/quant/repack.py``) as its file layout's bytes."""
-    base = base_layout(w.type.layout)
     rows, cols = int(w.type.shape[0]), int(w.type.shape[1])
-    raw = get_layout(w.type.layout).unrepack(np.asarray(w.raw), rows, cols)
-    return WeightData(raw, TensorType(w.type.shape, w.type.dtype, base))
+    raw = layout_of(w.type).unrepack(np.asarray(w.raw), rows, cols)
+    return WeightData(raw, TensorType(w.type.shape, w.type.dtype, w.type.layout))
 
 
 def f32_of(x: Any) -> np.ndarray:
@@ -136,7 +132,7 @@ def _matmul(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     if act is not None:
         _need(act in ACT_LAYOUTS, f"qmatmul: unknown activation quantization act={act!r}")
         layouts, block = ACT_LAYOUTS[act], ACT_BLOCK[act]
-        _need(base_layout(w.layout) in layouts,
+        _need(w.layout in layouts,
               f"qmatmul act={act} needs a {'/'.join(layouts)} weight, got {w.layout}")
         _need(isinstance(w.shape[1], int) and w.shape[1] % block == 0,
               f"qmatmul act={act}: row length {w.shape[1]} is not a multiple of {block}")
@@ -358,8 +354,8 @@ def qmatmul_ref(x: np.ndarray, w: WeightData, nw: Any = None, *, layout: str, ac
     numbers: every row is computed on its own here either way."""
     if norm_eps is not None:
         x = rmsnorm_ref(x, nw, eps=norm_eps)
-    if split_repacked(layout):   # the same numbers as the file's layout (ir/quant/repack.py)
-        w, layout = unrepacked(w), base_layout(layout)
+    if w.type.repack:   # the same numbers as the file's layout (ir/quant/repack.py)
+        w = unrepacked(w)
     if decode_rows and np.ndim(x) > 1:
         return _decode_rows(x, lambda r: qmatmul_ref(r, w, layout=layout, act=act))
     if act is None:

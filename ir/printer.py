@@ -24,9 +24,20 @@ def ref(v: Value) -> str:
     return f"{v.sigil}{v.name}"
 
 
+def layout_label(node: Node) -> str | None:
+    """What a node's brackets show: its ``layout`` attribute, with the tile
+    width of a repacked weight operand (``qmatmul[Q5_0x16]``)."""
+    if "layout" not in node.attrs:
+        return None
+    w = node.inputs[1].type if len(node.inputs) > 1 else None
+    if w is not None and w.repack and w.layout == node.attrs["layout"]:
+        return w.stored
+    return node.attrs["layout"]
+
+
 def print_node(node: Node) -> str:
     attrs = {k: v for k, v in node.attrs.items() if k != "layout"}
-    head = node.op + (f"[{node.attrs['layout']}]" if "layout" in node.attrs else "")
+    head = node.op + (f"[{layout_label(node)}]" if "layout" in node.attrs else "")
     args = ", ".join(ref(v) for v in node.inputs)
     tail = ""
     if attrs:

@@ -25,11 +25,15 @@ DTYPES: dict[str, np.dtype] = {
 
 @dataclass(frozen=True)
 class TensorType:
-    """Type of one value. ``layout`` is set only for quantized weights."""
+    """Type of one value. ``layout`` is set only for stored weights (their
+    quant type, ``ir.quant.table``); ``repack`` is the tile width of a
+    weight the runtime repacks at load (``ir/quant/repack.py``), else None:
+    the same numbers in another byte order, which only the kernels see."""
 
     shape: tuple[Dim, ...]
     dtype: str = "f32"
     layout: str | None = None
+    repack: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -53,18 +57,24 @@ class TensorType:
     def nbytes(self, symbols: dict[str, int] | None = None) -> int:
         """Bytes of the value in memory (for weights: of the stored layout)."""
         if self.layout is not None:
-            from .quant import get_layout
+            from .quant import layout_of
 
-            return get_layout(self.layout).nbytes(self.shape)
+            return layout_of(self).nbytes(self.shape)
         return self.numel(symbols) * DTYPES[self.dtype].itemsize
 
     def with_shape(self, shape: tuple[Dim, ...]) -> "TensorType":
-        return TensorType(tuple(shape), self.dtype, self.layout)
+        return TensorType(tuple(shape), self.dtype, self.layout, self.repack)
+
+    @property
+    def stored(self) -> str | None:
+        """How the bytes are laid out, as printed: the layout, and ``x16``
+        after it for a weight repacked 16 rows at a time (``Q5_0x16``)."""
+        return f"{self.layout}x{self.repack}" if self.repack else self.layout
 
     def __str__(self) -> str:
         dims = ", ".join(str(d) for d in self.shape)
         base = f"{self.dtype}[{dims}]"
-        return f"{self.layout}:{base}" if self.layout else base
+        return f"{self.stored}:{base}" if self.layout else base
 
 
 #: KV cache element types (``--kv-type``): name -> (dtype, layout) of the

@@ -20,7 +20,6 @@ attribute ``norm_eps`` and g as its last operand (``ir.ops.qmatmul_ref``:
 from __future__ import annotations
 
 from ir.graph import Graph, Node
-from ir.quant.repack import split_repacked
 
 from .registry import register_pass
 from .uses import Uses
@@ -32,7 +31,7 @@ READERS = ("qmatmul", "qmatmul_add")
 def _takes_norm(node: Node, v_id: int) -> bool:
     """Whether ``node`` reads the value only as its x and can normalize it itself."""
     return (node.op in READERS and "norm_eps" not in node.attrs and node.attrs.get("act") is not None
-            and split_repacked(node.inputs[1].type.layout) is not None
+            and node.inputs[1].type.repack
             and id(node.inputs[0]) == v_id and all(id(v) != v_id for v in node.inputs[1:]))
 
 

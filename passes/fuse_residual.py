@@ -15,7 +15,6 @@ weights, QSF) keep the two ops: only the repacked kernel has the epilogue.
 from __future__ import annotations
 
 from ir.graph import Graph, Value
-from ir.quant.repack import split_repacked
 from ir.ops import ShapeError, get_op
 
 from .registry import register_pass
@@ -45,7 +44,7 @@ def fuse_residual(graph: Graph) -> Graph:
             mm = uses.only_for(v)
             r = node.inputs[1 - i]
             if (mm is None or mm.op != "qmatmul"
-                    or split_repacked(mm.inputs[1].type.layout) is None or r is v
+                    or not mm.inputs[1].type.repack or r is v
                     or not _addend_fits(*mm.inputs[:2], r, mm.attrs)):
                 continue
             node.op = "qmatmul_add"

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 from ir.graph import Graph
 from ir.quant import get_layout
-from ir.quant.repack import base_layout
 from ir.int_dot import int_act
 from ir.quant import ACT_BLOCK
 
@@ -58,7 +57,7 @@ GEMM_ROWS = 128
 def _row_block(layout: str, act: str) -> int:
     """What the row length must be a multiple of: the activation block and
     the weight's (QSF: 64 values, two activation blocks)."""
-    return max(ACT_BLOCK[act], getattr(get_layout(base_layout(layout)), "block", 1))
+    return max(ACT_BLOCK[act], getattr(get_layout(layout), "block", 1))
 
 
 @register_pass("int_dot")

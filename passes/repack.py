@@ -29,8 +29,8 @@ from __future__ import annotations
 import os
 
 from ir.graph import Graph, PackedRegion, Value, WeightRef
-from ir.quant import get_layout
-from ir.quant.repack import can_repack, repacked_name
+from ir.quant import repacked_layout
+from ir.quant.repack import can_repack
 from ir.types import TensorType
 
 from .dce import dce
@@ -78,9 +78,8 @@ def image_regions(graph: Graph, width: int) -> dict[str, PackedRegion]:
     at = _up(end, IMAGE_ALIGN)
     out = {}
     for _, name, v, (rows, cols) in sorted(cands, key=lambda c: (c[0], c[1])):
-        layout = repacked_name(v.type.layout, width)
-        size = get_layout(layout).nbytes((rows, cols))
-        out[name] = PackedRegion("repack", v.ref.offset, v.ref.nbytes, at, size, layout, (rows, cols))
+        size = repacked_layout(v.type.layout, width).nbytes((rows, cols))
+        out[name] = PackedRegion("repack", v.ref.offset, v.ref.nbytes, at, size, v.type.layout, (rows, cols), width)
         at = _up(at + size, REGION_ALIGN)
     return out
 
@@ -101,13 +100,12 @@ def repack(graph: Graph) -> Graph:
         if region is None:
             continue
         if w.name not in repacked:
-            t = TensorType(w.type.shape, w.type.dtype, region.layout)
+            t = TensorType(w.type.shape, w.type.dtype, w.type.layout, region.repack)
             ref = WeightRef(w.ref.path, region.image_offset, region.size, region)
-            repacked[w.name] = graph.add_weight(f"{w.name}@{region.layout}", t, ref)
+            repacked[w.name] = graph.add_weight(f"{w.name}@{t.stored}", t, ref)
         node.inputs[1] = repacked[w.name]
         # the kernel's numbers do not depend on the row count: one kernel for decode, prompt and batch rows
-        attrs = {k: v for k, v in node.attrs.items() if k not in ("gemm", "decode_rows")}
-        node.attrs = {**attrs, "layout": region.layout}
+        node.attrs = {k: v for k, v in node.attrs.items() if k not in ("gemm", "decode_rows")}
     if not repacked:
         return graph
     dce(graph)

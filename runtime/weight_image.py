@@ -19,11 +19,12 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-from dataclasses import dataclass
 
 import numpy as np
 
 from frontends.qsf_codecs import CodecError, decompress, native_decompressor
+from ir.graph import PackedRegion
+from ir.quant.repack import split_repacked
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -41,20 +42,8 @@ _LZ4 = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c
 _ZSTD = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t)
 
 
-@dataclass(frozen=True)
-class Region:
-    """A packed region as the manifest records it (``ir.graph.PackedRegion``)."""
-
-    codec: str
-    file_offset: int
-    stored: int
-    image_offset: int
-    size: int
-    layout: str = ""                 # codec "repack": the repacked layout and the weight's shape
-    shape: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))   # a list, from JSON
+#: a packed region as the manifest records it
+Region = PackedRegion
 
 
 class WeightImage:
@@ -165,4 +154,12 @@ class WeightImage:
 
 
 def regions_of(manifest_image: dict) -> list[Region]:
-    return [Region(**r) for r in manifest_image.get("regions", [])]
+    """The manifest's regions; an artifact of format 1 or 2 named a repacked
+    region's layout and width together ("Q5_0x16")."""
+    out = []
+    for r in manifest_image.get("regions", []):
+        if r.get("codec") == "repack" and "repack" not in r:
+            base, width = split_repacked(r["layout"])
+            r = {**r, "layout": base, "repack": width}
+        out.append(Region(**r))
+    return out

@@ -20,7 +20,6 @@ from compiler.codegen.harness import CompiledKernel, sig_for
 from compiler.driver import CompileOptions, build_graphs
 from compiler.native import NativeOptions, plan_native
 from compiler.pipeline import run_pipeline
-from ir.quant.repack import split_repacked
 from ir.types import TensorType
 from kernel_checks import call_with_guard
 from test_fuse_residual import compiled_logits
@@ -51,7 +50,7 @@ def test_norms_move_into_the_matmuls_with_the_same_numbers(models, name):
         # and its norms of the projections' outputs (read by adds) stay
         assert gone == 2 * m.config.n_layers + 1, gname
         for node in normed(g):
-            assert split_repacked(node.inputs[1].type.layout)
+            assert node.inputs[1].type.repack
             nw = node.inputs[-1]
             assert nw.kind == "weight" and nw.type.shape == (node.inputs[0].type.shape[-1],)
         assert len(normed(g)) == 5 * m.config.n_layers + 1, gname     # q, k, v, gate, up; the head

@@ -18,7 +18,6 @@ from compiler.codegen.harness import CompiledKernel, sig_for
 from compiler.driver import BatchOptions, CompileOptions, build_graphs
 from compiler.native import NativeOptions, compile_native, plan_native
 from compiler.pipeline import run_pipeline
-from ir.quant.repack import split_repacked
 from ir.types import TensorType
 from kernel_checks import call_with_guard
 from runtime.native import NativeExecutor
@@ -48,7 +47,7 @@ def test_residual_adds_become_epilogues_with_the_same_numbers(models, name):
         assert adds(g) == adds(plain[gname]) - n, gname
         for node in g.nodes:
             if node.op == "qmatmul_add":
-                assert split_repacked(node.inputs[1].type.layout)
+                assert node.inputs[1].type.repack
                 r = node.inputs[2]
                 assert r.type == node.output.type or (r.kind == "weight" and r.type.rank == 1)
     ids = [1, 7, 42, 9, 300]

@@ -185,7 +185,7 @@ def test_format_1_artifacts_still_load_and_run(tmp_path, private_cache):
     path = _model(tmp_path, "a.gguf")
     m = load_model(path)
     new = compile_native(m, NativeOptions(ctx=32)).artifact
-    assert objpack.is_pack(new.obj) and new.manifest["format_version"] == 2
+    assert objpack.is_pack(new.obj) and new.manifest["format_version"] == 3
     planned = plan_native(m, NativeOptions(ctx=32))
     module, *_ = lower_graphs(planned.graphs, planned.plans, host_target(), symbols=planned.symbols)
     old = Artifact({**new.manifest, "format_version": 1}, emit_object(module))

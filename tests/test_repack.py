@@ -21,7 +21,6 @@ from compiler.native import NativeOptions, compile_native, plan_native
 from frontends.arch import ModelConfig, expected_shapes
 from frontends.gguf_writer import write_gguf
 from ir.interp import new_state, run
-from ir.quant.repack import split_repacked
 from llamacpp_oracle import printable_vocab, random_tensor
 from runtime.native import NativeExecutor
 
@@ -75,9 +74,9 @@ def test_repack_keeps_the_interpreters_numbers(models, name, width):
     plain = build_graphs(m, CompileOptions(ctx=CTX, passes=PASSES))
     packed = build_graphs(m, CompileOptions(ctx=CTX, passes=PASSES + ("repack",), repack_width=width))
     g = packed["decode"]
-    layouts = {n.inputs[1].type.layout for n in g.nodes if n.op == "qmatmul"}
-    assert layouts and all(split_repacked(lay) and split_repacked(lay)[1] == width for lay in layouts)
-    assert not split_repacked(next(n for n in g.nodes if n.op == "embedding").inputs[0].type.layout)
+    widths = {n.inputs[1].type.repack for n in g.nodes if n.op == "qmatmul"}
+    assert widths == {width}
+    assert not next(n for n in g.nodes if n.op == "embedding").inputs[0].type.repack
     ids = [1, 7, 42, 9, 300]
     np.testing.assert_array_equal(_prefill_logits(packed, ids), _prefill_logits(plain, ids))
 
@@ -159,8 +158,8 @@ def test_repacked_bytes_are_cached_at_compile_and_mapped(models, tmp_path, monke
 def test_streamed_weights_are_not_repacked(models):
     width_or_skip()
     planned = plan_native(models["q8_0"], NativeOptions(ctx=CTX, stream="layers", passes=PASSES + ("repack",)))
-    layouts = {n.inputs[1].type.layout for g in planned.graphs.values() for n in g.nodes if n.op == "qmatmul"}
-    assert layouts == {"Q8_0"}
+    types = {n.inputs[1].type.stored for g in planned.graphs.values() for n in g.nodes if n.op == "qmatmul"}
+    assert types == {"Q8_0"}
 
 
 def test_repack_width_follows_the_host_and_the_switch(monkeypatch):

@@ -14,8 +14,8 @@ from compiler.codegen.harness import CompiledKernel, sig_for
 from compiler.codegen.jit import emit_assembly
 from compiler.codegen.k_matmul_int_gemm import gemm_width
 from compiler.codegen.target import host_target
-from ir.quant import get_layout
-from ir.quant.repack import REPACKABLE, repacked_name
+from ir.quant import layout_of
+from ir.quant.repack import REPACKABLE
 from ir.ops import WeightData
 from ir.types import TensorType
 from kernel_checks import call_with_guard
@@ -33,13 +33,13 @@ def width_or_skip(vw: int | None) -> int:
 
 def repacked(w: WeightData, width: int) -> WeightData:
     n, k = (int(d) for d in w.type.shape)
-    name = repacked_name(w.type.layout, width)
-    raw = get_layout(name).repack(np.asarray(w.raw), n, k)
-    return WeightData(raw, TensorType((n, k), "f32", name))
+    t = TensorType((n, k), "f32", w.type.layout, width)
+    raw = layout_of(t).repack(np.asarray(w.raw), n, k)
+    return WeightData(raw, t)
 
 
 def kernel(x_shape: tuple, wt: TensorType, **attrs) -> CompiledKernel:
-    sig = sig_for("qmatmul", [TensorType(x_shape), wt], layout=wt.layout, act=act(wt.layout.split("x")[0]),
+    sig = sig_for("qmatmul", [TensorType(x_shape), wt], layout=wt.layout, act=act(wt.layout),
                   **attrs)
     if sig not in _KERNELS:
         _KERNELS[sig] = CompiledKernel(sig)
@@ -107,5 +107,5 @@ def test_model_sized_weights(base: str, n: int, k: int) -> None:
 @pytest.mark.parametrize("base", ["Q5_0", "Q4_K"])
 def test_decode_kernel_is_vnni_on_broadcast_activations(base: str) -> None:
     W = width_or_skip(None)
-    asm = emit_assembly(kernel((1024,), TensorType((64, 1024), "f32", repacked_name(base, W))).module)
+    asm = emit_assembly(kernel((1024,), TensorType((64, 1024), "f32", base, W)).module)
     assert re.findall(rf"vpdpbusd\s+[^\n]*\{{1to{W}\}}", asm), asm[:2000]

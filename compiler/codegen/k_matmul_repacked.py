@@ -31,8 +31,7 @@ import dataclasses
 
 import llvmlite.ir as ir
 
-from ir.quant import get_layout
-from ir.quant.repack import repacked_name, split_repacked
+from ir.quant import repacked_layout
 from ir.types import TensorType
 
 from .emit import F32, I32, KernelBuilder, i64
@@ -40,7 +39,7 @@ from .k_matmul import HALF, PREFETCH_BYTES, _tuned
 from .k_matmul_int import _IntKernel
 from .k_matmul_int_gemm import GemmBase, Q8Gemm, act_slot_bytes as q8_slot_bytes
 from .k_matmul_int_gemm_kquants import KQGemm, act_slot_bytes as q8k_slot_bytes
-from .k_matmul_int_kquants import QK_K, kquant_int_kernel
+from .k_matmul_int_kquants import kquant_int_kernel
 from .k_norm_rope import emit_rmsnorm_row, weight_loader
 from .kernels import KernelSig, kernel
 
@@ -65,10 +64,8 @@ def _base_sig(sig: KernelSig) -> tuple[KernelSig, str, int]:
     """The signature with the file's layout (the decode kernel classes
     read it), the base layout and the tile width."""
     wt = sig.in_types[1]
-    base, width = split_repacked(wt.layout)
-    types = (sig.in_types[0], dataclasses.replace(wt, layout=base), *sig.in_types[2:])
-    attrs = tuple((k, base if k == "layout" else v) for k, v in sig.attrs)
-    return KernelSig(sig.op, types, sig.out_type, attrs), base, width
+    types = (sig.in_types[0], dataclasses.replace(wt, repack=None), *sig.in_types[2:])
+    return KernelSig(sig.op, types, sig.out_type, sig.attrs), wt.layout, wt.repack
 
 
 def tokens_per_call(sig: KernelSig) -> int:
@@ -114,7 +111,7 @@ class _Repacked:
     pointer of a tile block, W-lane loads of float16 and byte fields."""
 
     def _setup(self, base: str, width: int, sig: KernelSig) -> None:
-        self.tb_bytes = get_layout(repacked_name(base, width)).tile_block_bytes
+        self.tb_bytes = repacked_layout(base, width).tile_block_bytes
         self.base = base
         one = len(sig.in_types[0].shape) < 2
         self.ahead = int(sig.attr.get("prefetch", PREFETCH_BYTES if one else ROWS_PREFETCH_BYTES))
@@ -268,4 +265,4 @@ def emit_repacked(kb: KernelBuilder, sig: KernelSig, residual: ir.Value | None =
 
 
 def is_repacked(t: TensorType) -> bool:
-    return split_repacked(t.layout) is not None
+    return bool(t.repack)

@@ -11,14 +11,15 @@ from .repack import repacked_layout, split_repacked
 from .table import ACT_BLOCK, QUANT_TYPES, QuantType, quant_type, repackable, types_with
 
 __all__ = ["ACT_BLOCK", "BlockLayout", "Layout", "PlanarQ8Layout", "QUANT_TYPES", "QuantType", "get_layout",
-           "planar_q8", "quant_type", "repackable", "types_with"]
+           "layout_of", "planar_q8", "quant_type", "repackable", "repacked_layout", "split_stored", "types_with"]
 
 _PLANAR_Q8 = re.compile(r"^L2C_Q8G(\d+)$")
 
 
 @functools.cache
 def get_layout(name: str) -> Layout:
-    """The layout of a type (``F32``, ``Q4_K``, ``L2C_Q8G64``, ``Q5_0x16`` ...)."""
+    """The layout of a type by name (``F32``, ``Q4_K``, ``L2C_Q8G64``; and a
+    repacked one as printed, ``Q5_0x16``, which command lines accept)."""
     if name in QUANT_TYPES:
         return QUANT_TYPES[name].layout
     rep = split_repacked(name)
@@ -28,6 +29,20 @@ def get_layout(name: str) -> Layout:
     if m and int(m.group(1)) > 0:
         return PlanarQ8Layout(name, 1, "i1", int(m.group(1)))
     raise KeyError(f"unknown quant layout {name!r}")
+
+
+def split_stored(name: str) -> tuple[str, int | None]:
+    """A layout as printed (``Q5_0x16``, ``Q4_K``) -> (layout, tile width or None)."""
+    rep = split_repacked(name)
+    return rep if rep else (name, None)
+
+
+def layout_of(t) -> Layout:
+    """The layout of a weight's type (``ir.types.TensorType``): its quant
+    type's, or its repacked tiles' when ``t.repack`` is set."""
+    if t.repack:
+        return repacked_layout(t.layout, t.repack)
+    return get_layout(t.layout or "F32")
 
 
 def planar_q8(group: int) -> str:

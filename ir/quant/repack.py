@@ -52,6 +52,7 @@ so the kernel reads W of them with one load.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -446,6 +447,7 @@ for _base in REPACKABLE:
         _PACK[_base], _UNPACK[_base] = _pack32, _unpack32
 
 
+@functools.cache
 def repacked_layout(base: str, width: int) -> RepackedLayout:
     """The layout of ``base`` weights repacked ``width`` rows at a time."""
     if base not in REPACKABLE or width not in WIDTHS:

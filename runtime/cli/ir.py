@@ -106,11 +106,12 @@ def graph_stats(g, title: str) -> str:
 
     from compiler.native import DEFAULT_PREFILL_CHUNK
     from passes.barriers import barrier_count
+    from ir.printer import layout_label
     from passes.plan_arena import plan_arena
 
     symbols = {"T": DEFAULT_PREFILL_CHUNK}
     plan = plan_arena(g, symbols)
-    kinds = Counter(n.op + (f"[{n.attrs['layout']}]" if n.attrs.get("layout") else "") for n in g.nodes)
+    kinds = Counter(n.op + (f"[{layout_label(n)}]" if n.attrs.get("layout") else "") for n in g.nodes)
     lines = [title,
              f"kernel calls per step  {len(g.nodes)}",
              f"barriers per step      {barrier_count(g, plan)}  (one after every op: {len(g.nodes)})",

@@ -182,6 +182,13 @@ def supported_layouts() -> tuple[str, ...]:
     return tuple(ordered) + ("L2C_Q8G64",) + tuple(repacked_name(b, w) for b in REPACKABLE for w in (16, 8))
 
 
+def _base(name: str) -> str:
+    """The quant type of a --qtype as printed (``Q5_0x16`` -> ``Q5_0``)."""
+    from ir.quant import split_stored
+
+    return split_stored(name)[0]
+
+
 def _layout(name: str):
     from ir.quant import get_layout
 
@@ -197,7 +204,7 @@ def default_int_dot(p: Problem) -> bool:
     weights and K-quants the integer path, decode and prompt rows alike."""
     from compiler.pipeline import default_pipeline
 
-    act = int_act(p.qtype)
+    act = int_act(_base(p.qtype)) if p.qtype else None
     return (p.kind in Q_KINDS and act is not None and p.cols % ACT_BLOCK[act] == 0
             and "int_dot" in default_pipeline("llvm"))
 
@@ -270,7 +277,7 @@ def validate(p: Problem, prm: Params) -> None:
     if prm.int_dot is not None:
         if kind not in Q_KINDS:
             raise KernelLabError(f"--int-dot/--float-dot are for qmatvec/qmatmul, not {kind}")
-        act = int_act(p.qtype)
+        act = int_act(_base(p.qtype))
         if prm.int_dot and act is None:
             names = "/".join(lay for lays in ACT_LAYOUTS.values() for lay in lays)
             raise KernelLabError(f"--int-dot needs a {names} weight, not {p.qtype}")
@@ -318,9 +325,10 @@ def make_weight(rng: np.random.Generator, layout: str, n: int, k: int) -> Weight
     from ir.quant.repack import split_repacked
 
     if split_repacked(layout):   # the file layout's weight, repacked as the runtime does at load
-        base = make_weight(rng, split_repacked(layout)[0], n, k)
+        name, width = split_repacked(layout)
+        base = make_weight(rng, name, n, k)
         raw = _layout(layout).repack(np.asarray(base.raw), n, k)
-        return WeightData(raw, TensorType((n, k), "f32", layout))
+        return WeightData(raw, TensorType((n, k), "f32", name, width))
     t = TensorType((n, k), "f32", layout)
     data = (rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.05))
     if layout == "F32":
@@ -413,9 +421,9 @@ def build_case(p: Problem, int_dot: bool) -> Case:
         if kind in ("matvec", "matmul"):
             op, attrs, want = "matmul", {}, ops.matmul_ref(x, w)
         else:
-            op, attrs = "qmatmul", {"layout": layout}
+            op, attrs = "qmatmul", {"layout": w.type.layout}
             if int_dot:
-                attrs["act"] = int_act(layout)
+                attrs["act"] = int_act(w.type.layout)
                 if kind == "qmatmul":   # prompt rows, as passes/int_dot marks them
                     from passes.int_dot import GEMM_ROWS
 
@@ -670,7 +678,7 @@ def sweep_grid(p: Problem, prm: Params) -> list[Params]:
     dots: list[bool | None] = [None]
     if p.kind in Q_KINDS:
         dots = [prm.int_dot] if prm.int_dot is not None else (
-            [False, True] if int_act(p.qtype) else [None])
+            [False, True] if p.qtype and int_act(_base(p.qtype)) else [None])
     grid = [Params()]  # the compiler's own choice first
     for vw in widths:
         for dot in dots:

@@ -28,6 +28,7 @@ import numpy as np
 from compiler.artifact import is_artifact
 from compiler.driver import load_model
 from ir.graph import Graph, Node
+from ir.printer import layout_label
 
 from ..model import DEFAULT_CTX, Model, RunError
 
@@ -48,7 +49,7 @@ _LAYER_NAME = re.compile(r"blk\.(\d+)\.|_cache\.(\d+)$")
 # --- what each node costs -------------------------------------------------------------
 def node_label(node: Node) -> str:
     """The op as the IR text prints it: ``qmatmul[Q4_K]``."""
-    layout = node.attrs.get("layout")
+    layout = layout_label(node)
     return node.op + (f"[{layout}]" if layout else "")
 
 
