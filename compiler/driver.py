@@ -141,12 +141,11 @@ def _rows_as_decode(g: Graph) -> None:
 
     g.meta["decode_rows"] = True
     for node in g.nodes:
-        if node.op not in ("matmul", "qmatmul", "qmatmul_rows") or "decode_rows" in node.attrs:
+        if node.op not in ("matmul", "qmatmul", "qmatmul_rows") or "decode_rows" in node.kernel:
             continue
         if node.inputs[1].type.repack:   # one arithmetic for every row count already
             continue
-        attrs = {k: v for k, v in node.attrs.items() if k != "gemm"}
-        node.attrs = {**attrs, "decode_rows": PROMPT_ROWS if "gemm" in node.attrs else VERIFY_ROWS}
+        node.kernel = {"decode_rows": PROMPT_ROWS if "gemm" in node.kernel else VERIFY_ROWS}
 
 
 def build_graphs(model: LoadedModel, options: CompileOptions | None = None) -> dict[str, Graph]:

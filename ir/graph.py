@@ -74,12 +74,15 @@ class Value:
 
 @dataclass(eq=False)
 class Node:
-    """One op application. ``attrs`` hold static parameters (eps, heads ...)."""
+    """One op application. ``attrs`` hold static parameters (eps, heads ...)
+    that define what it computes; ``kernel`` how it is run where that does
+    not change its numbers (``ir.kernel_choice``)."""
 
     op: str
     inputs: list[Value]
     output: Value
     attrs: dict[str, Any] = field(default_factory=dict)
+    kernel: dict[str, Any] = field(default_factory=dict)
 
 
 class Graph:
@@ -118,14 +121,14 @@ class Graph:
         return str(self._counter - 1)
 
     def add_node(self, op: str, inputs: list[Value], attrs: dict[str, Any] | None = None,
-                 name: str | None = None) -> Value:
+                 name: str | None = None, kernel: dict[str, Any] | None = None) -> Value:
         """Append ``op(inputs)``; its type comes from the op's shape rule."""
         from .ops import get_op
 
         attrs = dict(attrs or {})
         out_type = get_op(op).infer([v.type for v in inputs], attrs)
         out = Value(name if name is not None else self.fresh_name(), out_type, "node")
-        node = Node(op, list(inputs), out, attrs)
+        node = Node(op, list(inputs), out, attrs, dict(kernel or {}))
         out.producer = node
         self.nodes.append(node)
         return out

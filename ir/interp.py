@@ -107,7 +107,10 @@ def run(graph: Graph, feeds: dict[str, Any], state: dict[str, np.ndarray],
     for node in graph.nodes:
         op = get_op(node.op)
         args = [env[id(v)] for v in node.inputs]
-        out = op.ref(*args, **node.attrs)
+        if node.kernel.get("decode_rows") and node.inputs[0].type.rank > 1:
+            out = _row_by_row(node, op, args)
+        else:
+            out = op.ref(*args, **node.attrs)
         env[id(node.output)] = out
         if keep:
             names[node.output.name] = out
@@ -116,6 +119,17 @@ def run(graph: Graph, feeds: dict[str, Any], state: dict[str, np.ndarray],
         names.update(result)
         return names
     return result
+
+
+def _row_by_row(node, op, args: list[Any]) -> np.ndarray:
+    """A ``decode_rows`` node (``ir.kernel_choice``) as its kernel runs it:
+    each row on its own, as a decode step computes it, so no row's numbers
+    depend on how many came with it. The operands with the rows' axis (x,
+    a residual, an accumulator) are cut to the row."""
+    rows = node.inputs[0].type.shape[0]
+    cut = [v.type.rank > 1 and v.type.shape[0] == rows for v in node.inputs]
+    n = np.shape(args[0])[0]
+    return np.stack([op.ref(*(a[t] if c else a for a, c in zip(args, cut)), **node.attrs) for t in range(n)])
 
 
 def _input_type(graph: Graph, name: str) -> TensorType:

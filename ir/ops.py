@@ -136,15 +136,6 @@ def _matmul(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
               f"qmatmul act={act} needs a {'/'.join(layouts)} weight, got {w.layout}")
         _need(isinstance(w.shape[1], int) and w.shape[1] % block == 0,
               f"qmatmul act={act}: row length {w.shape[1]} is not a multiple of {block}")
-    if "decode_rows" in attrs:
-        m = attrs["decode_rows"]
-        _need(isinstance(m, int) and not isinstance(m, bool) and m >= 1,
-              f"decode_rows={m!r}: must be a positive row count")
-    if "gemm" in attrs:
-        m = attrs["gemm"]
-        _need(isinstance(m, int) and not isinstance(m, bool) and m >= 1 and act is not None
-              and "decode_rows" not in attrs,
-              f"gemm={m!r}: must be a positive row count, on the integer path, without decode_rows")
     return TensorType(x.shape[:-1] + (w.shape[0],), "f32")
 
 
@@ -300,19 +291,9 @@ def rmsnorm_ref(x: np.ndarray, w: Any, *, eps: float) -> np.ndarray:
     return (wv * (xs * ss[:, None])).astype(np.float32).reshape(np.shape(x))
 
 
-def _decode_rows(x: np.ndarray, one_row: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-    """Rows of x [T, K] each as a decode step computes it (``decode_rows``):
-    one product per row, so no row depends on how many came with it."""
-    return np.stack([one_row(r) for r in np.asarray(x, np.float32)])
-
-
 @register("matmul", 2, _matmul)
-def matmul_ref(x: np.ndarray, w: Any, *, decode_rows: int | None = None) -> np.ndarray:
-    """x @ w.T. ``decode_rows`` (attribute of matmuls in a graph of decode
-    rows, ``passes/int_dot``): at most that many rows, each computed as a
-    decode step's one-row product."""
-    if decode_rows and np.ndim(x) > 1:
-        return _decode_rows(x, lambda r: matmul_ref(r, w))
+def matmul_ref(x: np.ndarray, w: Any) -> np.ndarray:
+    """x @ w.T."""
     return np.asarray(x, np.float32) @ f32_of(w).T
 
 
@@ -342,22 +323,16 @@ def _qmatmul(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
 
 @register("qmatmul", -1, _qmatmul)
 def qmatmul_ref(x: np.ndarray, w: WeightData, nw: Any = None, *, layout: str, act: str | None = None,
-                decode_rows: int | None = None, gemm: int | None = None,
                 norm_eps: float | None = None) -> np.ndarray:
     """matmul with a stored (quantized) weight; the reference dequantizes.
     With ``norm_eps``, x is first ``rmsnorm(x, nw)`` (``passes/fuse_norm``).
 
     With ``act`` ("q8", "q8k") the integer path's numbers (``ir.int_dot``):
-    x quantized per block, integer dot products with the weight's quants.
-    ``decode_rows``: as ``matmul_ref``.
-    ``gemm`` (prompt chunks, ``passes/int_dot``) names the kernel, not the
-    numbers: every row is computed on its own here either way."""
+    x quantized per block, integer dot products with the weight's quants."""
     if norm_eps is not None:
         x = rmsnorm_ref(x, nw, eps=norm_eps)
     if w.type.repack:   # the same numbers as the file's layout (ir/quant/repack.py)
         w = unrepacked(w)
-    if decode_rows and np.ndim(x) > 1:
-        return _decode_rows(x, lambda r: qmatmul_ref(r, w, layout=layout, act=act))
     if act is None:
         return np.asarray(x, np.float32) @ w.to_f32().T
     return qmatmul_int_ref(x, w, act)
@@ -377,12 +352,11 @@ def _matmul_rows(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
 
 @register("qmatmul_rows", -1, _matmul_rows, inplace=2)
 def qmatmul_rows_ref(x: np.ndarray, w: WeightData, acc: np.ndarray | None = None, *, layout: str,
-                     row0: int, n_total: int, act: str | None = None,
-                     decode_rows: int | None = None, gemm: int | None = None) -> np.ndarray:
+                     row0: int, n_total: int, act: str | None = None) -> np.ndarray:
     """One row block of a split ``qmatmul`` (``passes/split_rows``): rows
     [row0, row0 + n) of the full [.., n_total] result, written into ``acc``
     (the blocks before it) in place; rows not written yet are zero."""
-    part = qmatmul_ref(x, w, layout=layout, act=act, decode_rows=decode_rows)
+    part = qmatmul_ref(x, w, layout=layout, act=act)
     out = np.zeros(part.shape[:-1] + (n_total,), np.float32) if acc is None else np.array(acc, np.float32)
     out[..., row0: row0 + part.shape[-1]] = part
     return out

@@ -36,7 +36,8 @@ def layout_label(node: Node) -> str | None:
 
 
 def print_node(node: Node) -> str:
-    attrs = {k: v for k, v in node.attrs.items() if k != "layout"}
+    """One line; the kernel choices print among the attributes."""
+    attrs = {k: v for k, v in {**node.attrs, **node.kernel}.items() if k != "layout"}
     head = node.op + (f"[{layout_label(node)}]" if "layout" in node.attrs else "")
     args = ", ".join(ref(v) for v in node.inputs)
     tail = ""

@@ -4,6 +4,7 @@ Run after every pass, so a broken rewrite is caught at the pass that broke it.
 """
 from __future__ import annotations
 
+from . import kernel_choice
 from .graph import Graph
 from .ops import ShapeError, get_op
 
@@ -46,6 +47,10 @@ def verify(graph: Graph) -> None:
             raise VerifyError(f"{where}: {e}") from None
         if t != node.output.type:
             raise VerifyError(f"{where}: type {node.output.type}, its rule gives {t}")
+        try:
+            kernel_choice.check(node.op, node.attrs, node.kernel)
+        except ValueError as e:
+            raise VerifyError(f"{where}: {e}") from None
         if node.output.name in names:
             raise VerifyError(f"{where}: name %{node.output.name} defined twice")
         if node.output.producer is not node:

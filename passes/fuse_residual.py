@@ -49,7 +49,7 @@ def fuse_residual(graph: Graph) -> Graph:
                 continue
             node.op = "qmatmul_add"
             node.inputs = [mm.inputs[0], mm.inputs[1], r]
-            node.attrs = dict(mm.attrs)
+            node.attrs, node.kernel = dict(mm.attrs), dict(mm.kernel)
             fused.add(id(mm))
             break
     graph.nodes = [n for n in graph.nodes if id(n) not in fused]

@@ -73,7 +73,7 @@ def int_dot(graph: Graph) -> Graph:
     if decode_rows:
         for node in graph.nodes:
             if node.op in ("matmul", "qmatmul"):
-                node.attrs = {**node.attrs, "decode_rows": int(graph.meta["max_batch"])}
+                node.kernel = {**node.kernel, "decode_rows": int(graph.meta["max_batch"])}
     prompt = mode != "decode" and not decode_rows
     for node in graph.nodes:
         act = int_act(node.attrs.get("layout")) if node.op == "qmatmul" else None
@@ -82,8 +82,7 @@ def int_dot(graph: Graph) -> Graph:
         k = node.inputs[1].type.shape[1]
         if not isinstance(k, int) or k % _row_block(node.attrs["layout"], act):
             continue
-        extra = {}
+        node.attrs = {**node.attrs, "act": act}
         if prompt:
-            extra = {"gemm": GEMM_ROWS}
-        node.attrs = {**node.attrs, "act": act, **extra}
+            node.kernel = {**node.kernel, "gemm": GEMM_ROWS}
     return graph

@@ -105,7 +105,7 @@ def repack(graph: Graph) -> Graph:
             repacked[w.name] = graph.add_weight(f"{w.name}@{t.stored}", t, ref)
         node.inputs[1] = repacked[w.name]
         # the kernel's numbers do not depend on the row count: one kernel for decode, prompt and batch rows
-        node.attrs = {k: v for k, v in node.attrs.items() if k not in ("gemm", "decode_rows")}
+        node.kernel = {}
     if not repacked:
         return graph
     dce(graph)

@@ -66,7 +66,8 @@ def _split(graph: Graph, node: Node, w: Value, rows: int) -> None:
         attrs = {**node.attrs, "layout": w.type.layout, "row0": r0, "n_total": n}
         inputs = [node.inputs[0], part] + ([acc] if acc is not None else [])
         last = r1 == n
-        acc = graph.add_node("qmatmul_rows", inputs, attrs, name=node.output.name if last else None)
+        acc = graph.add_node("qmatmul_rows", inputs, attrs, name=node.output.name if last else None,
+                             kernel=node.kernel)
     # the last block's value stands in for the original result
     assert acc is not None and acc.producer is not None
     final = acc.producer

@@ -280,21 +280,33 @@ def test_decode_rows_equal_one_row_calls_bit_for_bit(name, portable):
                 check_close(got, qmatmul_ref(x, w, layout=name, act="q8"), x, w)
 
 
-def test_decode_rows_attribute():
-    """A positive int; the references compute such rows one at a time, as
-    decode steps."""
+def test_decode_rows_kernel_choice(tmp_path):
+    """A positive int (the verifier says so); the interpreter computes such
+    rows one at a time, as decode steps."""
+    from ir.graph import Graph, WeightRef
+    from ir.interp import WeightStore, run
+    from ir.verify import VerifyError, verify
+
     rng = np.random.default_rng(22)
     w = gguf_weight(rng, "Q8_0", 5, 64)
     x = rng.standard_normal((3, 64)).astype(np.float32)
-    q = get_op("qmatmul")
-    xt = TensorType(("T", 64))
-    assert q.infer([xt, w.type], {"layout": "Q8_0", "act": "q8", "decode_rows": 8}).shape == ("T", 5)
-    for bad in (0, 2.0, True):
-        with pytest.raises(ShapeError):
-            q.infer([xt, w.type], {"layout": "Q8_0", "decode_rows": bad})
     for act in ("q8", None):
-        want = np.stack([qmatmul_ref(r, w, layout="Q8_0", act=act) for r in x])
-        np.testing.assert_array_equal(qmatmul_ref(x, w, layout="Q8_0", act=act, decode_rows=4), want)
+        g = Graph("rows")
+        xv = g.add_input("x", TensorType(("T", 64)))
+        (tmp_path / "w.bin").write_bytes(np.asarray(w.raw).tobytes())
+        wv = g.add_weight("w", w.type, WeightRef(str(tmp_path / "w.bin"), 0, w.type.nbytes()))
+        attrs = {"layout": "Q8_0", **({"act": act} if act else {})}
+        out = g.add_node("qmatmul", [xv, wv], attrs, kernel={"decode_rows": 4})
+        assert out.type.shape == ("T", 5)
+        g.set_outputs(out)
+        verify(g)
+        store = WeightStore()
+        want = np.stack([qmatmul_ref(r, w, **attrs) for r in x])
+        np.testing.assert_array_equal(run(g, {"x": x}, {}, store)[out.name], want)
+        for bad in (0, 2.0, True):
+            out.producer.kernel = {"decode_rows": bad}
+            with pytest.raises(VerifyError, match="decode_rows"):
+                verify(g)
 
 
 def test_scratch_need():
@@ -344,7 +356,7 @@ def test_pass_marks_qmatmuls_on_32_blocks(tmp_path, qtype):
                 act = None
             prompt = mode != "decode" and act is not None
             want = (act, None, GEMM_ROWS if prompt else None)
-            assert (n.attrs.get("act"), n.attrs.get("decode_rows"), n.attrs.get("gemm")) == want, (mode, n.attrs)
+            assert (n.attrs.get("act"), n.kernel.get("decode_rows"), n.kernel.get("gemm")) == want, (mode, n.attrs)
         if qtype != "F32":
             assert any(n.attrs.get("act") for n in qm)
 
@@ -370,7 +382,7 @@ def test_pass_marks_batch_graphs_of_decode_rows_only(tmp_path, qtype):
                 want = ("q8" if n.op == "qmatmul" else None, 3, None)
             else:
                 want = ("q8", None, GEMM_ROWS) if n.op == "qmatmul" and qtype == "Q8_0" else (None, None, None)
-            assert (n.attrs.get("act"), n.attrs.get("decode_rows"), n.attrs.get("gemm")) == want, (name, n.attrs)
+            assert (n.attrs.get("act"), n.kernel.get("decode_rows"), n.kernel.get("gemm")) == want, (name, n.attrs)
         assert mm, name
     gs = build_graphs(m, CompileOptions(passes=("fuse_dequant",), batch=BatchOptions(4, 16, 3)))
     assert set(gs) == {"batch", "batch_last", "batch_sel"}

@@ -151,10 +151,10 @@ def test_graphs_of_decode_rows_never_take_the_gemm(tmp_path):
     gs = build_graphs(m, CompileOptions(passes=passes_, verify=True))
     gs.update(build_graphs(m, CompileOptions(passes=passes_, batch=BatchOptions(4, 16, 3))))
     for name, g in gs.items():
-        gemm = [n for n in g.nodes if "gemm" in n.attrs]
+        gemm = [n for n in g.nodes if "gemm" in n.kernel]
         if name in ("prefill", "prefill_all", "batch", "batch_last"):
             assert gemm, name
         else:
             assert not gemm, name
     verify = [n for n in gs["verify"].nodes if n.attrs.get("act") == "q8"]
-    assert verify and all(n.attrs["decode_rows"] == PROMPT_ROWS for n in verify)
+    assert verify and all(n.kernel["decode_rows"] == PROMPT_ROWS for n in verify)

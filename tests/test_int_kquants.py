@@ -238,7 +238,6 @@ def test_reference_rows_and_closeness_to_float():
     rows = qmatmul_ref(x, w, layout="Q4_K", act="q8k")
     for t in range(3):
         np.testing.assert_array_equal(rows[t], qmatmul_ref(x[t], w, layout="Q4_K", act="q8k"))
-    np.testing.assert_array_equal(qmatmul_ref(x, w, layout="Q4_K", act="q8k", decode_rows=2), rows)
     flt = qmatmul_ref(x, w, layout="Q4_K")
     assert np.abs(rows - flt).max() <= 0.02 * np.abs(flt).max()
 
@@ -415,7 +414,7 @@ def test_k_quant_model_interpreter_and_native_agree(tmp_path, qtype):
         g = compiler.driver.model_graph(model, mode, compiler.driver.CompileOptions(passes=passes_))
         mms = [n for n in g.nodes if n.op == "qmatmul" and n.attrs["layout"] == qtype]
         assert mms and all(n.attrs.get("act") == "q8k" for n in mms), mode
-        assert all(("gemm" in n.attrs) == (mode == "prefill") for n in mms), mode
+        assert all(("gemm" in n.kernel) == (mode == "prefill") for n in mms), mode
     ids = [1, 200, 3, 77, 260, 9, 42, 5] * 3
     ref = runtime.load(p, backend="interp", passes=passes_).logits(ids)
     nat = runtime.load(p, backend="llvm", threads=2, use_cache=False, passes=passes_).logits(ids)

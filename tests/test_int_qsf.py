@@ -274,7 +274,7 @@ def test_converted_model_on_the_integer_path(qtype, tmp_path_factory):
         qm = [n for n in g.nodes if n.op == "qmatmul" and n.attrs["layout"].startswith("QSF_")]
         assert qm
         for n in qm:
-            assert n.attrs.get("act") == "q8" and n.attrs.get("gemm") == (GEMM_ROWS if mode == "prefill" else None)
+            assert n.attrs.get("act") == "q8" and n.kernel.get("gemm") == (GEMM_ROWS if mode == "prefill" else None)
     ids = [1, 365, 143, 31, 367, 263, 120, 42, 7, 260]
     li = runtime.load(path, backend="interp", passes=INT_PASSES).logits(ids)
     ln = runtime.load(path, backend="llvm", threads=2, use_cache=False, passes=INT_PASSES).logits(ids)

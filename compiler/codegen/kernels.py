@@ -29,8 +29,10 @@ class KernelSig:
 
     @classmethod
     def of(cls, node: Node) -> "KernelSig":
+        """A node's signature: its types, attributes and kernel choices
+        (``ir.kernel_choice``), which specialise the kernel alike."""
         return cls(node.op, tuple(v.type for v in node.inputs), node.output.type,
-                   tuple(sorted(kernel_attrs(node.op, node.attrs).items())))
+                   tuple(sorted(kernel_attrs(node.op, {**node.attrs, **node.kernel}).items())))
 
     @property
     def attr(self) -> dict[str, Any]:

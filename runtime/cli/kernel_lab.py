@@ -427,8 +427,8 @@ def build_case(p: Problem, int_dot: bool) -> Case:
                 if kind == "qmatmul":   # prompt rows, as passes/int_dot marks them
                     from passes.int_dot import GEMM_ROWS
 
-                    attrs["gemm"] = GEMM_ROWS
-            want = ops.qmatmul_ref(x, w, **attrs)
+                    attrs["gemm"] = GEMM_ROWS      # a kernel choice: not the reference's
+            want = ops.qmatmul_ref(x, w, **{k: v for k, v in attrs.items() if k != "gemm"})
         check = _dot_check(x, w, C)
         case = Case(op, [xt, w.type], attrs, [x, w], want, lambda g: check(g, want),
                     w.raw.nbytes + x.nbytes, want.nbytes, 2 * R * C * B, T=B)
