@@ -83,7 +83,7 @@ class RopeScaling:
     attn_factor: float = 1.0
 
     def attrs(self, scaled: bool = True) -> dict:
-        """The ``rope`` op's scaling attributes (``ir.ops.ROPE_SCALING_DEFAULTS``);
+        """The ``rope`` op's scaling attributes (``ir.rope_tables.ROPE_SCALING_DEFAULTS``);
         ``scaled=False`` for layers the family does not scale. Empty when
         nothing changes, so unscaled graphs are the same as ever."""
         out: dict = {}

@@ -25,7 +25,7 @@ import pytest
 from compiler.codegen.harness import CompiledKernel, scratch_floats_for, sig_for
 from compiler.codegen.k_matmul_int_gemm import gemm_width
 from compiler.codegen.target import Target, host_target
-from ir import ops
+from ir import kv_codec
 from ir.interp import state_array
 from ir.quant.repack import REPACKABLE
 from ir.ops import WeightData
@@ -263,7 +263,7 @@ def test_rope_rows(label: str) -> None:
 # --- attention: a decode step, a prompt chunk's row, a paged batch row ------------------------------
 def cache(kind: str, values: np.ndarray) -> np.ndarray:
     c = state_array(kv_cache_type(kind, values.shape[0], values.shape[1]))
-    ops._kv_store(c, np.arange(values.shape[0]), values)
+    kv_codec.kv_store(c, np.arange(values.shape[0]), values)
     return c
 
 

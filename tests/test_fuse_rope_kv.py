@@ -21,7 +21,7 @@ from compiler.native import NativeOptions, compile_native
 from compiler.pipeline import DEFAULT_PIPELINE, default_pipeline, run_pipeline
 from frontends.arch import ModelConfig, build_graph, expected_shapes
 from frontends.gguf_writer import write_gguf
-from ir import ops
+from ir import kv_codec, ops
 from ir.interp import state_array
 from ir.types import f32, i32, kv_cache_type
 from llamacpp_oracle import printable_vocab, random_tensor
@@ -155,7 +155,7 @@ def head_dim_for(data, kind: str) -> int:
 def check_decoded(got: np.ndarray, want: np.ndarray, kind: str) -> None:
     """Against the numpy reference: native sin/cos may differ from numpy's in
     the last bit, which can move an f16 value one ulp or a q8 value one step."""
-    g, w = ops.kv_decode(got), ops.kv_decode(want)
+    g, w = kv_codec.kv_decode(got), kv_codec.kv_decode(want)
     scale = max(1.0, float(np.abs(w).max()))
     tol = {"f32": 1e-5, "f16": 2e-3, "q8": 2.0 / 127}[kind]
     assert np.abs(g - w).max() <= tol * scale

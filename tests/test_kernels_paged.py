@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from compiler.codegen.harness import sig_for
-from ir import ops
+from ir import kv_codec, ops
 from ir.interp import state_array
 from ir.types import TensorType, f32, i32, kv_cache_type
 from test_kernels_attention import HOST_VW, WIDTHS, close, run
@@ -88,7 +88,7 @@ def pool(kind: str, b: Batch, width: int) -> np.ndarray:
     poison(c, slice(None))
     for s, n in enumerate(b.lens):
         rows = [b.pool_row(s, p) for p in range(n)]
-        ops._kv_store(c, np.asarray(rows), rng.standard_normal((n, width)).astype(np.float32))
+        kv_codec.kv_store(c, np.asarray(rows), rng.standard_normal((n, width)).astype(np.float32))
     return c
 
 

@@ -23,7 +23,7 @@ from compiler.codegen.harness import sig_for
 from compiler.codegen.lower import state_layout
 from compiler.driver import CompileOptions, build_graphs, load_model
 from frontends.arch import ModelError
-from ir import ops
+from ir import kv_codec, ops
 from ir.interp import new_state, state_array
 from ir.ops import ShapeError
 from ir.types import TensorType, f32, i32, kv_cache_type
@@ -68,7 +68,7 @@ def test_f16_reference_rounds_to_nearest_even():
     assert got[8] == 2.0 ** -24 and got[7] == -(2.0 ** -24)  # rounded to the smallest subnormal
     assert got[13] == 1.0 and got[14] == 1.0 + 2.0 ** -9      # ties to even at 1 + half an ulp (2^-10)
     assert np.signbit(got[12]) and not cache[[0, 2, 3]].any()
-    np.testing.assert_array_equal(ops.kv_read(cache, 1, 2)[0], got.astype(np.float32))
+    np.testing.assert_array_equal(kv_codec.kv_read(cache, 1, 2)[0], got.astype(np.float32))
 
 
 def test_q8_reference_blocks():
@@ -84,13 +84,13 @@ def test_q8_reference_blocks():
     assert blk[:2].view("<f2")[0] == 1.0
     np.testing.assert_array_equal(blk[2:8].view(np.int8), [127, 0, 2, 2, -2, -127])
     assert not blk[8:].any() and not cache[2, 34:].any() and not cache[:2].any()  # zero block, other rows
-    r = ops.kv_read(cache, 2, 3)[0]
+    r = kv_codec.kv_read(cache, 2, 3)[0]
     np.testing.assert_array_equal(r[:6], [127, 0, 2, 2, -2, -127])
     # ordinary data: each value within half a step (d/2) of the original
     y = (rng.standard_normal((3, D)) * 5).astype(np.float32)
     ops.kv_write_ref(cache, y, 0)
     d = np.abs(y.reshape(3, 2, 32)).max(2) / 127
-    err = np.abs(ops.kv_read(cache, 0, 3) - y).reshape(3, 2, 32)
+    err = np.abs(kv_codec.kv_read(cache, 0, 3) - y).reshape(3, 2, 32)
     assert (err <= d[..., None] * (0.5 + 127 * 2.0 ** -11)).all()  # plus the f16 rounding of d
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 import llvmlite.ir as ir
 
-from ir.ops import rope_base_freqs, rope_mix
+from ir.rope_tables import rope_base_freqs, rope_mix
 
 from .emit import F32, KernelBuilder, const_f32_array, f32c, fconst, hsum_many, i64, memcpy, pow2_divisor
 from .k_matmul_int import quantize_block
@@ -195,7 +195,7 @@ def emit_rope(kb: KernelBuilder, sig: KernelSig) -> None:
 def _rope_heads(kb: KernelBuilder, sig: KernelSig, x_in: int, pos_in: int, ff_in: int | None,
                 head: HeadSink) -> None:
     """Rotate pairs by position x frequency; the cos/sin table is built once
-    per row (in scratch). Scaling (``ir.ops.rope_tables``) changes only how the table's
+    per row (in scratch). Scaling (``ir.rope_tables``) changes only how the table's
     angles and magnitudes are computed: the same float32 steps in the same
     order as the reference, and none of them when the op is unscaled.
     Threads split (row, head) units; each rotated head goes to ``head(r, h)``

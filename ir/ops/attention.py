@@ -1,0 +1,216 @@
+"""Attention against the KV cache and the ops that write it: one
+sequence's contiguous cache (``kv_write``, ``attention``, and RoPE fused
+with the write), and a pool of blocks shared by a batch of sequences, each
+addressing its own through a block table (the ``_paged`` ops)."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..kv_codec import KV_BLOCK, kv_decode, kv_read, kv_row_width, kv_store
+from ..types import Dim, TensorType
+from .elementwise import softcap_ref
+from .registry import need, register
+from .rope import rope_ref, rope_type
+
+
+def _kv_cache_ok(t: TensorType, what: str) -> None:
+    """KV cache storage: f32 or f16 values, or Q8_0 blocks (ir.types.KV_TYPES)."""
+    if t.layout is None:
+        need(t.dtype in ("f32", "f16"), f"{what}: a KV cache of {t.dtype} is not supported (f32, f16, Q8_0)")
+    else:
+        need(t.layout == "Q8_0" and isinstance(t.shape[1], int) and t.shape[1] % KV_BLOCK == 0,
+              f"{what}: a KV cache {t} is not supported (f32, f16, or Q8_0 rows of whole blocks)")
+
+
+def _kv_write(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    cache, x, pos = ts
+    need(cache.rank == 2 and x.shape[-1] == cache.shape[1], f"kv_write: {x} does not fit cache {cache}")
+    _kv_cache_ok(cache, "kv_write")
+    return cache
+
+
+def _attention(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    q, kc, vc, pos = ts
+    h, kvh, hd = attrs["n_heads"], attrs["n_kv_heads"], attrs["head_dim"]
+    need(q.shape[-1] == h * hd, f"attention: {q} is not {h} heads of {hd}")
+    need(kc == vc and kc.shape[-1] == kvh * hd, f"attention: caches {kc}, {vc} do not fit")
+    _kv_cache_ok(kc, "attention")
+    need(kc.layout is None or hd % KV_BLOCK == 0, f"attention: a {kc.layout} cache needs head_dim a multiple of {KV_BLOCK}")
+    need(h % kvh == 0, f"attention: {h} query heads not a multiple of {kvh} kv heads")
+    return TensorType(q.shape, "f32")
+
+
+def _paged_operands(ts: list[TensorType], rows: Dim, attrs: dict[str, Any], what: str) -> None:
+    """``positions[T]`` and ``block_tables[T, MAXB]`` (i32) for ``rows`` rows,
+    and a pool (the cache, first of ``ts``) of whole blocks."""
+    pool, positions, tables = ts
+    bs = attrs.get("block_size")
+    need(isinstance(bs, int) and bs > 0, f"{what}: block_size must be a positive int, got {bs!r}")
+    need(isinstance(pool.shape[0], int) and pool.shape[0] % bs == 0,
+          f"{what}: a pool of {pool.shape[0]} rows is not whole blocks of {bs}")
+    need(positions.dtype == "i32" and positions.rank == 1 and positions.shape[0] == rows,
+          f"{what}: positions must be i32[{rows}], got {positions}")
+    need(tables.dtype == "i32" and tables.rank == 2 and tables.shape[0] == rows and isinstance(tables.shape[1], int),
+          f"{what}: block tables must be i32[{rows}, blocks], got {tables}")
+
+
+def _kv_write_paged(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    cache, x, positions, tables = ts
+    need(cache.rank == 2 and x.rank == 2 and x.shape[-1] == cache.shape[1],
+          f"kv_write_paged: {x} does not fit pool {cache}")
+    _kv_cache_ok(cache, "kv_write_paged")
+    _paged_operands([cache, positions, tables], x.shape[0], attrs, "kv_write_paged")
+    return cache
+
+
+def _rope_kv_fits(cache: TensorType, attrs: dict[str, Any], what: str) -> None:
+    """A q8 cache row is blocks of 32: the fused kernel rotates a head, then
+    quantizes it, so each head must be whole blocks."""
+    need(cache.layout != "Q8_0" or int(attrs["head_dim"]) % KV_BLOCK == 0,
+          f"{what}: a Q8_0 cache needs head_dim a multiple of {KV_BLOCK}")
+
+
+def _rope_kv_write(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    need(len(ts) in (3, 4), f"rope_kv_write takes cache, x, pos and optionally frequency factors, got {len(ts)}")
+    cache, x, pos = ts[:3]
+    need(pos.rank == 0, f"rope_kv_write: pos must be an i32 scalar, got {pos}")
+    rotated = rope_type([x, pos, *ts[3:]], attrs)
+    _rope_kv_fits(cache, attrs, "rope_kv_write")
+    return _kv_write([cache, rotated, pos], {})
+
+
+def _rope_kv_write_paged(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    need(len(ts) in (4, 5), f"rope_kv_write_paged takes pool, x, positions, tables and optionally frequency "
+                             f"factors, got {len(ts)}")
+    cache, x, positions, tables = ts[:4]
+    rope = {k: v for k, v in attrs.items() if k != "block_size"}
+    rotated = rope_type([x, positions, *ts[4:]], rope)
+    _rope_kv_fits(cache, attrs, "rope_kv_write_paged")
+    return _kv_write_paged([cache, rotated, positions, tables], {"block_size": attrs.get("block_size")})
+
+
+def _attention_paged(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    q, kc, vc, positions, tables = ts
+    need(q.rank == 2, f"attention_paged: queries must be [T, heads x head_dim], got {q}")
+    out = _attention([q, kc, vc, TensorType((), "i32")], attrs)
+    _paged_operands([kc, positions, tables], q.shape[0], attrs, "attention_paged")
+    return out
+
+
+@register("kv_write", 3, _kv_write, updates_state=True)
+def kv_write_ref(cache: np.ndarray, x: np.ndarray, pos: Any) -> np.ndarray:
+    """Store the new rows at positions pos.. (in place: the cache is state),
+    rounded to the cache's storage (``_kv_store``)."""
+    n = int(np.size(x)) // kv_row_width(cache)
+    p = int(pos)
+    if p < 0 or p + n > cache.shape[0]:
+        raise IndexError(f"kv_write at {p}..{p + n} outside a cache of {cache.shape[0]}")
+    return kv_store(cache, slice(p, p + n), x)
+
+
+def _attend(qrow: np.ndarray, k: np.ndarray, v: np.ndarray, group: int, scale: float,
+            softcap: float = 0.0) -> np.ndarray:
+    """One query row's heads [H, hd] against its visible K/V rows [n, KVH, hd].
+    ``softcap`` bounds each score to (-c, c) as c * tanh(s / c) (Gemma 2)."""
+    out = np.empty_like(qrow)
+    for h in range(qrow.shape[0]):
+        kv = h // group
+        sc = (k[:, kv, :] @ qrow[h]) * np.float32(scale)
+        if softcap:
+            sc = softcap_ref(sc, cap=softcap)
+        sc = np.exp(sc - sc.max())
+        sc /= sc.sum(dtype=np.float32)
+        out[h] = sc @ v[:, kv, :]
+    return out
+
+
+def _visible(end: int, window: int) -> int:
+    """First position a query at position end-1 sees."""
+    return max(0, end - window) if window else 0
+
+
+@register("attention", 4, _attention)
+def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: Any, *, n_heads: int,
+                  n_kv_heads: int, head_dim: int, scale: float, window: int = 0, softcap: float = 0.0
+                  ) -> np.ndarray:
+    """Causal grouped-query attention against the cache. Row t of q sits at
+    position pos+t and sees positions <= pos+t (and > pos+t-window if set)."""
+    q = np.asarray(q, np.float32)
+    lead = q.shape[:-1]
+    qs = q.reshape(-1, n_heads, head_dim)
+    p0 = int(pos)
+    out = np.empty_like(qs)
+    for t in range(qs.shape[0]):
+        end = p0 + t + 1
+        start = _visible(end, window)
+        k = kv_read(kc, start, end).reshape(end - start, n_kv_heads, head_dim)
+        v = kv_read(vc, start, end).reshape(end - start, n_kv_heads, head_dim)
+        out[t] = _attend(qs[t], k, v, n_heads // n_kv_heads, scale, softcap)
+    return out.reshape(lead + (n_heads * head_dim,))
+
+
+def paged_rows(positions: Any, tables: Any, block_size: int, pool_rows: int) -> list[np.ndarray]:
+    """Per batch row r: the pool rows of its sequence's positions 0..positions[r]
+    (pool row of position p = tables[r, p // block_size] * block_size +
+    p % block_size). Raises IndexError for a negative position, a position
+    past the table, or a table entry it uses outside the pool."""
+    pos = np.asarray(positions, np.int64).reshape(-1)
+    tab = np.asarray(tables, np.int64)
+    n_blocks = pool_rows // block_size
+    out = []
+    for r, p in enumerate(pos):
+        if p < 0 or p // block_size >= tab.shape[1]:
+            raise IndexError(f"row {r}: position {p} outside the block table ({tab.shape[1]} blocks of "
+                             f"{block_size})")
+        used = tab[r, : p // block_size + 1]
+        if used.min() < 0 or used.max() >= n_blocks:
+            raise IndexError(f"row {r}: block table entry outside the pool of {n_blocks} blocks")
+        ps = np.arange(p + 1)
+        out.append(used[ps // block_size] * block_size + ps % block_size)
+    return out
+
+
+@register("kv_write_paged", 4, _kv_write_paged, updates_state=True)
+def kv_write_paged_ref(cache: np.ndarray, x: np.ndarray, positions: Any, tables: Any, *,
+                       block_size: int) -> np.ndarray:
+    """Row r of x goes to its sequence's position positions[r], at the pool
+    row its block table gives (in place), rounded as ``kv_write``."""
+    rows = [r[-1] for r in paged_rows(positions, tables, block_size, cache.shape[0])]
+    return kv_store(cache, np.asarray(rows, np.int64), x)
+
+
+@register("rope_kv_write", -1, _rope_kv_write, updates_state=True)
+def rope_kv_write_ref(cache: np.ndarray, x: np.ndarray, pos: Any, freq_factors: Any = None,
+                      **rope: Any) -> np.ndarray:
+    """``kv_write(cache, rope(x, pos), pos)`` as one op (``passes.fuse_elementwise``):
+    the two references in turn, so the same float32 steps and the same rounding."""
+    return kv_write_ref(cache, rope_ref(x, pos, freq_factors, **rope), pos)
+
+
+@register("rope_kv_write_paged", -1, _rope_kv_write_paged, updates_state=True)
+def rope_kv_write_paged_ref(cache: np.ndarray, x: np.ndarray, positions: Any, tables: Any,
+                            freq_factors: Any = None, *, block_size: int, **rope: Any) -> np.ndarray:
+    """``kv_write_paged(pool, rope(x, positions), positions, tables)`` as one op."""
+    return kv_write_paged_ref(cache, rope_ref(x, positions, freq_factors, **rope), positions, tables,
+                              block_size=block_size)
+
+
+@register("attention_paged", 5, _attention_paged)
+def attention_paged_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, positions: Any, tables: Any, *,
+                        n_heads: int, n_kv_heads: int, head_dim: int, scale: float, window: int = 0,
+                        block_size: int, softcap: float = 0.0) -> np.ndarray:
+    """``attention`` for a batch of sequences in a pool: row t sits at its
+    own sequence's position positions[t] and sees that sequence's positions
+    max(0, positions[t] - window + 1)..positions[t] (from 0 without a
+    window), read through its block table."""
+    q = np.asarray(q, np.float32)
+    qs = q.reshape(-1, n_heads, head_dim)
+    out = np.empty_like(qs)
+    for t, rows in enumerate(paged_rows(positions, tables, block_size, kc.shape[0])):
+        rows = rows[_visible(len(rows), window):]
+        k = kv_decode(kc[rows]).reshape(len(rows), n_kv_heads, head_dim)
+        v = kv_decode(vc[rows]).reshape(len(rows), n_kv_heads, head_dim)
+        out[t] = _attend(qs[t], k, v, n_heads // n_kv_heads, scale, softcap)
+    return out.reshape(q.shape)
