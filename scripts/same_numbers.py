@@ -13,7 +13,10 @@ For each model it records, with two threads:
   prefill_all, verify; batch, batch_last, batch_decode), sha256 of its
   kernel's assembly with the kernel's own symbol renamed (a kernel's name
   hashes its signature, which a refactoring may spell differently).
-With ``--against`` it prints what differs and exits 1 if anything does.
+With ``--kernels`` it records instead the assembly of matmul and embedding
+kernels for every weight type, row count, kernel choice and vector width
+(8 and 16), models or not. With ``--against`` it prints what differs and
+exits 1 if anything does.
 """
 from __future__ import annotations
 
@@ -63,6 +66,57 @@ def kernel_asm_hash(sig: KernelSig, vw: int) -> str:
     return hashlib.sha256(t.machine(3).emit_assembly(mod).encode()).hexdigest()[:16]
 
 
+def kernel_catalogue() -> dict[str, str]:
+    """Assembly hashes of the matmul family's kernels, by a readable key."""
+    from compiler.codegen.harness import sig_for
+    from ir.quant import QUANT_TYPES, repackable
+    from ir.types import TensorType
+
+    out = {}
+    layouts = [*QUANT_TYPES, "L2C_Q8G32", "L2C_Q8G64"]
+    for vw in (8, 16):
+        for lay in layouts:
+            qt = QUANT_TYPES.get(lay)
+            k = 1024 if qt is not None and qt.block == 256 else 512
+            wt = TensorType((64, k), "f32", lay)
+            op, attrs = ("matmul", {}) if lay == "F32" else ("qmatmul", {"layout": lay})
+            cases = {"decode": ((k,), {}), "prefill": (("T", k), {}), "rows": (("T", k), {"decode_rows": 4})}
+            if qt is not None and qt.act:
+                a = {"act": qt.act}
+                cases.update({"int decode": ((k,), a), "int rows": (("T", k), {**a, "decode_rows": 4}),
+                              "int gemm": (("T", k), {**a, "gemm": 64})})
+            for name, (xs, extra) in cases.items():
+                sig = sig_for(op, [TensorType(xs), wt], **attrs, **extra)
+                out[f"{lay} {name} vw{vw}"] = kernel_asm_hash(sig, vw)
+            out[f"{lay} embedding vw{vw}"] = kernel_asm_hash(
+                sig_for("embedding", [TensorType((64, k), "f32", lay), TensorType(("T",), "i32")]), vw)
+            if lay in repackable():
+                rt = repacked_type(lay, k, vw)
+                if rt is None:
+                    continue
+                a = {"layout": lay, "act": qt.act}
+                for name, xs in (("decode", (k,)), ("prefill", ("T", k))):
+                    out[f"{lay} repacked {name} vw{vw}"] = kernel_asm_hash(sig_for("qmatmul", [TensorType(xs), rt], **a), vw)
+                    nt = TensorType((k,))
+                    out[f"{lay} repacked norm {name} vw{vw}"] = kernel_asm_hash(
+                        sig_for("qmatmul", [TensorType(xs), rt, nt], **a, norm_eps=1e-6), vw)
+                    rs = TensorType((64,) if len(xs) == 1 else ("T", 64))
+                    out[f"{lay} repacked add {name} vw{vw}"] = kernel_asm_hash(
+                        sig_for("qmatmul_add", [TensorType(xs), rt, rs], **a), vw)
+    return out
+
+
+def repacked_type(layout: str, k: int, vw: int):
+    """The repacked weight type at the GEMM's width for ``vw``, or None."""
+    from compiler.codegen.target import host_target
+    from ir.types import TensorType
+
+    t = host_target()
+    if not (t.has("avx512vnni") or t.has("avxvnni")):
+        return None
+    return TensorType((64, k), "f32", layout, 16 if vw == 16 else 8)
+
+
 def model_record(path: str, tokenizer: str | None) -> dict:
     m = load_model(path, tokenizer)
     vocab = m.config.vocab_size
@@ -101,11 +155,15 @@ def model_record(path: str, tokenizer: str | None) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("models", nargs="+", help="model files; MODEL:TOKENIZER for llama2.c checkpoints")
+    ap.add_argument("models", nargs="*", help="model files; MODEL:TOKENIZER for llama2.c checkpoints")
+    ap.add_argument("--kernels", action="store_true", help="the matmul kernels of every type instead")
     ap.add_argument("-o", "--out", required=True)
     ap.add_argument("--against", help="a JSON written before: report differences")
     a = ap.parse_args()
     rec = {"cpu": host_target().cpu, "models": {}}
+    if a.kernels:
+        rec["kernels"] = kernel_catalogue()
+        print(f"{len(rec['kernels'])} kernels", file=sys.stderr)
     for spec in a.models:
         path, _, tok = spec.partition(":")
         rec["models"][os.path.basename(path)] = model_record(path, tok or None)
@@ -117,6 +175,12 @@ def main() -> int:
     with open(a.against) as f:
         old = json.load(f)
     bad = 0
+    if a.kernels:
+        old_k = old.get("kernels", {})
+        diff = sorted(k for k, v in rec["kernels"].items() if old_k.get(k) != v)
+        bad += len(diff)
+        print(f"kernels: {len(rec['kernels']) - len(diff)} of {len(rec['kernels'])} identical"
+              + (f"; different: {', '.join(diff[:20])}" if diff else ""))
     for name, r in rec["models"].items():
         o = old["models"].get(name)
         if o is None:
