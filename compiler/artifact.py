@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from frontends.cache_dir import write_entry
+from frontends.cache_dir import cache_root, write_entry
 from ir.digest import sha256
 
 MAGIC = b"LMCART1\0"
@@ -132,11 +132,9 @@ def file_fingerprint(path: str, kind: str | None = None) -> dict[str, Any]:
 
 
 def _fingerprint_memo(path: str, st: os.stat_result, kind: str) -> str | None:
-    from .cache import cache_dir
-
     ident = json.dumps([os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
                         kind])
-    return os.path.join(cache_dir(), "fingerprints", sha256(ident.encode()).hexdigest()[:32] + ".json")
+    return os.path.join(cache_root(), "fingerprints", sha256(ident.encode()).hexdigest()[:32] + ".json")
 
 
 def sampled_digest(path: str) -> str:

@@ -68,10 +68,9 @@ def repack_width(vector_width: int | None = None) -> int | None:
     comparisons)."""
     if os.environ.get("LMC_REPACK", "1") == "0":
         return None
-    from .codegen.k_matmul_int_gemm import gemm_width
-    from .codegen.target import host_target
+    from .codegen.target import host_target, vnni_width
 
-    return gemm_width(vector_width or host_target().vector_width)
+    return vnni_width(vector_width or host_target().vector_width)
 
 
 def pass_names(options: CompileOptions) -> tuple[str, ...]:
@@ -129,7 +128,7 @@ VERIFY_ROWS = 16
 
 def _rows_as_decode(g: Graph) -> None:
     """Every matmul of a prefill graph computes each row with the decode
-    step's arithmetic (``k_matmul``: decode's accumulators and order, each
+    step's arithmetic (``matmul/float_tiles``: decode's accumulators and order, each
     weight vector still shared by a tile of rows). The float prefill tiles
     and the integer GEMM of prompt chunks (``int_dot``'s ``gemm``) sum in
     another order, so their last bits differ from decode's and a greedy

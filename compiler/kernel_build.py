@@ -12,7 +12,6 @@ this process.
 from __future__ import annotations
 
 import os
-import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Callable

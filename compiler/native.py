@@ -86,7 +86,7 @@ def _scratch_floats(graphs: dict, ctx: int) -> int:
     scores per head, the integer path's quantized activations: a row each
     of up to ``decode_rows`` rows in ``batch_decode``, rope's cos/sin table
     and the rotated head rope_kv_write quantizes for a q8 cache)."""
-    from .codegen import k_attention, k_matmul_int, k_norm_rope
+    from .codegen import k_attention, k_norm_rope, matmul
     from .codegen.kernels import KernelSig
 
     need = ctx + 64
@@ -97,7 +97,7 @@ def _scratch_floats(graphs: dict, ctx: int) -> int:
             elif n.op in ("rope", "rope_kv_write", "rope_kv_write_paged"):
                 need = max(need, int(k_norm_rope.scratch_floats(KernelSig.of(n))))
             elif n.attrs.get("act"):
-                need = max(need, int(k_matmul_int.scratch_floats(KernelSig.of(n))))
+                need = max(need, int(matmul.scratch_floats(KernelSig.of(n))))
     return (need + 15) // 16 * 16
 
 

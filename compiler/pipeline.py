@@ -25,8 +25,8 @@ def default_pipeline(backend: str = "interp") -> tuple[str, ...]:
     ``fuse_norm``: RMSNorms move into those kernels' quantization. The
     interpreter stays on the float reference path unless given the passes."""
     if backend == "llvm":
-        from .codegen.k_matmul_int import host_has_int_dot
-        if host_has_int_dot():
+        from .codegen.target import host_target
+        if host_target().int_dot:
             return DEFAULT_PIPELINE[:-1] + ("int_dot", "repack", "fuse_residual", "fuse_norm") + DEFAULT_PIPELINE[-1:]
     return DEFAULT_PIPELINE
 

@@ -31,14 +31,10 @@ in float64 here and rounded once to float32.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from .quant import ACT_BLOCK, quant_type, types_with
-
-if TYPE_CHECKING:
-    from .ops import WeightData
+from .weight_data import WeightData
 
 #: values per block of the q8 activation format, and per partial sum (``bsums``) of q8k
 QK8 = ACT_BLOCK["q8"]
@@ -73,7 +69,7 @@ def quantize_q8_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return d, q
 
 
-def int_blocks(w: "WeightData") -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def int_blocks(w: WeightData) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """A q8-path weight's blocks as (d, q, m), read from its stored bytes:
     the scales d (float32 [N, K/32]), the integer quants q (int8
     [N, K/32, 32]) with value = d * q, or = d * q + m for the types with an
@@ -85,7 +81,7 @@ def int_blocks(w: "WeightData") -> tuple[np.ndarray, np.ndarray, np.ndarray | No
     return qt.layout.int_blocks(w.raw, int(w.type.shape[0]), int(w.type.shape[1]))
 
 
-def qmatmul_q8_ref(x: np.ndarray, w: "WeightData") -> np.ndarray:
+def qmatmul_q8_ref(x: np.ndarray, w: WeightData) -> np.ndarray:
     """x [..., K] @ w.T on the q8 integer path (module docstring)."""
     xf = np.asarray(x, np.float32)
     k = xf.shape[-1]
@@ -121,7 +117,7 @@ def quantize_q8k_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return d, q, bsums
 
 
-def kquant_ints(w: "WeightData"):
+def kquant_ints(w: WeightData):
     """The integer view of a K-quant weight (``KQuantInts``), read from its bytes."""
     qt = quant_type(w.type.layout)
     if qt.act != "q8k":
@@ -129,7 +125,7 @@ def kquant_ints(w: "WeightData"):
     return qt.layout.int_superblocks(w.raw, int(w.type.shape[0]), int(w.type.shape[1]))
 
 
-def qmatmul_q8k_ref(x: np.ndarray, w: "WeightData") -> np.ndarray:
+def qmatmul_q8k_ref(x: np.ndarray, w: WeightData) -> np.ndarray:
     """x [..., K] @ w.T on the q8k integer path (module docstring): the
     integer sums exact, the float products and the sum over super-blocks in
     float64, rounded once to float32."""
@@ -156,6 +152,6 @@ def qmatmul_q8k_ref(x: np.ndarray, w: "WeightData") -> np.ndarray:
     return out.astype(np.float32).reshape(xf.shape[:-1] + (n,))
 
 
-def qmatmul_int_ref(x: np.ndarray, w: "WeightData", act: str) -> np.ndarray:
+def qmatmul_int_ref(x: np.ndarray, w: WeightData, act: str) -> np.ndarray:
     """x @ w.T on the integer path of activation format ``act``."""
     return qmatmul_q8k_ref(x, w) if act == "q8k" else qmatmul_q8_ref(x, w)

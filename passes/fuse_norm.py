@@ -3,7 +3,7 @@ inside their activation quantization.
 
 A layer's attention norm feeds its q, k and v projections, the FFN norm its
 gate and up projections. On the integer path each of those matmuls begins
-by quantizing its input row (every thread the whole row, ``k_matmul_repacked``),
+by quantizing its input row (every thread the whole row, ``matmul/repacked``),
 so the normalized row need never be written out: each matmul reads the
 un-normalized row, normalizes it into its scratch with the rmsnorm kernel's
 own code (``k_norm_rope.emit_rmsnorm_row``) and quantizes that. The norm's

@@ -4,7 +4,7 @@ K-quants Q2_K .. Q6_K the same with 256-value activation blocks and
 per-16 partial sums (``act="q8k"``, llama.cpp's Q8_K: ``ir.int_dot``).
 QSF's 64-value blocks (QSF_Q8, QSF_Q4, QSF_Q2, QSF_Q2S, QSF_TERNARY) take
 ``act="q8"`` too, each block two activation blocks sharing its scale and
-offset (``ir.int_dot``; kernels ``k_matmul_int_qsf``, ternary without
+offset (``ir.int_dot``; kernels ``matmul/int_qsf``, ternary without
 multiplies), in decode, batches of decode rows and prompt chunks alike.
 
 A decode step is one matrix-vector product per weight: bandwidth-bound, and
@@ -14,7 +14,7 @@ activation row is quantized to Q8_0-style blocks and each block product is an
 integer sum scaled by d_w * d_x (``ir.ops.qmatmul_ref`` defines the numbers).
 Prompt chunks (``prefill``, ``batch``) take the same path as an int8 GEMM
 (the ``gemm`` attribute: ``GEMM_ROWS`` token rows quantized at once, each
-weight tile unpacked once for all of them, ``k_matmul_int_gemm``): there
+weight tile unpacked once for all of them, ``matmul/gemm``): there
 the int8 products beat the float tiles, and each row's numbers depend on
 the row alone, however the prompt is chunked, though not the decode step's
 bits (graphs that need those, ``verify`` and ``batch_decode``, never carry
@@ -23,7 +23,7 @@ the attribute: ``compiler.driver._rows_as_decode`` turns it into
 matmul on these types. Other matmuls
 keep the float kernels' prefill tiles. Whether to run the pass is the pipeline's choice (it
 changes results slightly: x is rounded to 8 bits per block); the compiler
-can ask ``compiler.codegen.k_matmul_int.host_has_int_dot()``.
+can ask ``compiler.codegen.target.host_target().int_dot``.
 
 A batch graph of decode rows (``meta["decode_rows"]``: ``batch_decode``,
 each row a sequence's next token, at most ``meta["max_batch"]``) must give
@@ -49,7 +49,7 @@ from .registry import register_pass
 #: 2 threads: 2.3 ms against the float tiles' 3.7)
 PROMPT_ROWS = 8
 #: token rows of a prompt chunk quantized at once for the integer GEMM
-#: (``k_matmul_int_gemm``, the ``gemm`` attribute): each weight tile is
+#: (``matmul/gemm``, the ``gemm`` attribute): each weight tile is
 #: unpacked once per this many tokens (the default prefill chunk: once)
 GEMM_ROWS = 128
 

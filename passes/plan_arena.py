@@ -14,6 +14,8 @@ from typing import Callable
 from ir.graph import Graph, Value
 from ir.ops import get_op
 
+from .dependency_groups import dependency_groups
+
 ALIGN = 64  # a cache line: every buffer starts on one, so vector loads never split
 
 
@@ -64,10 +66,8 @@ def inplace_roots(graph: Graph) -> dict[str, str]:
 def liveness(graph: Graph, symbols: dict[str, int]) -> list[Interval]:
     """One interval per buffer (values updated in place share their root's).
     A value lives to the end of the group of ops its last reader belongs to
-    (``passes.barriers.dependency_groups``): those ops run with no barrier
+    (``passes.dependency_groups``): those ops run with no barrier
     between them, so none may reuse its bytes while a slower thread reads it."""
-    from .barriers import dependency_groups
-
     groups = dependency_groups(graph)
     group_end = {g: i for i, g in enumerate(groups)}
     index = {id(n.output): i for i, n in enumerate(graph.nodes)}

@@ -1,7 +1,7 @@
 """repack: the integer path's weights move to their repacked form
 (``ir/quant/repack.py``), W rows interleaved in VNNI order, which the
 runtime builds once at load; every row count of every graph then runs one
-kernel (``k_matmul_repacked``) with one arithmetic.
+kernel (``matmul/repacked``) with one arithmetic.
 
 Why a pass and not a kernel detail: the weight's bytes change, so its type
 (layout) and its place (a region of the weight image past the file, like a

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ir.graph import Graph
 
-from .barriers import touched_states
+from .dependency_groups import touched_states
 from .registry import register_pass
 
 #: how far ahead an op may be pulled into the current group

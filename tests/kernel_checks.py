@@ -3,7 +3,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from compiler.codegen.target import Target, host_target
 from ir.ops import WeightData
+
+
+def portable_target(vw: int | None = None) -> Target:
+    """The host without the x86 instructions the integer kernels name
+    (``vpdpbusd``, ``pmaddubsw``, ``vpsadbw`` ...), so they emit their
+    portable forms. At width 16 it keeps AVX-512F (16 lanes) and drops BW
+    and VNNI; below 16 it drops AVX2 and AVX-512 as well."""
+    host = host_target()
+    if (vw or host.vector_width) >= 16:
+        return host.variant(host.cpu, ("avx512bw", "avx512vnni", "avxvnni", "avx512vbmi", "avx512bitalg",
+                                       "avx512fp16", "avx512bf16", "amx"))
+    return host.variant(host.cpu, ("avx2", "avx512", "amx", "avxvnni"))
 
 
 def check_dot(got: np.ndarray, want: np.ndarray, x: np.ndarray, w: WeightData, floor: float = 1e-37) -> None:
@@ -31,9 +44,9 @@ def call_with_guard(k, x: np.ndarray, w: WeightData, T: int, nt: int) -> np.ndar
     """Run an integer matmul kernel ``k`` on every thread id with a scratch of
     exactly the size its rule asks for, followed by a guard zone that must
     stay untouched."""
-    from compiler.codegen import k_matmul_int
+    from compiler.codegen import matmul
 
-    need = k_matmul_int.scratch_floats(k.sig)
+    need = matmul.scratch_floats(k.sig)
     out = np.zeros((T, int(w.type.shape[0])) if x.ndim == 2 else int(w.type.shape[0]), np.float32)
     for tid in range(nt):
         scratch = np.full(need + 256, 12345.0, np.float32)
@@ -59,10 +72,10 @@ _KERNELS: dict = {}
 
 def compiled(sig, vector_width=None):
     """One CompiledKernel per signature, width and prefill K chunk (a test may patch the chunk)."""
-    from compiler.codegen import k_matmul
+    from compiler.codegen.matmul import float_tiles
     from compiler.codegen.harness import CompiledKernel
 
-    key = (sig, vector_width, k_matmul._K_CHUNK)
+    key = (sig, vector_width, float_tiles.K_CHUNK)
     if key not in _KERNELS:
         _KERNELS[key] = CompiledKernel(sig, vector_width=vector_width)
     return _KERNELS[key]

@@ -26,8 +26,7 @@ import pytest
 
 import runtime
 from compiler.driver import BatchOptions, CompileOptions, build_graphs, load_model
-from compiler.codegen.k_matmul_int_gemm import gemm_width
-from compiler.codegen.target import host_target
+from compiler.codegen.target import host_target, vnni_width
 from compiler.native import NativeOptions, compile_native
 from frontends.arch import ModelConfig, expected_shapes
 from frontends.gguf_writer import write_gguf
@@ -362,13 +361,13 @@ def test_decode_rows_equal_decode_steps(paths, name, backend):
     batch = build_graphs(loaded(paths, name), CompileOptions(ctx=CTX, passes=INT_PASSES, batch=BATCH))["batch"]
     all_int = all(n.attrs.get("act") in ("q8", "q8k") for n in batch.nodes if n.op in ("matmul", "qmatmul"))
     # prompt chunks on a VNNI host: the integer GEMM, not decode's bits
-    no_gemm = gemm_width(host_target().vector_width) is None
+    no_gemm = vnni_width(host_target().vector_width) is None
     # the interpreter's float matmuls are float64 sums, whatever the tiling: equal there too
     check_decode_rows(ex, [single() for _ in range(BATCH.max_batch)], prompts, 3, rng,
                       prompt_rows_equal=(all_int and no_gemm) or backend == "interp")
     if backend == "llvm":   # the step's inputs and scratch: a quantized row per decode row
-        from compiler.codegen.k_matmul_int import slot_bytes
-        from compiler.codegen.k_matmul_int_kquants import slot_bytes as kq_slot_bytes
+        from compiler.codegen.matmul.int_kquants import slot_bytes as kq_slot_bytes
+        from compiler.codegen.matmul.int_q8 import slot_bytes
 
         e, m = ex.entries, ex.manifest
         assert e["batch_decode"]["inputs"] == e["batch"]["inputs"]

@@ -23,8 +23,7 @@ import numpy as np
 import pytest
 
 from compiler.codegen.harness import CompiledKernel, scratch_floats_for, sig_for
-from compiler.codegen.k_matmul_int_gemm import gemm_width
-from compiler.codegen.target import Target, host_target
+from compiler.codegen.target import Target, host_target, vnni_width
 from ir import kv_codec
 from ir.interp import state_array
 from ir.quant.repack import REPACKABLE
@@ -159,7 +158,7 @@ def test_int_decode_rows(label: str, layout: str) -> None:
 
 # --- repacked weights: every row count, the fused norm and the residual epilogue -------------------
 def repacked_or_skip(target: Target, rng, base: str, n: int, k: int) -> WeightData:
-    W = gemm_width(target.vector_width, target)
+    W = vnni_width(target.vector_width, target)
     if W is None:
         pytest.skip(f"no repacked weights on {target.cpu} without VNNI")
     return repacked(float_weight(rng, base, n, k), W)
@@ -307,4 +306,4 @@ def test_variants_are_what_they_say() -> None:
         assert t.vector_width == 8 and not any(f.startswith("+avx512") for f in t.features.split(","))
         assert t.has("avx2") and t.has("fma") and t.triple == host.triple
     assert not variant("haswell, no AVX-512 or VNNI").has("avxvnni")
-    assert gemm_width(8, variant("haswell, no AVX-512 or VNNI")) is None
+    assert vnni_width(8, variant("haswell, no AVX-512 or VNNI")) is None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from compiler.codegen import k_matmul_int
+from compiler.codegen import matmul
 from compiler.codegen.harness import CompiledKernel, sig_for
 from compiler.driver import CompileOptions, build_graphs
 from compiler.native import NativeOptions, plan_native
@@ -100,7 +100,7 @@ def test_the_fused_kernel_gives_the_two_kernels_bits(base, norm_type):
             fused = CompiledKernel(sig)
             for nt in (1, 2, 3):
                 got = np.zeros_like(want)
-                need = k_matmul_int.scratch_floats(sig)
+                need = matmul.scratch_floats(sig)
                 for tid in range(nt):
                     scratch = np.full(need + 256, 12345.0, np.float32)
                     fused(got, [xs, wr, *extra, g], T=rows, tid=tid, nthreads=nt, scratch=scratch)

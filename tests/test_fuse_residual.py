@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from compiler.codegen import k_matmul_int
+from compiler.codegen import matmul
 from compiler.codegen.harness import CompiledKernel, sig_for
 from compiler.driver import BatchOptions, CompileOptions, build_graphs
 from compiler.native import NativeOptions, compile_native, plan_native
@@ -89,7 +89,7 @@ def test_the_epilogue_adds_the_residual_to_the_products_bits(base):
         want = call_with_guard(plain, xs, wr, rows, 2) + rs
         for nt in (1, 2, 3):
             got = np.zeros_like(want)
-            need = k_matmul_int.scratch_floats(sig)
+            need = matmul.scratch_floats(sig)
             for tid in range(nt):
                 scratch = np.full(need + 256, 12345.0, np.float32)
                 fused(got, [xs, wr, rs], T=rows, tid=tid, nthreads=nt, scratch=scratch)

@@ -79,7 +79,7 @@ def test_rotated_keys_something_else_reads_stay_written(models):
 
 def test_the_touched_state_is_still_the_cache(models):
     """passes/barriers sees the fused op write the key cache (operand 0)."""
-    from passes.barriers import touched_states
+    from passes.dependency_groups import touched_states
 
     m = models["stories"]
     g = run_pipeline(build_graph(m.config, m.weights, "decode"), ["fuse_rope_kv"])

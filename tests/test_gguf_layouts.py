@@ -3,7 +3,7 @@
 The numpy dequantizers in ``ir/quant/gguf.py`` are checked bit for bit
 against the ``gguf`` package (llama.cpp's own Python reference) on random
 bytes, extreme float16 scales and ``gguf.quants.quantize`` output; the
-native kernels (``compiler/codegen/k_matmul_gguf.py``) against the op
+native kernels (``compiler/codegen/matmul/decode_gguf.py``) against the op
 references, called once per thread id as the step function would."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compiler.codegen import k_matmul
+from compiler.codegen.matmul import float_tiles
 from compiler.codegen.harness import sig_for
 from compiler.codegen.jit import emit_assembly
 from compiler.codegen.target import host_target
@@ -224,11 +224,11 @@ def test_qmatmul_small_k_chunks(name, n, k, t, nt, chunk, seed):
     rng = np.random.default_rng(seed)
     w = gguf_weight(rng, name, n, k)
     x = activations(rng, t, k)
-    saved, k_matmul._K_CHUNK = k_matmul._K_CHUNK, chunk
+    saved, float_tiles.K_CHUNK = float_tiles.K_CHUNK, chunk
     try:
         got, want = run_qmatmul(x, w, nt)
     finally:
-        k_matmul._K_CHUNK = saved
+        float_tiles.K_CHUNK = saved
     check_dot(got, want, x, w)
 
 

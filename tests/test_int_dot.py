@@ -1,5 +1,5 @@
 """The integer path of qmatmul (``act="q8"``): activations quantized to
-Q8_0-style blocks, int8 dot products (``compiler/codegen/k_matmul_int.py``).
+Q8_0-style blocks, int8 dot products (``compiler/codegen/matmul/int_q8.py``).
 
 The numpy reference is checked against a slow formula written with Python
 ints; the native kernel against the reference, called once per thread id as
@@ -15,14 +15,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import passes.int_dot  # noqa: F401  (registers the pass)
-from compiler.codegen import k_matmul_int
+from compiler.codegen import matmul
 from compiler.codegen.harness import CompiledKernel, run_kernel_like_reference, sig_for
 from compiler.codegen.jit import emit_assembly
 from compiler.codegen.target import host_target
 from ir.int_dot import int_blocks, quantize_q8_rows
 from ir.ops import ShapeError, WeightData, get_op, qmatmul_ref
 from ir.types import TensorType
-from kernel_checks import call_with_guard, check_within, same_tokens_interp_and_native
+from kernel_checks import call_with_guard, check_within, portable_target, same_tokens_interp_and_native
 from test_gguf_layouts import gguf_weight
 
 INT_LAYOUTS = ["Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1"]
@@ -33,15 +33,12 @@ _KERNELS: dict = {}
 
 
 def compiled(sig, vector_width=None, portable=False) -> CompiledKernel:
+    """One kernel per signature, width and path (``portable``: compiled for
+    the host without VNNI, so the portable widening multiply)."""
     key = (sig, vector_width, portable)
     if key not in _KERNELS:
-        if portable:
-            saved, k_matmul_int._vnni_name = k_matmul_int._vnni_name, (lambda t, g: None)
-        try:
-            _KERNELS[key] = CompiledKernel(sig, vector_width=vector_width)
-        finally:
-            if portable:
-                k_matmul_int._vnni_name = saved
+        _KERNELS[key] = CompiledKernel(sig, vector_width=vector_width,
+                                       target=portable_target(vector_width) if portable else None)
     return _KERNELS[key]
 
 
@@ -193,7 +190,7 @@ def run_int(x, w, nt, vw=None, portable=False):
     sym = {"T": x.shape[0]} if x.ndim == 2 else None
     got = run_kernel_like_reference(sig, [x, w], nthreads=nt, symbols=sym,
                                     kernel=compiled(sig, vw, portable), scratch_floats=1 << 16)
-    assert k_matmul_int.scratch_floats(sig) <= 1 << 16
+    assert matmul.scratch_floats(sig) <= 1 << 16
     return got, qmatmul_ref(x, w, layout=w.type.layout, act="q8")
 
 
@@ -269,7 +266,7 @@ def test_decode_rows_equal_one_row_calls_bit_for_bit(name, portable):
         one = compiled(sig_for("qmatmul", [TensorType((k,)), w.type], layout=name, act="q8"), portable=portable)
         for slots in (1, 3, 4, 8):
             sig = sig_for("qmatmul", [TensorType(("T", k)), w.type], layout=name, act="q8", decode_rows=slots)
-            assert k_matmul_int.scratch_floats(sig) * 4 >= slots * k * 3
+            assert matmul.scratch_floats(sig) * 4 >= slots * k * 3
             rows = compiled(sig, portable=portable)
             for T in (1, 3, 4, 9, 13):
                 x = rng.standard_normal((T, k)).astype(np.float32)
@@ -311,14 +308,14 @@ def test_decode_rows_kernel_choice(tmp_path):
 
 def test_scratch_need():
     sig = sig_for("qmatmul", [TensorType((640,)), TensorType((8, 640), "f32", "Q5_0")], layout="Q5_0", act="q8")
-    assert k_matmul_int.scratch_floats(sig) * 4 >= 640 * 3
+    assert matmul.scratch_floats(sig) * 4 >= 640 * 3
     plain = sig_for("qmatmul", [TensorType((640,)), TensorType((8, 640), "f32", "Q5_0")], layout="Q5_0")
-    assert k_matmul_int.scratch_floats(plain) == 0
+    assert matmul.scratch_floats(plain) == 0
 
 
 @pytest.mark.parametrize("name", INT_LAYOUTS)
 def test_vnni_in_assembly(name):
-    if not k_matmul_int.host_has_int_dot():
+    if not host_target().int_dot:
         pytest.skip(f"host {host_target().cpu} has no VNNI")
     k = 2048
     sig = sig_for("qmatmul", [TensorType((k,)), TensorType((64, k), "f32", name)], layout=name, act="q8")
@@ -405,8 +402,7 @@ def test_q8_0_model_interpreter_and_native_agree(tmp_path):
 
 
 def test_default_pipeline_takes_the_integer_path_only_where_it_pays():
-    from compiler.codegen.k_matmul_int import host_has_int_dot
     from compiler.pipeline import DEFAULT_PIPELINE, default_pipeline
 
     assert default_pipeline("interp") == DEFAULT_PIPELINE
-    assert ("int_dot" in default_pipeline("llvm")) == host_has_int_dot()
+    assert ("int_dot" in default_pipeline("llvm")) == host_target().int_dot

@@ -1,5 +1,5 @@
-"""The integer GEMM of prompt chunks (``gemm``: ``compiler/codegen/k_matmul_int_gemm.py``,
-``k_matmul_int_gemm_kquants.py``):
+"""The integer GEMM of prompt chunks (``gemm``: ``compiler/codegen/matmul/gemm.py``,
+``gemm_kquants.py``):
 agreement with the q8 reference, every token row's bits independent of the
 chunk (T, position, register block, K chunk), the decode path kept where
 the GEMM does not apply, and graphs of decode rows never marked."""
@@ -10,11 +10,11 @@ import re
 import numpy as np
 import pytest
 
-from compiler.codegen import k_matmul_int
+from compiler.codegen import matmul
 from compiler.codegen.harness import CompiledKernel, sig_for
 from compiler.codegen.jit import emit_assembly
-from compiler.codegen.k_matmul_int_gemm import gemm_width, use_gemm
-from compiler.codegen.target import host_target
+from compiler.codegen.matmul.gemm import use_gemm
+from compiler.codegen.target import host_target, vnni_width
 from ir.ops import qmatmul_ref
 from ir.types import TensorType
 from kernel_checks import call_with_guard
@@ -50,7 +50,7 @@ def gemm_kernel(k: int, wt: TensorType, vw=None, **attrs) -> CompiledKernel:
 
 
 def needs_gemm(vw=None):
-    w = gemm_width(vw or host_target().vector_width)
+    w = vnni_width(vw or host_target().vector_width)
     if w is None:
         pytest.skip("no VNNI for the GEMM at this width")
     return w
@@ -111,7 +111,7 @@ def test_gemm_on_qwen_sized_weights(name, n, k):
 def test_other_shapes_keep_the_decode_arithmetic(vw, n):
     """Rows that do not fill the tiles (24 at width 16), vector width 4: the
     prompt rows run as before, each with the decode step's bits."""
-    if vw is None and gemm_width(host_target().vector_width) != 16:
+    if vw is None and vnni_width(host_target().vector_width) != 16:
         pytest.skip("the host's width is not 16")
     rng = np.random.default_rng(34)
     k = 160
@@ -128,7 +128,7 @@ def test_other_shapes_keep_the_decode_arithmetic(vw, n):
 def test_gemm_scratch_covers_either_kernel():
     sig = sig_for("qmatmul", [TensorType(("T", 896)), TensorType((64, 896), "f32", "Q5_0")], layout="Q5_0",
                   act="q8", gemm=64)
-    assert k_matmul_int.scratch_floats(sig) * 4 >= 64 * (896 + 8 * 28) + 28 * 16 * 40
+    assert matmul.scratch_floats(sig) * 4 >= 64 * (896 + 8 * 28) + 28 * 16 * 40
 
 
 @pytest.mark.parametrize("name", ["Q5_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q6_K"])

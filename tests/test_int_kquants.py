@@ -1,6 +1,6 @@
 """The K-quants' integer path of qmatmul (``act="q8k"``): activations
 quantized to Q8_K blocks of 256 with per-16 sums, integer sub-block dot
-products (``ir/int_dot.py``, ``compiler/codegen/k_matmul_int_kquants.py``).
+products (``ir/int_dot.py``, ``compiler/codegen/matmul/int_kquants.py``).
 
 The numpy reference is checked against a slow formula written with Python
 ints straight from the block bytes; the native kernel against the
@@ -17,13 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import passes.int_dot  # noqa: F401  (registers the pass)
-from compiler.codegen import k_matmul_int, k_matmul_int_kquants
+from compiler.codegen import matmul
 from compiler.codegen.harness import CompiledKernel, run_kernel_like_reference, sig_for
 from ir.int_dot import ACT_LAYOUTS, kquant_ints, quantize_q8k_rows
 from ir.int_dot import int_act
 from ir.ops import ShapeError, WeightData, get_op, qmatmul_ref
 from ir.types import TensorType
-from kernel_checks import call_with_guard, check_within, same_tokens_interp_and_native
+from kernel_checks import call_with_guard, check_within, portable_target, same_tokens_interp_and_native
 from test_kquants import random_blocks
 
 
@@ -261,16 +261,12 @@ _KERNELS: dict = {}
 
 
 def compiled(sig, vector_width=None, portable=False) -> CompiledKernel:
-    """One kernel per signature, width and path (``portable``: no x86 multiply-add instructions)."""
+    """One kernel per signature, width and path (``portable``: compiled for
+    the host without x86 multiply-add instructions)."""
     key = (sig, vector_width, portable)
     if key not in _KERNELS:
-        saved = k_matmul_int_kquants._x86_names
-        if portable:
-            k_matmul_int_kquants._x86_names = lambda t, n: None
-        try:
-            _KERNELS[key] = CompiledKernel(sig, vector_width=vector_width)
-        finally:
-            k_matmul_int_kquants._x86_names = saved
+        _KERNELS[key] = CompiledKernel(sig, vector_width=vector_width,
+                                       target=portable_target(vector_width) if portable else None)
     return _KERNELS[key]
 
 
@@ -306,7 +302,7 @@ def run_kq(x, w, nt, vw=None, portable=False, decode_rows=None):
     sym = {"T": x.shape[0]} if x.ndim == 2 else None
     got = run_kernel_like_reference(sig, [x, w], nthreads=nt, symbols=sym,
                                     kernel=compiled(sig, vw, portable), scratch_floats=1 << 16)
-    assert k_matmul_int.scratch_floats(sig) <= 1 << 16
+    assert matmul.scratch_floats(sig) <= 1 << 16
     return got, qmatmul_ref(x, w, layout=w.type.layout, act="q8k")
 
 
@@ -362,7 +358,7 @@ def test_decode_rows_equal_one_row_calls_bit_for_bit(name, portable):
         one = compiled(sig_for("qmatmul", [TensorType((k,)), w.type], layout=name, act="q8k"), portable=portable)
         for slots in (1, 3, 8):
             sig = sig_for("qmatmul", [TensorType(("T", k)), w.type], layout=name, act="q8k", decode_rows=slots)
-            assert k_matmul_int.scratch_floats(sig) * 4 >= slots * k
+            assert matmul.scratch_floats(sig) * 4 >= slots * k
             rows = compiled(sig, portable=portable)
             for T in (1, 3, 9, 13):
                 x = rng.standard_normal((T, k)).astype(np.float32)
@@ -439,7 +435,7 @@ def test_row_block_of_a_split_weight(name):
         xt = TensorType((k,) if x.ndim == 1 else ("T", k))
         sig = sig_for("qmatmul_rows", [xt, w.type], layout=name, act="q8k", row0=row0, n_total=total,
                       **({"decode_rows": 8} if x.ndim == 2 else {}))
-        assert "row0" not in sig.attr and k_matmul_int.scratch_floats(sig) > 0
+        assert "row0" not in sig.attr and matmul.scratch_floats(sig) > 0
         got = run_kernel_like_reference(sig, [x, w], nthreads=2, symbols={"T": x.shape[0]} if x.ndim == 2 else None,
                                         kernel=compiled(sig), scratch_floats=1 << 16)
         want = qmatmul_rows_ref(x, w, layout=name, row0=row0, n_total=total, act="q8k")

@@ -1,6 +1,6 @@
 """The integer path (``act="q8"``) on QSF's block types: the reference
 (``ir.int_dot``, ``ir.ops.qmatmul_ref``) against a slow formula written
-from the stored bytes, the native kernels (``k_matmul_int_qsf``: decode,
+from the stored bytes, the native kernels (``matmul/int_qsf``: decode,
 ``decode_rows`` batches, prompt chunks through the GEMM or its fallback;
 VNNI / vpsadbw and the portable code; vector widths 4, 8, 16; 1..3
 threads) against the reference and the float path, the pass, and converted
@@ -13,16 +13,15 @@ import numpy as np
 import pytest
 
 import passes.int_dot  # noqa: F401  (registers the pass)
-from compiler.codegen import k_matmul_int, k_matmul_int_qsf
 from compiler.codegen.harness import CompiledKernel, sig_for
 from compiler.codegen.jit import emit_assembly
-from compiler.codegen.k_matmul_int_gemm import gemm_width, use_gemm
-from compiler.codegen.target import host_target
+from compiler.codegen.matmul.gemm import use_gemm
+from compiler.codegen.target import host_target, vnni_width
 from ir.quant import get_layout
 from ir.int_dot import int_act, int_blocks, quantize_q8_rows
 from ir.ops import ShapeError, WeightData, get_op, qmatmul_ref
 from ir.types import TensorType
-from kernel_checks import call_with_guard
+from kernel_checks import call_with_guard, portable_target
 from shared_data import MODELS, needs_shared
 from test_int_dot import check_close
 
@@ -44,16 +43,11 @@ def qsf_weight(rng, name: str, n: int, k: int) -> WeightData:
 
 
 def kernel(sig, vw=None, portable=False) -> CompiledKernel:
-    """Compiled once per test session; ``portable`` without vpdpbusd and vpsadbw."""
+    """Compiled once per test session; ``portable`` for the host without
+    vpdpbusd and vpsadbw."""
     key = (sig, vw, portable)
     if key not in _KERNELS:
-        saved = k_matmul_int._vnni_name, k_matmul_int_qsf._sad_name
-        if portable:
-            k_matmul_int._vnni_name = k_matmul_int_qsf._sad_name = lambda t, g: None
-        try:
-            _KERNELS[key] = CompiledKernel(sig, vector_width=vw)
-        finally:
-            k_matmul_int._vnni_name, k_matmul_int_qsf._sad_name = saved
+        _KERNELS[key] = CompiledKernel(sig, vector_width=vw, target=portable_target(vw) if portable else None)
     return _KERNELS[key]
 
 
@@ -207,7 +201,7 @@ def test_prompt_chunks(name, vw):
     (48 rows), the decode kernel's fallback elsewhere (37 rows, or no VNNI at
     this width); each token row's bits do not depend on the chunk."""
     rng = np.random.default_rng(31)
-    for n, took in ((48, gemm_width(vw) is not None), (37, False)):
+    for n, took in ((48, vnni_width(vw) is not None), (37, False)):
         w = qsf_weight(rng, name, n, 256)
         sig = sig_of(w, "T", gemm=64)
         assert use_gemm(sig, vw) == took
@@ -229,7 +223,7 @@ def _instructions(name: str, vw=None) -> set[str]:
 def test_instructions(name):
     """VNNI for the quant types; ternary adds bytes (vpsadbw) and has no
     integer multiply at all."""
-    if not k_matmul_int.host_has_int_dot():
+    if not host_target().int_dot:
         pytest.skip(f"host {host_target().cpu} has no VNNI")
     ops = _instructions(name)
     if name != "QSF_TERNARY":
@@ -282,7 +276,7 @@ def test_converted_model_on_the_integer_path(qtype, tmp_path_factory):
     flt = runtime.load(path, backend="llvm", threads=2, passes=DEFAULT_PIPELINE)
     lf = flt.logits(ids)
     assert np.abs(ln - lf).max() <= 0.03 * (lf.max() - lf.min())
-    if k_matmul_int.host_has_int_dot():
+    if host_target().int_dot:
         assert "int_dot" in default_pipeline("llvm")
     nat = runtime.load(path, backend="llvm", threads=2)          # the default pipeline
     got = list(nat.generate(ids[:4], 24, temperature=0.0))

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compiler.codegen import k_matmul
+from compiler.codegen.matmul import float_tiles
 from compiler.codegen.harness import CompiledKernel, run_kernel_like_reference, sig_for
 from compiler.codegen.jit import emit_assembly
 from compiler.codegen.target import host_target
@@ -27,7 +27,7 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def compiled(sig, vector_width=None) -> CompiledKernel:
-    key = (sig, vector_width, k_matmul._K_CHUNK)
+    key = (sig, vector_width, float_tiles.K_CHUNK)
     if key not in _KERNELS:
         _KERNELS[key] = CompiledKernel(sig, vector_width=vector_width)
     return _KERNELS[key]
@@ -116,11 +116,11 @@ def test_prefill_k_chunks(n, k, t, nt, layout, seed):
         k = max(layout, k - k % layout)
         w = q8_weight(rng, n, k, layout)
     x = activations(rng, t, k)
-    saved, k_matmul._K_CHUNK = k_matmul._K_CHUNK, 32
+    saved, float_tiles.K_CHUNK = float_tiles.K_CHUNK, 32
     try:
         got, want = run_matmul(x, w, nt)
     finally:
-        k_matmul._K_CHUNK = saved
+        float_tiles.K_CHUNK = saved
     check_dot(got, want, x, w)
 
 

@@ -218,7 +218,7 @@ def test_embedding_kquants(layout, t, nt, scales, seed):
 
 def test_decode_uses_embedded_broadcasts():
     """On AVX-512 the sub-block factors reach the FMAs as {1to16} memory
-    operands, not as a shuffle per factor (see k_matmul_kquants)."""
+    operands, not as a shuffle per factor (see matmul/decode_kquants)."""
     if not host_target().has("avx512f"):
         pytest.skip("no AVX-512 on this host")
     for layout in KQUANTS:

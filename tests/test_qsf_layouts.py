@@ -3,7 +3,7 @@
 The numpy dequantizers (``ir/quant/qsf.py``) are checked bit for bit
 against a slow per-value formula written from the format table; the
 quantizers for their error bounds and against the plain quantizers they
-must beat; the native decoders (``compiler/codegen/k_matmul_qsf.py``)
+must beat; the native decoders (``compiler/codegen/matmul/decode_qsf.py``)
 against the op references in qmatmul (decode and prefill) and embedding,
 called once per thread id as the step function would."""
 from __future__ import annotations
@@ -314,7 +314,7 @@ def test_avx512_uses_permutes(name):
 # --- the compiler around them ------------------------------------------------------------------------------
 def test_int_dot_marks_qsf_too():
     """The integer dot pass marks a decode qmatmul on Q8_0 and on every QSF
-    type (``ir.int_dot``, ``k_matmul_int_qsf``) alike."""
+    type (``ir.int_dot``, ``matmul/int_qsf``) alike."""
     from compiler.pipeline import run_pipeline
     from ir.graph import Graph, WeightRef
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from compiler import repack_cache
-from compiler.codegen.k_matmul_int_gemm import gemm_width
+from compiler.codegen.target import vnni_width
 from compiler.codegen.target import host_target
 from compiler.driver import BatchOptions, CompileOptions, build_graphs, load_model, repack_width
 from compiler.native import NativeOptions, compile_native, plan_native
@@ -163,7 +163,7 @@ def test_streamed_weights_are_not_repacked(models):
 
 
 def test_repack_width_follows_the_host_and_the_switch(monkeypatch):
-    assert repack_width(16) == gemm_width(16) and repack_width(4) is None
-    assert repack_width() == gemm_width(host_target().vector_width)
+    assert repack_width(16) == vnni_width(16) and repack_width(4) is None
+    assert repack_width() == vnni_width(host_target().vector_width)
     monkeypatch.setenv("LMC_REPACK", "0")
     assert repack_width() is None

@@ -1,4 +1,4 @@
-"""The kernel of repacked weights (``compiler/codegen/k_matmul_repacked.py``):
+"""The kernel of repacked weights (``compiler/codegen/matmul/repacked.py``):
 one arithmetic for every row count. A decode row, a prompt chunk and a batch
 give each token the same bits, equal to the integer GEMM's on the file's
 layout (the same operations on the same numbers) and within the integer
@@ -12,7 +12,7 @@ import pytest
 
 from compiler.codegen.harness import CompiledKernel, sig_for
 from compiler.codegen.jit import emit_assembly
-from compiler.codegen.k_matmul_int_gemm import gemm_width
+from compiler.codegen.target import vnni_width
 from compiler.codegen.target import host_target
 from ir.quant import layout_of
 from ir.quant.repack import REPACKABLE
@@ -25,7 +25,7 @@ _KERNELS: dict = {}
 
 
 def width_or_skip(vw: int | None) -> int:
-    w = gemm_width(vw or host_target().vector_width)
+    w = vnni_width(vw or host_target().vector_width)
     if w is None:
         pytest.skip("no VNNI at this width")
     return w

@@ -19,6 +19,7 @@ import llvmlite.ir as ir
 
 from ir.types import Dim
 
+from .simd import shuffle
 from .target import Target, host_target
 
 F32 = ir.FloatType()
@@ -340,10 +341,6 @@ def fmuladd(kb: KernelBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Valu
     return kb.mul_add(a, b, c)
 
 
-def _shuffle(kb: KernelBuilder, x: ir.Value, y: ir.Value, idx: list[int]) -> ir.Value:
-    return kb.b.shuffle_vector(x, y, ir.Constant(ir.VectorType(I32, len(idx)), idx))
-
-
 def hsum_many(kb: KernelBuilder, vs: Sequence[ir.Value]) -> ir.Value:
     """Horizontal sums of n vectors (n a power of two, all one power-of-two
     width) as ONE <n x float>: lane i = sum of vs[i]. A shuffle/add tree that
@@ -362,9 +359,9 @@ def hsum_many(kb: KernelBuilder, vs: Sequence[ir.Value]) -> ir.Value:
                 lo = [s + i for s in range(0, w, seg) for i in range(h)]
                 lo = lo + [w + k for k in lo]
                 hi = [k + h for k in lo]
-                nxt.append(kb.fadd(_shuffle(kb, x, y, lo), _shuffle(kb, x, y, hi)))
+                nxt.append(kb.fadd(shuffle(kb.b, x, y, lo), shuffle(kb.b, x, y, hi)))
             else:  # fully reduced lanes: concatenate
-                nxt.append(_shuffle(kb, x, y, list(range(2 * w))))
+                nxt.append(shuffle(kb.b, x, y, list(range(2 * w))))
         vs = nxt
         if seg > 1:
             seg //= 2
@@ -373,7 +370,7 @@ def hsum_many(kb: KernelBuilder, vs: Sequence[ir.Value]) -> ir.Value:
         w, h = v.type.count, seg // 2
         lo = [s + i for s in range(0, w, seg) for i in range(h)]
         hi = [k + h for k in lo]
-        v = kb.fadd(_shuffle(kb, v, v, lo), _shuffle(kb, v, v, hi))
+        v = kb.fadd(shuffle(kb.b, v, v, lo), shuffle(kb.b, v, v, hi))
         seg = h
     return v
 

@@ -16,10 +16,10 @@ import numpy as np
 from ir.ops import WeightData, get_op
 from ir.types import TensorType
 
-from .emit import I8P, I64, KERNEL_TYPE, N_INPUTS, VOID
+from .emit import I8P, I64, KERNEL_TYPE, N_INPUTS
 from .jit import LoadedCode, emit_object
 from .kernels import KernelSig, emit_kernel, kernel_attrs
-from .lower import STEP_TYPE, Ctl, _Lowering
+from .lower import STEP_TYPE, Ctl, Lowering
 from .target import Target, host_target
 
 _CFUNC = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * (1 + N_INPUTS)), *([ctypes.c_int64] * 4),
@@ -94,9 +94,9 @@ def sig_for(op: str, in_types: Sequence[TensorType], **attrs: Any) -> KernelSig:
 def scratch_floats_for(sig: KernelSig) -> int:
     """Per-thread scratch (float32 elements) a kernel of ``sig`` needs, by
     the rules of the kernel families that use scratch."""
-    from . import k_attention, k_matmul_int, k_norm_rope
+    from . import k_attention, k_norm_rope, matmul
 
-    return max(k_attention.scratch_floats(sig), k_matmul_int.scratch_floats(sig),
+    return max(k_attention.scratch_floats(sig), matmul.scratch_floats(sig),
                k_norm_rope.scratch_floats(sig))
 
 
@@ -130,7 +130,7 @@ class ThreadedKernel:
         self.vector_width = vector_width or target.vector_width
         self.threads = threads
         self.rotate = rotate
-        low = _Lowering(target, self.vector_width)
+        low = Lowering(target, self.vector_width)
         self.tuning: dict[str, int] = {}
         fn = emit_kernel(low.module, sig, self.vector_width, self.tuning, target=target)
         low.entry_points([self._step(low, fn)])
@@ -152,7 +152,7 @@ class ThreadedKernel:
         for w in self._workers:
             w.start()
 
-    def _step(self, low: _Lowering, fn: ir.Function) -> ir.Function:
+    def _step(self, low: Lowering, fn: ir.Function) -> ir.Function:
         """``step_lab(ctl, tid)``: for r in 0..reps: kernel(...); barrier."""
         step = ir.Function(low.module, STEP_TYPE, "step_lab")
         step.linkage = "internal"

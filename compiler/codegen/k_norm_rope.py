@@ -21,7 +21,7 @@ import llvmlite.ir as ir
 from ir.rope_tables import rope_base_freqs, rope_mix
 
 from .emit import F32, KernelBuilder, const_f32_array, f32c, fconst, hsum_many, i64, memcpy, pow2_divisor
-from .k_matmul_int import quantize_block
+from .act_quant import quantize_q8_block
 from .kernels import KernelSig, kernel
 from .paging import PagedRows, RowPositions
 
@@ -479,8 +479,8 @@ def _kv_write_q8(kb: KernelBuilder, d: int, xt, at: UnitIndex) -> None:
 def _q8_block(kb: KernelBuilder, src: ir.Value, at: ir.Value | int, bp: ir.Value) -> None:
     """The 32 floats at src[at] as one Q8_0 block at byte pointer bp,
     quantized exactly as ``ir.int_dot.quantize_q8_rows`` (by the integer dot's
-    own ``quantize_block``: d = f16(amax / 127), q = rint(x * (127 / amax)))."""
+    own ``act_quant.quantize_q8_block``: d = f16(amax / 127), q = rint(x * (127 / amax)))."""
     b = kb.b
-    q, d, _ = quantize_block(kb, i64(at) if isinstance(at, int) else at, src)
+    q, d, _ = quantize_q8_block(kb, i64(at) if isinstance(at, int) else at, src)
     b.store(b.fptrunc(d, HALF), b.bitcast(bp, ir.PointerType(HALF)), align=2)   # d is a float16 value: exact
     kb.vstore(q, bp, 2)

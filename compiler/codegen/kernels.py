@@ -69,14 +69,15 @@ def kernel(*ops: str) -> Callable[[Emitter], Emitter]:
 
 
 def load_emitters() -> None:
-    """Import the op family modules (they register themselves)."""
+    """Import the op family modules (``k_*`` and the ``matmul`` package;
+    they register themselves)."""
     import importlib
     import pkgutil
 
     from . import __path__ as pkg_path
 
     for m in pkgutil.iter_modules(pkg_path):
-        if m.name.startswith("k_"):
+        if m.name.startswith("k_") or m.name == "matmul":
             importlib.import_module(f"{__package__}.{m.name}")
 
 

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import llvmlite.ir as ir
 
-from ir.graph import Graph, Value
+from ir.graph import Graph
 from ir.ops import get_op
 from passes.barriers import barrier_before
 from passes.plan_arena import ArenaPlan
 from passes.stream_schedule import StreamSchedule, node_segments
 
-from .emit import I8, I8P, I32, I64, KERNEL_TYPE, N_INPUTS, VOID, i64
+from .emit import I8P, I32, I64, KERNEL_TYPE, N_INPUTS, VOID, i64
 from .kernels import KernelSig, emit_kernel
 from .ctl import PROFILE_HEADER, Ctl, StreamSlots  # noqa: F401 (the layout, re-exported)
 from .lower_stream import StreamLowering
@@ -78,7 +78,7 @@ def io_layout(graph: Graph, symbols: dict[str, int]) -> tuple[dict[str, int], in
     return offsets, top
 
 
-class _Lowering:
+class Lowering:
     def __init__(self, target: Target, vector_width: int, profile: bool = False,
                  external_kernels: bool = False) -> None:
         self.target = target
@@ -437,13 +437,13 @@ def lower_graphs(graphs: dict[str, Graph], plans: dict[str, ArenaPlan], target: 
                  ) -> tuple[ir.Module, dict[str, EntryInfo], dict[str, int], int]:
     """One module with a step per graph. Returns the module, entry infos,
     state offsets and the state's total size in bytes. ``profile`` builds
-    time every op (see ``_Lowering._profile_mark``). ``symbols``: the
+    time every op (see ``Lowering._profile_mark``). ``symbols``: the
     planned size of symbolic dims (``T``), for the IO area's layout.
     ``external_kernels``: the module only declares the kernels (named
     ``KernelSig.name``), which are compiled apart."""
     if profile and "linux" not in target.triple:
         raise NotImplementedError(f"profiling builds need Linux (clock_gettime), not {target.triple}")
-    low = _Lowering(target, vector_width or target.vector_width, profile, external_kernels)
+    low = Lowering(target, vector_width or target.vector_width, profile, external_kernels)
     if stream is not None and stream.segments:
         if "linux" not in target.triple:
             raise NotImplementedError(f"layer streaming needs Linux (pread, futex), not {target.triple}")
@@ -467,6 +467,6 @@ def barrier_module(target: Target) -> ir.Module:
     """The barrier alone, for glue that declares it (``external_kernels``):
     every thread calls it after every op, so it is compiled with the full
     code generator, while the glue's long step functions get the fast one."""
-    low = _Lowering(target, target.vector_width)
+    low = Lowering(target, target.vector_width)
     low.barrier.linkage = ""   # external: the glue calls it
     return low.module

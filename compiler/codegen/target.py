@@ -42,6 +42,12 @@ class Target:
         return f"+{feature}" in self.features.split(",")
 
     @property
+    def int_dot(self) -> bool:
+        """Int8 dot-product instructions (VNNI) that make the integer path
+        (``passes/int_dot``) the faster decode matvec."""
+        return self.triple.startswith("x86_64") and (self.has("avx512vnni") or self.has("avxvnni"))
+
+    @property
     def has_fma(self) -> bool:
         """Fused multiply-adds in hardware (x86 FMA3; every AArch64 core)."""
         return self.has("fma") or not self.triple.startswith(("x86_64", "i386", "i686"))
@@ -71,6 +77,21 @@ class Target:
         t = llvm.Target.from_triple(self.triple)
         return t.create_target_machine(cpu=self.cpu, features=self.features, opt=opt,
                                        reloc="pic", codemodel="default")
+
+
+def vnni_width(vw: int, target: Target | None = None) -> int | None:
+    """Output rows per tile of the integer GEMM and of repacked weights at
+    vector width ``vw``: the int32 lanes of the target's (the host's by
+    default) ``vpdpbusd`` at that width; None without it (no GEMM, nothing
+    repacked)."""
+    t = target or host_target()
+    if not t.triple.startswith("x86_64"):
+        return None
+    if vw >= 16 and t.has("avx512vnni"):
+        return 16
+    if vw == 8 and ((t.has("avx512vnni") and t.has("avx512vl")) or t.has("avxvnni")):
+        return 8
+    return None
 
 
 def _cpu_identity() -> str | None:

@@ -1,6 +1,7 @@
 """The op registry and the ops, one module per family; the names others
 use are here. Importing the package registers every op."""
-from .registry import OPS, OpDef, ShapeError, WeightData, f32_of, get_op, register, unrepacked
+from ..weight_data import WeightData, unrepacked
+from .registry import OPS, OpDef, ShapeError, f32_of, get_op, register
 from .elementwise import (GLU_ACTS, add_ref, bias_add_ref, gelu_tanh_ref, glu_ref, mul_ref, scale_ref, silu_ref,
                           softcap_ref, softmax_ref)
 from .norm import layernorm_ref, rmsnorm_ref

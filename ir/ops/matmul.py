@@ -12,7 +12,8 @@ from ..int_dot import ACT_LAYOUTS, qmatmul_int_ref
 from ..quant import ACT_BLOCK
 from ..types import TensorType
 from .norm import rmsnorm_ref
-from .registry import WeightData, f32_of, need, register, same_dim, unrepacked
+from ..weight_data import WeightData, unrepacked
+from .registry import f32_of, need, register, same_dim
 
 
 def _matmul(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:

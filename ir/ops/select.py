@@ -7,7 +7,8 @@ from typing import Any
 import numpy as np
 
 from ..types import TensorType
-from .registry import WeightData, need, register
+from ..weight_data import WeightData
+from .registry import need, register
 
 
 def _embedding(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:

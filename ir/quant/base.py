@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..types import Dim
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:   # annotations only: ir.types asks this package for a weight's bytes
+    from ..types import Dim
     from .table import QuantType
 
 

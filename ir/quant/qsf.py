@@ -19,7 +19,7 @@ Dequantizers compute in float32 in exactly this order, ``d``, ``z``, ``m``
 first widened from f16: ``float(q) * d``, ``(float(q) - z) * d``,
 ``float(q) * d + m`` (a multiply then an add, no fused multiply-add),
 ``(float(q) - 1.5) * d``, a select of ``d``, ``-d``, ``0``. The fused
-kernels (``compiler/codegen/k_matmul_qsf.py``) do the same operations, so
+kernels (``compiler/codegen/matmul/decode_qsf.py``) do the same operations, so
 decoded weights agree bit for bit.
 
 Each layout also has a quantizer (``quantize_blocks``, ``quantize``) that

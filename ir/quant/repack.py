@@ -7,11 +7,11 @@ lane. With W output rows in the lanes, each lane holding 4 consecutive
 values of its row, one instruction does 4W products and the sums stay in
 lanes: no horizontal sums, and a broadcast activation serves every row. A
 file's row-major blocks have to be transposed into that order first; the
-GEMM of prompt chunks (``k_matmul_int_gemm``) does it per call, which a
+GEMM of prompt chunks (``matmul/gemm``) does it per call, which a
 decode step of one token cannot afford (2-3x the time of the row-major
 decode kernel). So the runtime does it once, at load, into this layout, and
 then decode, prompt chunks, batches of decode rows and speculative checks
-all run the same kernel (``k_matmul_repacked``): every row of every step is
+all run the same kernel (``matmul/repacked``): every row of every step is
 computed with one arithmetic, whatever else shares the call.
 
 A repacked tensor is ``rows / W`` tiles, each the tile's blocks in order;

@@ -38,6 +38,7 @@ class QuantType:
     #: multiplies unsigned weight bytes); the numpy layouts subtract it from stored quants
     zero: int = 0
     offset: bool = False       # value = d q + m: a block offset the integer path adds as m d_x sum(q_x)
+    sub_block: int | None = None    # values per sub-block with a scale of its own (the K-quants)
     act: str | None = None     # activation format of the integer path ("q8", "q8k"), None: none
     tile_bytes: int | None = None   # bytes per row of a repacked tile block; None: no repacked form
     ggml_type: int | None = None    # GGUF's type id
@@ -84,15 +85,17 @@ _ROWS = [
     QuantType("Q5_1", 32, 24, "gguf", _f(d=0, m=2, qh=4, qs=8), offset=True, act="q8", tile_bytes=24,
               ggml_type=7, dequantizer=NibbleLayout),
     # GGUF's K-quants: super-blocks of 256 values
-    QuantType("Q2_K", 256, 84, "kquant", _f(scales=0, qs=16, d=80, dmin=82), act="q8k", ggml_type=10,
+    QuantType("Q2_K", 256, 84, "kquant", _f(scales=0, qs=16, d=80, dmin=82), sub_block=16, act="q8k", ggml_type=10,
               dequantizer=Q2KLayout),
-    QuantType("Q3_K", 256, 110, "kquant", _f(hmask=0, qs=32, scales=96, d=108), zero=4, act="q8k", ggml_type=11,
+    QuantType("Q3_K", 256, 110, "kquant", _f(hmask=0, qs=32, scales=96, d=108), zero=4, sub_block=16, act="q8k",
+              ggml_type=11,
               dequantizer=Q3KLayout),
-    QuantType("Q4_K", 256, 144, "kquant", _f(d=0, dmin=2, scales=4, qs=16), act="q8k", tile_bytes=148,
+    QuantType("Q4_K", 256, 144, "kquant", _f(d=0, dmin=2, scales=4, qs=16), sub_block=32, act="q8k", tile_bytes=148,
               ggml_type=12, dequantizer=Q4KLayout),
-    QuantType("Q5_K", 256, 176, "kquant", _f(d=0, dmin=2, scales=4, qh=16, qs=48), act="q8k", tile_bytes=180,
+    QuantType("Q5_K", 256, 176, "kquant", _f(d=0, dmin=2, scales=4, qh=16, qs=48), sub_block=32, act="q8k",
+              tile_bytes=180,
               ggml_type=13, dequantizer=Q5KLayout),
-    QuantType("Q6_K", 256, 210, "kquant", _f(ql=0, qh=128, scales=192, d=208), zero=32, act="q8k",
+    QuantType("Q6_K", 256, 210, "kquant", _f(ql=0, qh=128, scales=192, d=208), zero=32, sub_block=16, act="q8k",
               tile_bytes=212, ggml_type=14, dequantizer=Q6KLayout),
     # QSF's 64-value blocks (docs/qsf.md)
     QuantType("QSF_Q8", 64, 66, "qsf", _f(d=0, qs=2), zero=128, act="q8", dequantizer=Q8Layout),

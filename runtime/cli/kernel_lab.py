@@ -170,13 +170,10 @@ def parse_tile(s: str) -> tuple[int, int | None]:
 def supported_layouts() -> tuple[str, ...]:
     """Weight layouts the native matmul reads (F32, F16, and every layout
     with a decoder; L2C_Q8G<g> stands for llama2.c's planar Q8 of any group)."""
-    from compiler.codegen.k_matmul import DECODERS
-    from compiler.codegen.kernels import load_emitters
-
-    load_emitters()
+    from compiler.codegen.matmul.traits import TRAITS
     from ir.quant.repack import REPACKABLE, repacked_name
 
-    names = {"F32", "F16", *DECODERS}
+    names = {name for name, tr in TRAITS.items() if tr.decoder is not None}
     ordered = [n for n in _ORDER if n in names] + sorted(names - set(_ORDER))
     # the runtime's repacked forms (integer path only)
     return tuple(ordered) + ("L2C_Q8G64",) + tuple(repacked_name(b, w) for b in REPACKABLE for w in (16, 8))

@@ -1,7 +1,7 @@
 """Prompt chunks on the integer path as a register-blocked int8 GEMM (the
 ``gemm`` attribute, set by ``passes/int_dot`` on prompt graphs only).
 
-The decode kernel (``k_matmul_int``) puts 32 values of one weight row in a
+The decode kernel (``matmul/int_q8``) puts 32 values of one weight row in a
 vector's lanes: per (row, token, block group) one ``vpdpbusd`` and three
 float instructions for 64 products, and a horizontal sum per output. Here
 the lanes hold W output rows instead (W = 16 at vector width 16, 8 at 8),
@@ -37,17 +37,13 @@ from typing import Callable
 
 import llvmlite.ir as ir
 
-from .emit import F32, I32, KernelBuilder, i64
-from .k_matmul import _tuned
-from .k_matmul_int import _call, quantize_block
-from .kernels import KernelSig
-from .target import Target, host_target
+from ..act_quant import QK, quantize_q8_block
+from ..emit import F32, I32, KernelBuilder, i64
+from ..kernels import KernelSig
+from ..simd import I8, call, concat, shuffle, vconst
+from ..target import Target, vnni_width
+from .common import tuned
 
-QK = 32
-I8 = ir.IntType(8)
-#: layouts whose tile is unpacked from transposed nibble bytes (fewer
-#: shuffles than transposing each row's 32 unpacked bytes, as the others do)
-NIBBLE_LAYOUTS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1")
 #: tokens per register block (each: an int32 and a float accumulator beside
 #: a block's 8 weight vectors: 8 + 16 + scales fit the 32 AVX-512 registers)
 _P = 8
@@ -56,25 +52,12 @@ _P = 8
 _KC = 32
 
 
-def gemm_width(vw: int, target: Target | None = None) -> int | None:
-    """Output rows per tile at vector width ``vw``, if the target (the host
-    by default) has the ``vpdpbusd`` for it; None: no GEMM (the decode
-    kernel's path)."""
-    t = target or host_target()
-    if not t.triple.startswith("x86_64"):
-        return None
-    if vw >= 16 and t.has("avx512vnni"):
-        return 16
-    if vw == 8 and ((t.has("avx512vnni") and t.has("avx512vl")) or t.has("avxvnni")):
-        return 8
-    return None
-
-
 def use_gemm(sig: KernelSig, vw: int, target: Target | None = None) -> bool:
-    """The GEMM runs for a [T, K] ``qmatmul`` marked ``gemm`` whose rows fill tiles."""
+    """The GEMM runs for a [T, K] ``qmatmul`` marked ``gemm`` whose rows fill
+    tiles of the target's VNNI width (``target.vnni_width``)."""
     if not sig.attr.get("gemm") or sig.attr.get("act") not in ("q8", "q8k") or len(sig.in_types[0].shape) < 2:
         return False
-    w = gemm_width(vw, target)
+    w = vnni_width(vw, target)
     return w is not None and int(sig.in_types[1].shape[0]) % w == 0
 
 
@@ -91,29 +74,10 @@ def tile_block_bytes(w: int) -> int:
 
 
 def scratch_bytes(sig: KernelSig) -> int:
-    """Per-thread scratch of the GEMM (at W = 16, an upper bound for 8)."""
+    """Per-thread scratch of the q8 GEMM (at W = 16, an upper bound for 8)."""
     k = int(sig.in_types[1].shape[1])
-    if sig.attr.get("act") == "q8k":
-        from . import k_matmul_int_gemm_kquants as kq
-        kc = min(int(sig.attr.get("kc", kq.KC_K)), k // kq.QK_K)
-        return int(sig.attr["gemm"]) * kq.act_slot_bytes(k) + kc * kq.block_bytes(16, sig.in_types[1].layout)
     kc = min(int(sig.attr.get("kc", _KC)), k // QK)
     return int(sig.attr["gemm"]) * act_slot_bytes(k) + kc * tile_block_bytes(16)
-
-
-def _vc(t: ir.Type, values: list) -> ir.Constant:
-    return ir.Constant(ir.VectorType(t, len(values)), values)
-
-
-def _shuffle(b: ir.IRBuilder, x: ir.Value, y: ir.Value, idx: list[int]) -> ir.Value:
-    return b.shuffle_vector(x, y, _vc(I32, idx))
-
-
-def _concat(b: ir.IRBuilder, parts: list[ir.Value]) -> ir.Value:
-    while len(parts) > 1:
-        n = parts[0].type.count
-        parts = [_shuffle(b, parts[i], parts[i + 1], list(range(2 * n))) for i in range(0, len(parts), 2)]
-    return parts[0]
 
 
 def transpose(b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:
@@ -121,7 +85,7 @@ def transpose(b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:
     rows j, j + C, ... joined into vector j, then log2 C butterfly stages
     exchanging a bit of the vector index with the same bit of the column."""
     w, c = len(rows), rows[0].type.count
-    z = [_concat(b, [rows[j + c * h] for h in range(w // c)]) for j in range(c)]
+    z = [concat(b, [rows[j + c * h] for h in range(w // c)]) for j in range(c)]
     bit = 1
     while bit < c:
         for j in range(c):
@@ -129,7 +93,7 @@ def transpose(b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:
                 continue
             lo = [l if not (l % c) & bit else w + l - bit for l in range(w)]
             hi = [l + bit if not (l % c) & bit else w + l for l in range(w)]
-            z[j], z[j | bit] = _shuffle(b, z[j], z[j | bit], lo), _shuffle(b, z[j], z[j | bit], hi)
+            z[j], z[j | bit] = shuffle(b, z[j], z[j | bit], lo), shuffle(b, z[j], z[j | bit], hi)
         bit *= 2
     return z
 
@@ -145,11 +109,11 @@ class GemmBase:
     def __init__(self, kb: KernelBuilder, sig: KernelSig, kern, slot_bytes: int, block_bytes: int,
                  kc: int, width: int | None = None) -> None:
         self.kb, self.b, self.kern = kb, kb.b, kern
-        self.W = width or gemm_width(kb.vw, kb.target)
+        self.W = width or vnni_width(kb.vw, kb.target)
         self.k, self.nb = kern.k, kern.nb
         self.ts = int(sig.attr.get("gemm", 1))   # a repacked weight's kernel has no tile in scratch
-        self.P = _tuned(kb, sig.attr, "tokens", _P)
-        self.kc = min(_tuned(kb, sig.attr, "kc", kc), self.nb)
+        self.P = tuned(kb, sig.attr, "tokens", _P)
+        self.kc = min(tuned(kb, sig.attr, "kc", kc), self.nb)
         self.slot_bytes, self.block_bytes = slot_bytes, block_bytes
         self.tile = kb.gep(kb.scratch, self.ts * slot_bytes)
         self.vf = ir.VectorType(F32, self.W)
@@ -173,7 +137,7 @@ class GemmBase:
     def block_source(self, r0: ir.Value, j: ir.Value, jj: ir.Value) -> ir.Value:
         """Where block j of the tile at row r0 is read from (the ``jj``-th of
         its K chunk): the unpacked tile in scratch (a repacked weight: the
-        weight itself, ``k_matmul_repacked``)."""
+        weight itself, ``matmul/repacked``)."""
         return self.tile_block(jj)
 
     def tile_block(self, jj: ir.Value) -> ir.Value:
@@ -194,7 +158,7 @@ class GemmBase:
         kb, b = self.kb, self.b
         v8 = ir.VectorType(I8, 4 * self.W)
         for i, w in enumerate(ws):
-            a = _call(kb, self.vnni, self.vi, [a, w, b.bitcast(self.bcast(kb.gep(q, 4 * i), I32), v8)])
+            a = call(kb, self.vnni, self.vi, [a, w, b.bitcast(self.bcast(kb.gep(q, 4 * i), I32), v8)])
         return a
 
     def tokens(self, r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value, s0: ir.Value, t0: ir.Value, P: int) -> None:
@@ -266,7 +230,7 @@ class Q8Gemm(GemmBase):
     biases, and the microkernel."""
 
     def __init__(self, kb: KernelBuilder, sig: KernelSig, kern) -> None:
-        super().__init__(kb, sig, kern, act_slot_bytes(kern.k), tile_block_bytes(gemm_width(kb.vw, kb.target)), _KC)
+        super().__init__(kb, sig, kern, act_slot_bytes(kern.k), tile_block_bytes(vnni_width(kb.vw, kb.target)), _KC)
 
     def _gather(self, ptrs: list[ir.Value], off: int, t: ir.Type) -> ir.Value:
         """<W x t>: the scalar at byte ``off`` of each row's block."""
@@ -281,20 +245,22 @@ class Q8Gemm(GemmBase):
         """Block j of rows r0 .. r0+W-1 into ``dst`` (i8*): 8 vectors of
         <4W x i8>, then W float32 scales d_w, then W minimums m_w."""
         kern, kb, b, W = self.kern, self.kb, self.b, self.W
-        ptrs = [kern._block_ptr(b.add(r0, i64(r)), j) for r in range(W)]
-        lay = kern.layout
+        ptrs = [kern.block_ptr(b.add(r0, i64(r)), j) for r in range(W)]
+        qt = kern.qt
         v4w = ir.VectorType(I8, 4 * W)
-        if lay not in NIBBLE_LAYOUTS:   # Q8_0, QSF: the decode kernel's 32 unsigned bytes per row, transposed
+        # nibble types: the tile comes from transposed nibble bytes (fewer shuffles than
+        # transposing each row's 32 unpacked bytes, as Q8_0 and QSF's do)
+        if qt.family != "gguf" or qt.name == "Q8_0":   # Q8_0, QSF: the decode kernel's unsigned bytes, transposed
             rows = [b.bitcast(kern.unsigned_block(p, j), ir.VectorType(I32, 8)) for p in ptrs]
             vecs = [b.bitcast(v, v4w) for v in transpose(b, rows)]
         else:
-            rows = [b.bitcast(kb.vload(p, kern.bb - 16, 16), ir.VectorType(I32, 4)) for p in ptrs]
+            rows = [b.bitcast(kb.vload(p, qt.at("qs"), 16), ir.VectorType(I32, 4)) for p in ptrs]
             cols = [b.bitcast(v, v4w) for v in transpose(b, rows)]
-            lo = [b.and_(v, _vc(I8, [0x0F] * 4 * W)) for v in cols]
-            hi = [b.lshr(v, _vc(I8, [4] * 4 * W)) for v in cols]
+            lo = [b.and_(v, vconst(I8, [0x0F] * 4 * W)) for v in cols]
+            hi = [b.lshr(v, vconst(I8, [4] * 4 * W)) for v in cols]
             vecs = lo + hi
-            if lay in ("Q5_0", "Q5_1"):
-                h = self._gather(ptrs, 2 if lay == "Q5_0" else 4, I32)
+            if qt.has("qh"):
+                h = self._gather(ptrs, qt.at("qh"), I32)
                 vecs = [b.or_(v, self._high_bits(h, i)) for i, v in enumerate(vecs)]
         for i, v in enumerate(vecs):
             kb.vstore(v, dst, 4 * W * i)
@@ -308,7 +274,7 @@ class Q8Gemm(GemmBase):
         """<4W x i8>: 16 in byte c of lane r where bit 4i + c of row r's qh is set
         (the 4 bits spread to bytes by one multiply: no carries)."""
         b, W = self.b, self.W
-        c = lambda x: _vc(I32, [x] * W)  # noqa: E731
+        c = lambda x: vconst(I32, [x] * W)  # noqa: E731
         nib = b.and_(b.lshr(h, c(4 * i)), c(0xF)) if i else b.and_(h, c(0xF))
         spread = b.and_(b.mul(b.shl(nib, c(4)), c(0x00204081)), c(0x10101010))
         return b.bitcast(spread, ir.VectorType(I8, 4 * W))
@@ -321,7 +287,7 @@ class Q8Gemm(GemmBase):
         cor = b.bitcast(kb.gep(sp, self.k), ir.PointerType(I32))
         dxp = b.bitcast(kb.gep(sp, self.k + 4 * self.nb), ir.PointerType(F32))
         with kb.loop(0, self.nb, name="gq") as j:
-            q, d, sx = quantize_block(kb, b.add(xrow, b.mul(j, i64(QK))), self.x)
+            q, d, sx = quantize_q8_block(kb, b.add(xrow, b.mul(j, i64(QK))), self.x)
             kb.vstore(q, sp, b.mul(j, i64(QK)))
             if kern.offset:   # exact in float32, as the decode kernel's
                 kb.store(b.bitcast(b.fmul(d, b.sitofp(sx, F32)), I32), cor, j)
@@ -354,15 +320,12 @@ class Q8Gemm(GemmBase):
         return new
 
 
-def emit_int_gemm(kb: KernelBuilder, sig: KernelSig, kern) -> None:
+def emit_int_gemm(kb: KernelBuilder, sig: KernelSig, kern, gemm: type) -> None:
     """Per ``gemm`` tokens: quantize them; per tile of this thread's rows
     and K chunk: unpack the tile once, then every token, P at a time (the
-    rest in blocks of the powers of two below P)."""
-    if sig.attr.get("act") == "q8k":
-        from .k_matmul_int_gemm_kquants import KQGemm
-        g: GemmBase = KQGemm(kb, sig, kern)
-    else:
-        g = Q8Gemm(kb, sig, kern)
+    rest in blocks of the powers of two below P). ``gemm``: the weight
+    type's GEMM class (``Q8Gemm``, ``gemm_kquants.KQGemm``)."""
+    g = gemm(kb, sig, kern)
     b, W, P = kb.b, g.W, g.P
     lo, hi = kb.thread_share(kern.n // W)
     m = kb.rows_of(kern.xt.shape)

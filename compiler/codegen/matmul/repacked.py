@@ -1,5 +1,5 @@
 """``qmatmul`` on a repacked weight (``ir/quant/repack.py``): the integer
-GEMM of ``k_matmul_int_gemm`` reading its weight vectors straight from the
+GEMM of ``matmul/gemm`` reading its weight vectors straight from the
 weight, which the runtime put in VNNI order once at load.
 
 Every row count takes this kernel: a decode step (x [K]), a prompt chunk, a
@@ -31,20 +31,17 @@ import dataclasses
 
 import llvmlite.ir as ir
 
-from ir.quant import repacked_layout
+from ir.quant import quant_type, repacked_layout
 from ir.types import TensorType
 
-from .emit import F32, I32, KernelBuilder, i64
-from .k_matmul import HALF, PREFETCH_BYTES, _tuned
-from .k_matmul_int import _IntKernel
-from .k_matmul_int_gemm import GemmBase, Q8Gemm, act_slot_bytes as q8_slot_bytes
-from .k_matmul_int_gemm_kquants import KQGemm, act_slot_bytes as q8k_slot_bytes
-from .k_matmul_int_kquants import kquant_int_kernel
-from .k_norm_rope import emit_rmsnorm_row, weight_loader
-from .kernels import KernelSig, kernel
-
-I8 = ir.IntType(8)
-I1 = ir.IntType(1)
+from ..emit import F32, I32, KernelBuilder, i64
+from ..k_norm_rope import emit_rmsnorm_row, weight_loader
+from ..kernels import KernelSig
+from ..simd import HALF, I1, I8, vconst
+from .common import PREFETCH_BYTES, tuned
+from .gemm import GemmBase, Q8Gemm, act_slot_bytes as q8_slot_bytes
+from .gemm_kquants import KQGemm, act_slot_bytes as q8k_slot_bytes
+from .int_q8 import IntKernel
 #: token rows quantized at once (scratch: a slot each)
 TOKENS = 64
 #: how far ahead of the weight stream a call on several token rows asks
@@ -102,10 +99,6 @@ def _fuse_norm(kb: KernelBuilder, g: GemmBase, sig: KernelSig) -> None:
     g.prenorm = lambda t: emit_rmsnorm_row(kb, kb.gep(x, b.mul(t, i64(k))), buf, wload, k, eps)
 
 
-def _vc(t: ir.Type, values: list) -> ir.Constant:
-    return ir.Constant(ir.VectorType(t, len(values)), values)
-
-
 class _Repacked:
     """What the 32-value and K-quant repacked kernels share: the weight
     pointer of a tile block, W-lane loads of float16 and byte fields."""
@@ -148,7 +141,7 @@ class _Repacked:
         """The 4W-byte vector at ``at`` split into its low and high nibbles."""
         kb, b, W = self.kb, self.b, self.W
         v = kb.vload(kb.gep(tb, at), 0, 4 * W)
-        return b.and_(v, _vc(I8, [0x0F] * 4 * W)), b.lshr(v, _vc(I8, [4] * 4 * W))
+        return b.and_(v, vconst(I8, [0x0F] * 4 * W)), b.lshr(v, vconst(I8, [4] * 4 * W))
 
     def with_bits(self, v: ir.Value, tb: ir.Value, at: int, value: int) -> ir.Value:
         """v with ``value`` or'ed into the bytes whose bit is set in the 4W-bit mask at ``at``."""
@@ -156,14 +149,14 @@ class _Repacked:
         it = ir.IntType(4 * W)
         bits = b.load(b.bitcast(self.kb.gep(tb, at), ir.PointerType(it)), align=1)
         hit = b.bitcast(bits, ir.VectorType(I1, 4 * W))
-        return b.or_(v, b.select(hit, _vc(I8, [value] * 4 * W), _vc(I8, [0] * 4 * W)))
+        return b.or_(v, b.select(hit, vconst(I8, [value] * 4 * W), vconst(I8, [0] * 4 * W)))
 
 
 class RepackedQ8(_Repacked, Q8Gemm):
     """Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 repacked: the GEMM's ``block`` on weight
     vectors decoded from the repacked block."""
 
-    def __init__(self, kb: KernelBuilder, sig: KernelSig, kern: _IntKernel, base: str, width: int) -> None:
+    def __init__(self, kb: KernelBuilder, sig: KernelSig, kern: IntKernel, base: str, width: int) -> None:
         GemmBase.__init__(self, kb, sig, kern, q8_slot_bytes(kern.k), 0, KC["q8"], width=width)
         self._setup(base, width, sig)
 
@@ -187,7 +180,7 @@ class RepackedKQ(_Repacked, KQGemm):
 
     def __init__(self, kb: KernelBuilder, sig: KernelSig, kern, base: str, width: int) -> None:
         KQGemm.__init__(self, kb, sig, kern, width=width)
-        self.kc = min(_tuned(kb, sig.attr, "kc", KC["q8k"]), self.nb)
+        self.kc = min(tuned(kb, sig.attr, "kc", KC["q8k"]), self.nb)
         self._setup(base, width, sig)
 
     def _run_vector(self, tb: ir.Value, run: int, i: int) -> ir.Value:
@@ -203,8 +196,8 @@ class RepackedKQ(_Repacked, KQGemm):
             b = self.b
             k, t = divmod(8 * h + i, 4)
             hv = self.kb.vload(self.kb.gep(tb, group + 32 * W + 4 * W * k), 0, 4 * W)
-            top = b.and_(b.lshr(hv, _vc(I8, [2 * t] * 4 * W)), _vc(I8, [3] * 4 * W))
-            v = b.or_(v, b.shl(top, _vc(I8, [4] * 4 * W)))
+            top = b.and_(b.lshr(hv, vconst(I8, [2 * t] * 4 * W)), vconst(I8, [3] * 4 * W))
+            v = b.or_(v, b.shl(top, vconst(I8, [4] * 4 * W)))
         return v
 
     def sub_weights(self, tb: ir.Value, s: int) -> tuple[list[ir.Value], ir.Value, ir.Value | None]:
@@ -222,25 +215,24 @@ class RepackedKQ(_Repacked, KQGemm):
         return ws, scv, None
 
 
-@kernel("qmatmul_add")
-def emit_repacked_add(kb: KernelBuilder, sig: KernelSig) -> None:
-    """``qmatmul_add`` (``passes/fuse_residual``): the product, then each
-    tile's rows plus the residual's (or a bias's: the same W values for
-    every row) while they are in L1."""
-    addend = sig.in_types[2]
-    emit_repacked(kb, sig, residual=kb.in_f32(2), bias=len(addend.shape) == 1 and len(sig.in_types[0].shape) > 1)
-
-
-def emit_repacked(kb: KernelBuilder, sig: KernelSig, residual: ir.Value | None = None, bias: bool = False) -> None:
+def emit_repacked(kb: KernelBuilder, sig: KernelSig, int_kernel: type) -> None:
     """Per ``tokens_per_call`` token rows: quantize them; per tile of this
     thread's share and K chunk, every token P at a time (the rest in blocks
     of the powers of two below P), prefetching the weight stream ahead;
-    then the epilogue (``residual``: added to the tile's rows)."""
+    then, for ``qmatmul_add`` (``passes/fuse_residual``), each tile's rows
+    plus the residual's (or a bias's: the same W values for every row)
+    while they are in L1. ``int_kernel``: the weight type's decode kernel
+    class, whose unpacking and scales the tiles share."""
+    residual = bias = None
+    if sig.op == "qmatmul_add":
+        residual = kb.in_f32(2)
+        bias = len(sig.in_types[2].shape) == 1 and len(sig.in_types[0].shape) > 1
     bsig, base, width = _base_sig(sig)
+    kern = int_kernel(kb, bsig, quant_type(base))
     if sig.attr.get("act") == "q8k":
-        g = RepackedKQ(kb, bsig, kquant_int_kernel(kb, bsig), base, width)
+        g = RepackedKQ(kb, bsig, kern, base, width)
     else:
-        g = RepackedQ8(kb, bsig, _IntKernel(kb, bsig), base, width)
+        g = RepackedQ8(kb, bsig, kern, base, width)
     if "norm_eps" in sig.attr:
         _fuse_norm(kb, g, sig)
     kern = g.kern

@@ -1,4 +1,4 @@
-"""The prompt-chunk GEMM (``k_matmul_int_gemm``) on the K-quants Q2_K ..
+"""The prompt-chunk GEMM (``matmul/gemm``) on the K-quants Q2_K ..
 Q6_K, with the q8k numbers (``ir.int_dot.qmatmul_q8k_ref``).
 
 Why q8k and not q8 (per-32 activations): the reference, the interpreter
@@ -29,12 +29,16 @@ from __future__ import annotations
 
 import llvmlite.ir as ir
 
-from .emit import F32, I32, KernelBuilder, i64
-from .k_matmul_int_gemm import GemmBase, gemm_width, transpose
-from .k_matmul_int_kquants import FORMATS, QK_K, RUN, quantize_q8k_block
-from .kernels import KernelSig
+from ir.quant import quant_type
 
-I8 = ir.IntType(8)
+from ..act_quant import QK_K, quantize_q8k_block
+from ..emit import F32, I32, KernelBuilder, i64
+from ..kernels import KernelSig
+from ..simd import I8, shuffle, vconst
+from ..target import vnni_width
+from .gemm import GemmBase, transpose
+from .int_kquants import RUN
+
 #: super-blocks per K chunk (an unpacked super-block is 5 KB at W = 16)
 KC_K = 4
 
@@ -50,8 +54,8 @@ def act_slot_bytes(k: int) -> int:
 def factor_vectors(layout: str) -> int:
     """Float vectors per unpacked super-block: a d sc per sub-block, and a
     -dmin m per sub-block for the layouts with minimums."""
-    f = FORMATS[layout]
-    return QK_K // f.sub * (2 if f.minimums else 1)
+    qt = quant_type(layout)
+    return QK_K // qt.sub_block * (2 if qt.has("dmin") else 1)
 
 
 def block_bytes(w: int, layout: str) -> int:
@@ -59,12 +63,11 @@ def block_bytes(w: int, layout: str) -> int:
     return 256 * w + 4 * w * factor_vectors(layout)
 
 
-def _vc(t: ir.Type, values: list) -> ir.Constant:
-    return ir.Constant(ir.VectorType(t, len(values)), values)
-
-
-def _shuffle(b: ir.IRBuilder, x: ir.Value, idx: list[int]) -> ir.Value:
-    return b.shuffle_vector(x, ir.Constant(x.type, ir.Undefined), _vc(I32, idx))
+def scratch_bytes(sig: KernelSig) -> int:
+    """Per-thread scratch of the K-quant GEMM (at W = 16, an upper bound for 8)."""
+    k = int(sig.in_types[1].shape[1])
+    kc = min(int(sig.attr.get("kc", KC_K)), k // QK_K)
+    return int(sig.attr["gemm"]) * act_slot_bytes(k) + kc * block_bytes(16, sig.in_types[1].layout)
 
 
 class KQGemm(GemmBase):
@@ -73,7 +76,7 @@ class KQGemm(GemmBase):
     scales, the sub-block size, minimums or an offset."""
 
     def __init__(self, kb: KernelBuilder, sig: KernelSig, kern, width: int | None = None) -> None:
-        w = width or gemm_width(kb.vw, kb.target)
+        w = width or vnni_width(kb.vw, kb.target)
         super().__init__(kb, sig, kern, act_slot_bytes(kern.k), block_bytes(w, kern.layout), KC_K, width=w)
         self.minimums, self.offset, self.sub = kern.minimums, kern.offset, kern.sub
         self.n_sub = QK_K // self.sub
@@ -89,23 +92,23 @@ class KQGemm(GemmBase):
             at = kb.gep(cor, b.mul(j, i64(64)))
             if self.minimums:   # x's quants summed over each sub-block
                 if self.sub == 32:
-                    v = b.add(_shuffle(b, v, list(range(0, 16, 2))), _shuffle(b, v, list(range(1, 16, 2))))
+                    v = b.add(shuffle(b, v, None, list(range(0, 16, 2))), shuffle(b, v, None, list(range(1, 16, 2))))
                 kb.vstore(b.sitofp(v, ir.VectorType(F32, self.n_sub)), b.bitcast(at, ir.PointerType(F32)), 0)
             else:
-                c = b.mul(b.sext(v, ir.VectorType(I32, 16)), _vc(I32, [-self.offset] * 16))
+                c = b.mul(b.sext(v, ir.VectorType(I32, 16)), vconst(I32, [-self.offset] * 16))
                 kb.vstore(c, b.bitcast(at, ir.PointerType(I32)), 0)
             kb.store(d, dxp, j)
 
     def unpack(self, r0: ir.Value, j: ir.Value, dst: ir.Value) -> None:
         kb, b, kern, W = self.kb, self.b, self.kern, self.W
-        ptrs = [kern._block_ptr(b.add(r0, i64(r)), j) for r in range(W)]
+        ptrs = [kern.block_ptr(b.add(r0, i64(r)), j) for r in range(W)]
         for run in range(QK_K // RUN):
             rows = [b.bitcast(kern.run(p, run), ir.VectorType(I32, 8)) for p in ptrs]
             for i, v in enumerate(transpose(b, rows)):
                 kb.vstore(b.bitcast(v, ir.VectorType(I8, 4 * W)), dst, 4 * W * (8 * run + i))
         fs = [b.bitcast(self._factors(p), ir.VectorType(I32, factor_vectors(kern.layout))) for p in ptrs]
         for c0 in range(0, fs[0].type.count, W):
-            cols = [_shuffle(b, f, list(range(c0, c0 + W))) for f in fs] if W < fs[0].type.count else fs
+            cols = [shuffle(b, f, None, list(range(c0, c0 + W))) for f in fs] if W < fs[0].type.count else fs
             for i, v in enumerate(transpose(b, cols)):
                 kb.vstore(v, b.bitcast(kb.gep(dst, 256 * W + 4 * W * (c0 + i)), ir.PointerType(v.type)), 0)
 
@@ -113,11 +116,11 @@ class KQGemm(GemmBase):
         """One row's float factors: d sc_s for every sub-block s, then -dmin m_s."""
         b, ks = self.b, self.kern.scales(p)
         vf = ir.VectorType(F32, self.n_sub)
-        f = b.fmul(b.sitofp(ks.sc, vf), _shuffle(b, ks.f2, [0] * self.n_sub))
+        f = b.fmul(b.sitofp(ks.sc, vf), shuffle(b, ks.f2, None, [0] * self.n_sub))
         if ks.m is None:
             return f
-        m = b.fmul(b.sitofp(ks.m, vf), _shuffle(b, ks.f2, [1] * self.n_sub))
-        return b.shuffle_vector(f, m, _vc(I32, list(range(2 * self.n_sub))))
+        m = b.fmul(b.sitofp(ks.m, vf), shuffle(b, ks.f2, None, [1] * self.n_sub))
+        return b.shuffle_vector(f, m, vconst(I32, list(range(2 * self.n_sub))))
 
     def sub_weights(self, tb: ir.Value, s: int) -> tuple[list[ir.Value], ir.Value, ir.Value | None]:
         """Sub-block s of the unpacked super-block at tb: its sub / 4 weight

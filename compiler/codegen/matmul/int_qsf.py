@@ -3,7 +3,7 @@
 
 The numbers are ``ir.ops.qmatmul_ref``'s: a 64-value weight block is two
 32-value blocks of the q8 activation sharing its d and offset
-(``ir.int_dot``). So this is ``k_matmul_int``'s kernel (quantization,
+(``ir.int_dot``). So this is ``int_q8``'s kernel (quantization,
 slots, tiles, ``decode_rows`` batches, the prompt-chunk GEMM and its
 fallback, all reused) with hooks that find a 32-value half of a block and
 make its quants unsigned for ``vpdpbusd``:
@@ -41,7 +41,7 @@ then sum to its exact integer dot, and the float epilogue is the symmetric
 layouts' (one FMA by d_w d_x). Without ``vpsadbw`` (not x86, or the
 portable path): sign-extend s to int32 and add pairs, no multiply either.
 
-Prompt chunks: the GEMM (``k_matmul_int_gemm``) unpacks each row's 32
+Prompt chunks: the GEMM (``gemm``) unpacks each row's 32
 unsigned bytes from ``unsigned_block``; ternary's there are t + 1 (0..2,
 bias 1), where ``vpdpbusd`` does 4 weight rows' products per byte quad
 (a GEMM's weight bytes are reused by every token, so there the multiply is
@@ -55,48 +55,28 @@ from __future__ import annotations
 
 import llvmlite.ir as ir
 
-from ir.quant import quant_type, types_with
+from ..emit import F32, I32, KernelBuilder, i64
+from ..kernels import KernelSig
+from ..simd import I1, I8, I64, call, gather_f16, psadbw, shuffle, vconst
+from .int_q8 import QK, IntKernel, fold_pairs
 
-from .emit import F32, I32, KernelBuilder, i64
-from .k_matmul_int import I1, I8, QK, _call, _IntKernel, _shuffle, _vc, f16_gather, fold_pairs
-from .kernels import KernelSig
-from .target import Target
-
-I64 = ir.IntType(64)
-#: byte offset of the quants of the 4- and 2-bit types, of the masks of ternary
-_QUANTS_AT = {"QSF_Q8": 2, "QSF_Q4": 4, "QSF_Q2": 4, "QSF_Q2S": 2}
-_SIGN_AT, _ZERO_AT = 2, 10
 #: vpsadbw of each 32 bytes: 4 lanes of 8 bytes, each + 8 * 128
 _SAD_BIAS = 8 * 128
 
 
-def _sad_name(t: Target, groups: int) -> str | None:
-    """The vpsadbw intrinsic for 32 * groups bytes, if the target has it."""
-    if not t.triple.startswith("x86_64"):
-        return None
-    if groups == 2 and t.has("avx512bw"):
-        return "llvm.x86.avx512.psad.bw.512"
-    if groups == 1 and t.has("avx2"):
-        return "llvm.x86.avx2.psad.bw"
-    return None
+class QSFIntKernel(IntKernel):
+    """``int_q8``'s kernel on QSF blocks (module docstring)."""
 
-
-class QSFIntKernel(_IntKernel):
-    """``k_matmul_int``'s kernel on QSF blocks (module docstring)."""
-
-    def __init__(self, kb: KernelBuilder, sig: KernelSig) -> None:
-        layout = sig.in_types[1].layout
-        if layout not in types_with(family="qsf"):
-            raise NotImplementedError(f"QSF int8 matvec on a {layout} weight")
-        qt = quant_type(layout)
-        self._setup(kb, sig, qt.block_bytes, qt.zero, qt.offset)
+    def __init__(self, kb: KernelBuilder, sig: KernelSig, qt) -> None:
+        super().__init__(kb, sig, qt)
+        layout = qt.name
         if self.nb % 2:
             raise NotImplementedError(f"row length {self.k} is not a multiple of 64")
         self.bytes_per_block = self.bb // 2
         self.ternary = layout == "QSF_TERNARY"
 
     # --- where a 32-value block lives --------------------------------------------------------
-    def _block_ptr(self, row: ir.Value, j: ir.Value) -> ir.Value:
+    def block_ptr(self, row: ir.Value, j: ir.Value) -> ir.Value:
         """The stored block holding 32-value block j of the row (nb is even)."""
         b = self.b
         at = b.ashr(b.add(b.mul(row, i64(self.nb)), j), i64(1))
@@ -105,40 +85,40 @@ class QSFIntKernel(_IntKernel):
     def _crumb_pairs(self, v: ir.Value) -> list[ir.Value]:
         """16 bytes -> their 2-bit fields 0..3 (4 vectors of 16 values each, in value order)."""
         b, n = self.b, v.type.count
-        return [b.and_(b.lshr(v, _vc(I8, [2 * k] * n)) if k else v, _vc(I8, [3] * n)) for k in range(4)]
+        return [b.and_(b.lshr(v, vconst(I8, [2 * k] * n)) if k else v, vconst(I8, [3] * n)) for k in range(4)]
 
     def unsigned_block(self, bp: ir.Value, j: ir.Value) -> ir.Value:
         """<32 x i8>: half j & 1 of the block at bp, plus the bias (ternary: t + 1)."""
         kb, b = self.kb, self.b
         h = b.and_(j, i64(1))
         if self.ternary:
-            sign, zero = (self._mask_bits(bp, at, h) for at in (_SIGN_AT, _ZERO_AT))
-            t1 = b.select(sign, _vc(I8, [0] * QK), _vc(I8, [2] * QK))
-            return b.select(zero, _vc(I8, [1] * QK), t1)
-        at = _QUANTS_AT[self.layout]
+            sign, zero = (self._mask_bits(bp, self.qt.at(f), h) for f in ("sign", "zero"))
+            t1 = b.select(sign, vconst(I8, [0] * QK), vconst(I8, [2] * QK))
+            return b.select(zero, vconst(I8, [1] * QK), t1)
+        at = self.qt.at("qs")
         if self.layout == "QSF_Q8":
-            return b.xor(kb.vload(kb.gep(bp, b.add(i64(at), b.mul(h, i64(QK)))), 0, QK), _vc(I8, [0x80] * QK))
+            return b.xor(kb.vload(kb.gep(bp, b.add(i64(at), b.mul(h, i64(QK)))), 0, QK), vconst(I8, [0x80] * QK))
         if self.layout == "QSF_Q4":       # low nibbles are values 0..31, high 32..63
             v = kb.vload(bp, at, QK)
             sh = kb.splat(b.trunc(b.mul(h, i64(4)), I8), QK)
-            return b.and_(b.lshr(v, sh), _vc(I8, [0x0F] * QK))
+            return b.and_(b.lshr(v, sh), vconst(I8, [0x0F] * QK))
         # 2-bit: values 32h .. 32h+31 are fields 2h and 2h+1 of the 16 bytes
         v = kb.vload(bp, at, 16)
         v = b.lshr(v, kb.splat(b.trunc(b.mul(h, i64(4)), I8), 16))
         lo, hi = self._crumb_pairs(v)[:2]
-        return _shuffle(kb, lo, hi, list(range(QK)))
+        return shuffle(kb.b, lo, hi, list(range(QK)))
 
     def _whole_block(self, bp: ir.Value) -> ir.Value:
         """<64 x i8>: both halves of the block at bp, unsigned (not ternary)."""
         kb, b = self.kb, self.b
-        at = _QUANTS_AT[self.layout]
+        at = self.qt.at("qs")
         if self.layout == "QSF_Q8":
-            return b.xor(kb.vload(bp, at, 2 * QK), _vc(I8, [0x80] * 2 * QK))
+            return b.xor(kb.vload(bp, at, 2 * QK), vconst(I8, [0x80] * 2 * QK))
         if self.layout == "QSF_Q4":
             v = kb.vload(bp, at, QK)
-            return _shuffle(kb, b.and_(v, _vc(I8, [0x0F] * QK)), b.lshr(v, _vc(I8, [4] * QK)), list(range(64)))
+            return shuffle(kb.b, b.and_(v, vconst(I8, [0x0F] * QK)), b.lshr(v, vconst(I8, [4] * QK)), list(range(64)))
         c = self._crumb_pairs(kb.vload(bp, at, 16))
-        return _shuffle(kb, _shuffle(kb, c[0], c[1], list(range(32))), _shuffle(kb, c[2], c[3], list(range(32))),
+        return shuffle(kb.b, shuffle(kb.b, c[0], c[1], list(range(32))), shuffle(kb.b, c[2], c[3], list(range(32))),
                         list(range(64)))
 
     def _mask_bits(self, bp: ir.Value, at: int, h: ir.Value | None) -> ir.Value:
@@ -151,47 +131,47 @@ class QSFIntKernel(_IntKernel):
         p = kb.gep(bp, b.add(i64(at), b.mul(h, i64(4))))
         return b.bitcast(b.load(b.bitcast(p, ir.PointerType(I32)), align=1), ir.VectorType(I1, QK))
 
-    def _group_quants(self, row: ir.Value, j: ir.Value, g: int) -> tuple[ir.Value, list[ir.Value]]:
+    def group_quants(self, row: ir.Value, j: ir.Value, g: int) -> tuple[ir.Value, list[ir.Value]]:
         """g = 2: j is even (module docstring), the group is one stored
         block. Ternary: the (pos, neg) masks, for ``_dot``."""
-        bp = self._block_ptr(row, j)
+        bp = self.block_ptr(row, j)
         if not self.ternary:
             return (self.unsigned_block(bp, j) if g == 1 else self._whole_block(bp)), [bp] * g
         b = self.b
         h = b.and_(j, i64(1)) if g == 1 else None
-        sign, zero = (self._mask_bits(bp, at, h) for at in (_SIGN_AT, _ZERO_AT))
+        sign, zero = (self._mask_bits(bp, self.qt.at(f), h) for f in ("sign", "zero"))
         nonzero = b.not_(zero)
         return (b.and_(nonzero, b.not_(sign)), b.and_(nonzero, sign)), [bp] * g
 
     def block_scales(self, bps: list[ir.Value]) -> tuple[ir.Value, ir.Value | None]:
         """d_w of each block and, for the offset types, m_w computed from its fields."""
         kb, b = self.kb, self.b
-        d = f16_gather(kb, bps, 0)
+        d = gather_f16(kb, bps, self.qt.at("d"))
         n = len(bps)
         if self.layout == "QSF_Q2":
-            return d, f16_gather(kb, bps, 2)
+            return d, gather_f16(kb, bps, self.qt.at("m"))
         if self.layout == "QSF_Q4":       # -z * d: exact (two float16 significands)
-            return d, b.fmul(b.fneg(f16_gather(kb, bps, 2)), d)
+            return d, b.fmul(b.fneg(gather_f16(kb, bps, self.qt.at("z"))), d)
         if self.layout == "QSF_Q2S":      # -1.5 * d: exact
-            return d, b.fmul(_vc(F32, [-1.5] * n), d)
+            return d, b.fmul(vconst(F32, [-1.5] * n), d)
         return d, None
 
     # --- ternary: sums of selected activation bytes ------------------------------------------------
-    def _dot(self, u, xq: ir.Value, init: ir.Value, g: int) -> ir.Value:
+    def dot(self, u, xq: ir.Value, init: ir.Value, g: int) -> ir.Value:
         if not self.ternary:
-            return super()._dot(u, xq, init, g)
+            return super().dot(u, xq, init, g)
         kb, b = self.kb, self.b
         pos, neg = u
         n = QK * g
-        zero = _vc(I8, [0] * n)
+        zero = vconst(I8, [0] * n)
         s = b.select(neg, b.sub(zero, xq), b.select(pos, xq, zero))     # t * q_x, no multiply
-        name = _sad_name(kb.target, g)
+        name = psadbw(kb.target, g)
         if name:
-            sad = _call(kb, name, ir.VectorType(I64, 4 * g), [b.xor(s, _vc(I8, [0x80] * n)), zero])
-            lanes = b.add(b.bitcast(sad, ir.VectorType(I32, 8 * g)), _vc(I32, [-_SAD_BIAS, 0] * 4 * g))
+            sad = call(kb, name, ir.VectorType(I64, 4 * g), [b.xor(s, vconst(I8, [0x80] * n)), zero])
+            lanes = b.add(b.bitcast(sad, ir.VectorType(I32, 8 * g)), vconst(I32, [-_SAD_BIAS, 0] * 4 * g))
         else:
             s32 = b.sext(s, ir.VectorType(I32, n))
-            ev = _shuffle(kb, s32, s32, list(range(0, n, 2)))
-            od = _shuffle(kb, s32, s32, list(range(1, n, 2)))
+            ev = shuffle(kb.b, s32, s32, list(range(0, n, 2)))
+            od = shuffle(kb.b, s32, s32, list(range(1, n, 2)))
             lanes = fold_pairs(kb, b.add(ev, od))
         return lanes   # the slot's int32 seed (-sum q_x, for the GEMM's t + 1) is not this sum's

@@ -27,7 +27,7 @@ Per call (one thread)
    own accumulators), instead of streaming and unpacking the weights again
    for every row. Every row does the one-row code's operations in its
    order, so each gets the decode step's numbers, bit for bit. Prompt
-   chunks (``gemm``) run as a GEMM (``k_matmul_int_gemm``) where the host
+   chunks (``gemm``) run as a GEMM (``matmul/gemm``) where the host
    and shape allow, else this way, ``_GEMM_FALLBACK_ROWS`` at a time;
    [T, K] with neither attribute run one row at a time.
 2. Its share of the rows, ``_ROWS`` at a time (the kernel attribute ``rows``
@@ -54,16 +54,16 @@ Without VNNI the same int32 lanes come from a portable widening multiply
 (zext/sext to i16, products of even and odd lanes added in i32, which LLVM
 turns into ``vpmaddwd`` on x86). It is correct but slower than the float
 kernels (about half their speed on znver4 forced to it), so the pass should
-only run where ``host_has_int_dot()``.
+only run where ``Target.int_dot``.
 
 The K-quants' integer path (``act="q8k"``: 256-value activation blocks,
-sub-block scales) is ``k_matmul_int_kquants.KQuantIntKernel``: its own
+sub-block scales) is ``matmul.int_kquants.KQuantIntKernel``: its own
 quantization, slots and tiles, driven by the same ``emit_int_matvec``
 (threads' row shares, groups of ``decode_rows`` rows, slots sharing each
 unpacked weight block).
 
 QSF's 64-value blocks (``act="q8"`` too: each is two 32-value blocks
-sharing d and the offset, ``ir.int_dot``) are ``k_matmul_int_qsf.QSFIntKernel``,
+sharing d and the offset, ``ir.int_dot``) are ``matmul.int_qsf.QSFIntKernel``,
 a subclass of this module's kernel that says where a 32-value half lives
 and how it becomes unsigned quants; the ternary type's dot product has no
 multiply (masked byte sums).
@@ -78,20 +78,15 @@ from typing import NamedTuple
 
 import llvmlite.ir as ir
 
-from ir.quant import quant_type, types_with
+from ir.quant import ACT_BLOCK
 
-from .emit import F32, I32, KernelBuilder, i64
-from .k_matmul import HALF, PREFETCH_BYTES, _tuned, out_rows
-from .kernels import KernelSig
-from .target import Target, host_target
+from ..act_quant import quantize_q8_block
+from ..emit import F32, I32, KernelBuilder, i64
+from ..kernels import KernelSig
+from ..simd import I1, I8, I16, call, dpbusd, gather_f16, shuffle, vconst
+from .common import PREFETCH_BYTES, out_rows, tuned
 
-QK = 32
-I1 = ir.IntType(1)
-I8 = ir.IntType(8)
-I16 = ir.IntType(16)
-#: the 32-value block types of this kernel (their rows in ir.quant.table: bytes per block, the
-#: bias that makes the quants unsigned, and whether a block has a minimum m: value = d q + m)
-LAYOUTS = types_with(act="q8", family="gguf")
+QK = ACT_BLOCK["q8"]
 #: weight rows per tile (rows of at least _LONG_ROW columns; shorter rows
 #: go one at a time: one sequential stream, which the prefetcher follows best
 #: -- on znver4 4-row tiles of 640-column Q8_0 rows ran at 8 GB/s, single
@@ -116,13 +111,6 @@ class _Slot(NamedTuple):
     sxd: ir.Value | None
 
 
-def host_has_int_dot() -> bool:
-    """True when the host has int8 dot-product instructions (VNNI) that make
-    the integer path (``passes/int_dot``) the faster decode matvec."""
-    t = host_target()
-    return t.triple.startswith("x86_64") and (t.has("avx512vnni") or t.has("avxvnni"))
-
-
 def slot_bytes(k: int) -> int:
     """Scratch bytes of one quantized row of K columns, whatever the layout:
     96 per block of 32 (quants; bias seeds or d_x * sum(q_x); d_x), rounded
@@ -144,118 +132,37 @@ def slot_count(sig: KernelSig) -> int:
     return int(sig.attr.get("decode_rows", _GEMM_FALLBACK_ROWS if sig.attr.get("gemm") else 1))
 
 
-def scratch_floats(sig: KernelSig) -> int:
-    """Per-thread scratch (float32 elements) the kernel needs: a slot per
-    row quantized at once, plus 64 bytes slack (``act="q8k"``: the
-    K-quants' slots, ``k_matmul_int_kquants``); for a prompt chunk
-    (``gemm``), enough for the GEMM's too."""
-    act = sig.attr.get("act")
-    if sig.op in ("qmatmul", "qmatmul_rows", "qmatmul_add") and act in ("q8", "q8k"):
-        from .k_matmul_repacked import is_repacked, scratch_bytes as repacked_scratch
-        if is_repacked(sig.in_types[1]):
-            return repacked_scratch(sig) // 4 + 16
-        k = int(sig.in_types[1].shape[1])
-        if act == "q8k":
-            from .k_matmul_int_kquants import slot_bytes as kq_slot_bytes
-            need = slot_count(sig) * kq_slot_bytes(k)
-        else:
-            need = slot_count(sig) * slot_bytes(k)
-        if sig.attr.get("gemm") and len(sig.in_types[0].shape) > 1:   # either kernel may run
-            from .k_matmul_int_gemm import scratch_bytes
-            need = max(need, scratch_bytes(sig))
-        return need // 4 + 16
-    return 0
-
-
-def _vc(t: ir.Type, values: list) -> ir.Constant:
-    return ir.Constant(ir.VectorType(t, len(values)), values)
-
-
-def _shuffle(kb: KernelBuilder, a: ir.Value, b: ir.Value, idx: list[int]) -> ir.Value:
-    return kb.b.shuffle_vector(a, b, _vc(I32, idx))
-
-
-def _call(kb: KernelBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
-    fn = kb.module.globals.get(name)
-    if fn is None:
-        fn = ir.Function(kb.module, ir.FunctionType(ret, [a.type for a in args]), name)
-    return kb.b.call(fn, args)
-
-
-def _vnni_name(t: Target, groups: int) -> str | None:
-    """The vpdpbusd intrinsic for 32 * groups bytes, if the target has it."""
-    if not t.triple.startswith("x86_64"):
-        return None
-    if groups == 2 and t.has("avx512vnni"):
-        return "llvm.x86.avx512.vpdpbusd.512"
-    if groups == 1 and ((t.has("avx512vnni") and t.has("avx512vl")) or t.has("avxvnni")):
-        return "llvm.x86.avx512.vpdpbusd.256"
-    return None
-
-
-def f16_gather(kb: KernelBuilder, ptrs: list[ir.Value], off: int) -> ir.Value:
-    """<n x float>: the float16 at byte ``off`` of each of the n pointers (i8*)."""
-    b = kb.b
-    v = ir.Constant(ir.VectorType(HALF, len(ptrs)), ir.Undefined)
-    for i, bp in enumerate(ptrs):
-        p = bp if off == 0 else kb.gep(bp, off)
-        v = b.insert_element(v, b.load(b.bitcast(p, ir.PointerType(HALF)), align=1), i64(i))
-    return b.fpext(v, ir.VectorType(F32, len(ptrs)))
-
-
 def fold_pairs(kb: KernelBuilder, p: ir.Value) -> ir.Value:
     """<16g x i32> pair sums of g blocks (16 lanes each) -> <8g x i32>, each
     block's 8 lanes summing to its 16: the portable dot's last step."""
     g = p.type.count // 16
     lo = [blk * 16 + i for blk in range(g) for i in range(8)]
-    return kb.b.add(_shuffle(kb, p, p, lo), _shuffle(kb, p, p, [i + 8 for i in lo]))
+    return kb.b.add(shuffle(kb.b, p, p, lo), shuffle(kb.b, p, p, [i + 8 for i in lo]))
 
 
-def quantize_block(kb: KernelBuilder, at: ir.Value, x: ir.Value | None = None) -> tuple[ir.Value, ir.Value, ir.Value]:
-    """The 32 values of x (input 0, or the float rows ``x``) at float index ``at`` as a q8 block
-    (``ir.int_dot.quantize_q8_rows``): <32 x i8> quants, d_x (a float16 value as
-    float32) and the int32 sum of the quants."""
-    b = kb.b
-    xv = kb.vload(kb.in_f32(0) if x is None else x, at, QK)
-    amax = kb.hmax(kb.intrinsic("llvm.fabs", [xv]))
-    d = b.fpext(b.fptrunc(b.fdiv(amax, ir.Constant(F32, 127.0)), HALF), F32)
-    inv = b.select(b.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)),
-                   b.fdiv(ir.Constant(F32, 127.0), amax), ir.Constant(F32, 0.0))
-    r = kb.intrinsic("llvm.roundeven", [b.fmul(xv, kb.splat(inv, QK))])
-    q = b.fptosi(r, ir.VectorType(I8, QK))
-    sx = _call(kb, "llvm.vector.reduce.add.v32i32", I32, [b.sext(q, ir.VectorType(I32, QK))])
-    return q, d, sx
+class IntKernel:
+    """The decode kernel of the 32-value block layouts (the type's row
+    ``qt`` says its bytes per block, the bias that makes its quants
+    unsigned, whether a block has an offset m: value = d q + m, and where
+    each field sits). Hooks a sibling layout family overrides
+    (``int_qsf``): ``block_ptr``, ``unsigned_block`` (also the GEMM's
+    unpacking), ``group_quants``, ``block_scales`` and ``dot``;
+    ``bytes_per_block`` is the weight bytes per 32 values (the prefetch span)."""
 
-
-class _IntKernel:
-    """The decode kernel of the 32-value block layouts. Hooks a sibling
-    layout family overrides (``k_matmul_int_qsf``): ``_block_ptr``,
-    ``unsigned_block`` (also the GEMM's unpacking), ``_group_quants``,
-    ``block_scales`` and ``_dot``; ``bytes_per_block`` is the weight bytes
-    per 32 values (the prefetch span)."""
-
-    def __init__(self, kb: KernelBuilder, sig: KernelSig) -> None:
-        layout = sig.in_types[1].layout
-        if layout not in LAYOUTS:
-            raise NotImplementedError(f"int8 matvec on a {layout} weight")
-        qt = quant_type(layout)
-        self._setup(kb, sig, qt.block_bytes, qt.zero, qt.offset)
-
-    def _setup(self, kb: KernelBuilder, sig: KernelSig, bb: int, bias: int, offset: bool) -> None:
-        """Shapes and attributes; ``bb`` bytes per stored block, ``bias``
-        added to make the quants unsigned, ``offset``: value = d q + m."""
+    def __init__(self, kb: KernelBuilder, sig: KernelSig, qt) -> None:
         xt, wt = sig.in_types[:2]
+        self.qt = qt
         self.kb, self.b = kb, kb.b
         self.layout = wt.layout
-        self.bb, self.bias, self.offset = bb, bias, offset
-        self.bytes_per_block = bb
+        self.bb, self.bias, self.offset = qt.block_bytes, qt.zero, qt.offset
+        self.bytes_per_block = self.bb
         self.n, self.k = int(wt.shape[0]), int(wt.shape[1])
         if self.k % QK:
             raise NotImplementedError(f"row length {self.k} is not a multiple of {QK}")
         self.nb = self.k // QK
         self.out, self.n_out = out_rows(kb, sig)
         self.G = 2 if kb.vw >= 16 else 1
-        self.U = _tuned(kb, sig.attr, "unroll", _UNROLL)
+        self.U = tuned(kb, sig.attr, "unroll", _UNROLL)
         self.ahead = int(sig.attr.get("prefetch", PREFETCH_BYTES))
         self.xt = xt
         self.w = kb.in_raw[1]
@@ -274,19 +181,19 @@ class _IntKernel:
         """Row x[xrow / K] into slot ``sl``."""
         kb, b = self.kb, self.b
         with kb.loop(0, self.nb, name="qblk") as j:
-            q, d, sx = quantize_block(kb, b.add(xrow, b.mul(j, i64(QK))))
+            q, d, sx = quantize_q8_block(kb, b.add(xrow, b.mul(j, i64(QK))))
             kb.vstore(q, sl.q, b.mul(j, i64(QK)))
             if self.offset:  # d_x (a float16) times |sx| <= 32 * 127 < 2^12: exact in float32
                 sxd = b.fmul(d, b.sitofp(sx, F32))
                 kb.vstore(b.insert_element(kb.vzero(8), sxd, i64(0)), sl.sxd, b.mul(j, i64(8)))
             else:
                 c = b.mul(sx, ir.Constant(I32, -self.bias))
-                init = b.insert_element(_vc(I32, [0] * 8), c, i64(0))
+                init = b.insert_element(vconst(I32, [0] * 8), c, i64(0))
                 kb.vstore(init, sl.init, b.mul(j, i64(8)))
             kb.vstore(kb.splat(d, 8), sl.dx, b.mul(j, i64(8)))
 
     # --- step 2: weights ------------------------------------------------------------------
-    def _block_ptr(self, row: ir.Value, j: ir.Value) -> ir.Value:
+    def block_ptr(self, row: ir.Value, j: ir.Value) -> ir.Value:
         b = self.b
         return self.kb.gep(self.w, b.mul(b.add(b.mul(row, i64(self.nb)), j), i64(self.bb)))
 
@@ -294,31 +201,31 @@ class _IntKernel:
         """<32 x i8>: the quants of block j (stored at bp) plus the bias (0..255 as unsigned)."""
         kb, b = self.kb, self.b
         if self.layout == "Q8_0":
-            return b.xor(kb.vload(bp, 2, QK), _vc(I8, [0x80] * QK))
-        qs = kb.vload(bp, self.bb - 16, 16)
-        nib = _shuffle(kb, b.and_(qs, _vc(I8, [0x0F] * 16)), b.lshr(qs, _vc(I8, [4] * 16)), list(range(32)))
-        if self.layout in ("Q4_0", "Q4_1"):
+            return b.xor(kb.vload(bp, self.qt.at("qs"), QK), vconst(I8, [0x80] * QK))
+        qs = kb.vload(bp, self.qt.at("qs"), 16)
+        nib = shuffle(kb.b, b.and_(qs, vconst(I8, [0x0F] * 16)), b.lshr(qs, vconst(I8, [4] * 16)), list(range(32)))
+        if not self.qt.has("qh"):
             return nib
-        qh = b.load(b.bitcast(kb.gep(bp, 2 if self.layout == "Q5_0" else 4), ir.PointerType(I32)), align=1)
+        qh = b.load(b.bitcast(kb.gep(bp, self.qt.at("qh")), ir.PointerType(I32)), align=1)
         hb = b.bitcast(qh, ir.VectorType(I1, QK))
-        return b.or_(nib, b.select(hb, _vc(I8, [16] * QK), _vc(I8, [0] * QK)))
+        return b.or_(nib, b.select(hb, vconst(I8, [16] * QK), vconst(I8, [0] * QK)))
 
-    def _dot(self, u: ir.Value, xq: ir.Value, init: ir.Value, g: int) -> ir.Value:
+    def dot(self, u: ir.Value, xq: ir.Value, init: ir.Value, g: int) -> ir.Value:
         """<8g x i32>: per block, 8 lanes summing to init + sum(u * xq)."""
         kb, b = self.kb, self.b
-        name = _vnni_name(kb.target, g)
+        name = dpbusd(kb.target, g)
         if name:
-            return _call(kb, name, init.type, [init, u, xq])
+            return call(kb, name, init.type, [init, u, xq])
         n = QK * g
         u16 = b.zext(u, ir.VectorType(I16, n))
         x16 = b.sext(xq, ir.VectorType(I16, n))
         v32 = ir.VectorType(I32, n // 2)
         ev, od = list(range(0, n, 2)), list(range(1, n, 2))
-        p = b.add(b.mul(b.sext(_shuffle(kb, u16, u16, ev), v32), b.sext(_shuffle(kb, x16, x16, ev), v32)),
-                  b.mul(b.sext(_shuffle(kb, u16, u16, od), v32), b.sext(_shuffle(kb, x16, x16, od), v32)))
+        p = b.add(b.mul(b.sext(shuffle(kb.b, u16, u16, ev), v32), b.sext(shuffle(kb.b, x16, x16, ev), v32)),
+                  b.mul(b.sext(shuffle(kb.b, u16, u16, od), v32), b.sext(shuffle(kb.b, x16, x16, od), v32)))
         return b.add(fold_pairs(kb, p), init)
 
-    def _group(self, row: ir.Value, j: ir.Value, g: int, accs: list[ir.Value],
+    def group(self, row: ir.Value, j: ir.Value, g: int, accs: list[ir.Value],
                slots: list[_Slot]) -> list[ir.Value]:
         """accs[s] + (int32 lanes of blocks j..j+g-1 of row, times slot s's
         quants) * d_w * d_x[s] (+ m_w * d_x[s] * sum(q_x[s]) for the offset
@@ -326,14 +233,14 @@ class _IntKernel:
         unsigned once, then each slot does exactly the one-row code's
         operations on its own accumulator."""
         kb, b = self.kb, self.b
-        u, bps = self._group_quants(row, j, g)
-        dw, mw = (None if v is None else self._spread(v) for v in self.block_scales(bps))
-        zero = _vc(I32, [0] * (8 * g))
+        u, bps = self.group_quants(row, j, g)
+        dw, mw = (None if v is None else self.spread(v) for v in self.block_scales(bps))
+        zero = vconst(I32, [0] * (8 * g))
         out = []
         for sl, acc in zip(slots, accs):
             xq = kb.vload(sl.q, b.mul(j, i64(QK)), QK * g)
             init = zero if self.offset else kb.vload(sl.init, b.mul(j, i64(8)), 8 * g)
-            dots = b.sitofp(self._dot(u, xq, init, g), ir.VectorType(F32, 8 * g))
+            dots = b.sitofp(self.dot(u, xq, init, g), ir.VectorType(F32, 8 * g))
             scale = b.fmul(dw, kb.vload(sl.dx, b.mul(j, i64(8)), 8 * g))
             acc = kb.fma(dots, scale, acc)
             if mw is not None:  # lane 0 of each block: m_w * d_x sum(q_x); the other lanes add m_w * 0
@@ -341,22 +248,23 @@ class _IntKernel:
             out.append(acc)
         return out
 
-    def _group_quants(self, row: ir.Value, j: ir.Value, g: int) -> tuple[ir.Value, list[ir.Value]]:
+    def group_quants(self, row: ir.Value, j: ir.Value, g: int) -> tuple[ir.Value, list[ir.Value]]:
         """The unsigned quants of blocks j .. j+g-1 of a row (<32g x i8>, what
         ``_dot`` takes) and the g blocks' addresses (for ``block_scales``)."""
         b = self.b
-        bps = [self._block_ptr(row, b.add(j, i64(i))) for i in range(g)]
+        bps = [self.block_ptr(row, b.add(j, i64(i))) for i in range(g)]
         us = [self.unsigned_block(bp, b.add(j, i64(i))) for i, bp in enumerate(bps)]
-        return (us[0] if g == 1 else _shuffle(self.kb, us[0], us[1], list(range(64)))), bps
+        return (us[0] if g == 1 else shuffle(self.kb.b, us[0], us[1], list(range(64)))), bps
 
     def block_scales(self, bps: list[ir.Value]) -> tuple[ir.Value, ir.Value | None]:
         """<n x float> d_w of the n blocks at bps, and their m_w (offset
-        layouts; else None): the float16s at bytes 0 and 2."""
-        return f16_gather(self.kb, bps, 0), f16_gather(self.kb, bps, 2) if self.offset else None
+        layouts; else None): the float16 fields d and m."""
+        return (gather_f16(self.kb, bps, self.qt.at("d")),
+                gather_f16(self.kb, bps, self.qt.at("m")) if self.offset else None)
 
-    def _spread(self, v: ir.Value) -> ir.Value:
+    def spread(self, v: ir.Value) -> ir.Value:
         """<g x float> -> <8g x float>: each block's value in its 8 lanes."""
-        return _shuffle(self.kb, v, v, [i // 8 for i in range(8 * v.type.count)])
+        return shuffle(self.kb.b, v, v, [i // 8 for i in range(8 * v.type.count)])
 
     def tile(self, r0: ir.Value, R: int, slots: list[_Slot], ts: list[ir.Value]) -> None:
         """out[ts[s], r0 .. r0+R-1] for the quantized rows in ``slots``
@@ -378,10 +286,10 @@ class _IntKernel:
                 cur = list(cur)
                 if self.ahead:
                     for i in range(R):
-                        kb.prefetch(kb.gep(self._block_ptr(rows[i], j), self.ahead), self.bytes_per_block * step)
+                        kb.prefetch(kb.gep(self.block_ptr(rows[i], j), self.ahead), self.bytes_per_block * step)
                 for i in range(R):
                     for u in range(U):
-                        new = self._group(rows[i], b.add(j, i64(u * G)), G,
+                        new = self.group(rows[i], b.add(j, i64(u * G)), G,
                                           [cur[at(i, u, p)] for p in range(P)], slots)
                         for p in range(P):
                             cur[at(i, u, p)] = new[p]
@@ -392,12 +300,12 @@ class _IntKernel:
             g = min(G, self.nb - jt)
             for i in range(R):
                 if g == G:
-                    new = self._group(rows[i], i64(jt), g, [accs[at(i, 0, p)] for p in range(P)], slots)
+                    new = self.group(rows[i], i64(jt), g, [accs[at(i, 0, p)] for p in range(P)], slots)
                     for p in range(P):
                         accs[at(i, 0, p)] = new[p]
                 else:
                     z = ir.Constant(ir.VectorType(F32, 8 * g), [0.0] * (8 * g))
-                    tails[i] = self._group(rows[i], i64(jt), g, tails[i] if tails[i] is not None else [z] * P,
+                    tails[i] = self.group(rows[i], i64(jt), g, tails[i] if tails[i] is not None else [z] * P,
                                            slots)
         out, n_out = self.out, self.n_out
         for i in range(R):
@@ -412,32 +320,18 @@ class _IntKernel:
                 kb.store(s, out, b.add(b.mul(ts[p], i64(n_out)), rows[i]))
 
 
-def emit_int_matvec(kb: KernelBuilder, sig: KernelSig) -> None:
-    """qmatmul with ``act="q8"`` (or ``"q8k"``: the K-quants' kernel class):
-    x [K] (decode), or [T, K] in groups of ``slot_count`` rows: quantize the
-    group, then per weight tile every row, ``slots`` rows at a time sharing
-    the unpacked weight blocks."""
-    from .k_matmul_repacked import emit_repacked, is_repacked
-    if is_repacked(sig.in_types[1]):      # weights in VNNI order since load: one kernel for every row count
-        return emit_repacked(kb, sig)
-    if sig.attr.get("act") == "q8k":
-        from .k_matmul_int_kquants import kquant_int_kernel
-        kern = kquant_int_kernel(kb, sig)
-    elif sig.in_types[1].layout in types_with(family="qsf"):
-        from .k_matmul_int_qsf import QSFIntKernel
-        kern = QSFIntKernel(kb, sig)
-    else:
-        kern = _IntKernel(kb, sig)
-    from .k_matmul_int_gemm import emit_int_gemm, use_gemm
-    if use_gemm(sig, kb.vw, kb.target):
-        return emit_int_gemm(kb, sig, kern)
+def emit_int_matvec(kb: KernelBuilder, sig: KernelSig, kern) -> None:
+    """qmatmul on the integer path with the decode kernel ``kern`` (a
+    ``IntKernel``, or a sibling family's): x [K] (decode), or [T, K] in
+    groups of ``slot_count`` rows: quantize the group, then per weight tile
+    every row, ``slots`` rows at a time sharing the unpacked weight blocks."""
     b = kb.b
     lo, hi = kb.thread_share(kern.n)
-    R = _tuned(kb, sig.attr, "rows", _ROWS if kern.k >= _LONG_ROW else 1)
+    R = tuned(kb, sig.attr, "rows", _ROWS if kern.k >= _LONG_ROW else 1)
     rows_main = b.sub(hi, b.srem(b.sub(hi, lo), i64(R)))
     m = kb.rows_of(kern.xt.shape)
     S = slot_count(sig)
-    P = min(S, _tuned(kb, sig.attr, "slots", max(1, _SLOT_ACCS // (R * kern.U)))) if S > 1 else 1
+    P = min(S, tuned(kb, sig.attr, "slots", max(1, _SLOT_ACCS // (R * kern.U)))) if S > 1 else 1
 
     def tiles(t0: ir.Value, n: ir.Value | None) -> None:
         """Every weight tile of this thread against rows t0 .. t0+n-1 (in

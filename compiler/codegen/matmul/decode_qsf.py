@@ -1,6 +1,6 @@
 """Decoders for QSF's block quant types (QSF_Q8, QSF_Q4, QSF_Q2, QSF_Q2S,
 QSF_TERNARY): 64-value blocks -> float32 vectors in registers, for the
-matmul, qmatmul and embedding loops of ``k_matmul``. Byte layouts and the
+matmul, qmatmul and embedding loops of ``matmul/float_tiles``. Byte layouts and the
 float32 order of operations: ``ir/quant/qsf.py``.
 
 They are ``GGUFBlockDecoder``s with ``qk = 64``: ``step`` is a whole number
@@ -27,22 +27,16 @@ equal the numpy reference bit for bit. Types whose value is ``quants * d``
 (Q8, Q4, Q2S) let a matvec defer d to the block's partial dot product, as
 GGUF's symmetric types do. These are the float path; where the host has
 VNNI, ``passes/int_dot.py`` puts QSF matmuls on the integer path instead
-(``k_matmul_int_qsf``), and these decoders still serve embeddings and
+(``matmul/int_qsf``), and these decoders still serve embeddings and
 graphs compiled without the pass.
 """
 from __future__ import annotations
 
 import llvmlite.ir as ir
 
-from .emit import F32, I32
-from .k_matmul import register_decoder
-from .k_matmul_gguf import EXACT, GGUFBlockDecoder, _Block, _vconst, _x86_intrinsic
-
-
-#: values per block (``ir/quant/qsf.py``; not imported from there, as the
-#: GGUF decoders do not import their layouts module)
-QK = 64
-I8 = ir.IntType(8)
+from ..emit import F32, I32
+from ..simd import I8, call, permutes, vconst
+from .decode_gguf import EXACT, Block, GGUFBlockDecoder
 
 
 class QSFDecoder(GGUFBlockDecoder):
@@ -58,17 +52,16 @@ class QSFDecoder(GGUFBlockDecoder):
     bits above a lane's two do not matter. 15-30% faster matvec on a
     hot cache than the portable path."""
 
-    qk = QK
     #: True where the type has a table path
     tabled = False
 
-    def __init__(self, kb, raw, n, k):
-        super().__init__(kb, raw, n, k)
-        t = kb.target
-        self.lut = self.tabled and kb.vw == 16 and t.triple.startswith("x86_64") and t.has("avx512f")
+    def __init__(self, kb, raw, n, k, qt):
+        super().__init__(kb, raw, n, k, qt)
+        self.at = qt.at
+        self.lut = self.tabled and permutes(kb.target, kb.vw)
 
     # --- per-type parts of the table path ---------------------------------------------------
-    def table(self, blk: _Block) -> ir.Value:
+    def table(self, blk: Block) -> ir.Value:
         """<16 x float>: the weight for each 4-bit index."""
         raise NotImplementedError
 
@@ -77,7 +70,7 @@ class QSFDecoder(GGUFBlockDecoder):
         raise NotImplementedError
 
     # --- shared ------------------------------------------------------------------------------
-    def _field(self, blk: _Block, key: str, make) -> ir.Value:
+    def _field(self, blk: Block, key: str, make) -> ir.Value:
         """A per-block value computed once per decode call."""
         if key not in blk.cache:
             blk.cache[key] = make()
@@ -86,7 +79,7 @@ class QSFDecoder(GGUFBlockDecoder):
     def _to_f32(self, q: ir.Value, w: int) -> ir.Value:
         return self.kb.b.sitofp(q, self.kb.vtype(w))
 
-    def _crumbs(self, blk: _Block, at: int, o: int, w: int) -> ir.Value:
+    def _crumbs(self, blk: Block, at: int, o: int, w: int) -> ir.Value:
         """<w x i8> 2-bit quants o..o+w-1 of the 16 bytes at ``at``: value
         i + 16k is bits 2k..2k+1 of byte i."""
         b = self.kb.b
@@ -94,8 +87,8 @@ class QSFDecoder(GGUFBlockDecoder):
         assert i + w <= 16, (o, w)
         v = self.kb.vload(blk.bp, at + i, w)
         if k:
-            v = b.lshr(v, _vconst(I8, [2 * k] * w))
-        return b.and_(v, _vconst(I8, [3] * w)) if k < 3 else v
+            v = b.lshr(v, vconst(I8, [2 * k] * w))
+        return b.and_(v, vconst(I8, [3] * w)) if k < 3 else v
 
     def values(self, blk, o, w):
         if not self.lut or w != 16:
@@ -104,103 +97,91 @@ class QSFDecoder(GGUFBlockDecoder):
         at, shift = self.index(o)
         idx = self._field(blk, f"bytes{at}", lambda: b.zext(kb.vload(blk.bp, at, 16), ir.VectorType(I32, 16)))
         if shift:
-            idx = b.lshr(idx, _vconst(I32, [shift] * 16))
+            idx = b.lshr(idx, vconst(I32, [shift] * 16))
         tab = self._field(blk, "table", lambda: self.table(blk))
-        return _x86_intrinsic(kb, "llvm.x86.avx512.permvar.sf.512", kb.vtype(16), [tab, idx])
+        return call(kb, "llvm.x86.avx512.permvar.sf.512", kb.vtype(16), [tab, idx])
 
-    def _f16_field(self, blk: _Block, at: int) -> ir.Value:
+    def _f16_field(self, blk: Block, at: int) -> ir.Value:
         return self._field(blk, f"f16.{at}", lambda: self._f16(blk.bp, at))
 
 
-@register_decoder("QSF_Q8")
 class QSFQ8Decoder(QSFDecoder):
-    block_bytes = 2 + QK
-
     def quants(self, blk, o, w):
-        return self._to_f32(self.kb.vload(blk.bp, 2 + o, w), w)
+        return self._to_f32(self.kb.vload(blk.bp, self.at("qs") + o, w), w)
 
 
-@register_decoder("QSF_Q4")
 class QSFQ4Decoder(QSFDecoder):
-    """(q - z) * d: ``quants`` is q - z (z at byte 2), the loop multiplies by d."""
+    """(q - z) * d: ``quants`` is q - z (z a float16 field), the loop multiplies by d."""
 
-    block_bytes = 4 + QK // 2
     tabled = True
 
     def quants(self, blk, o, w):
         b = self.kb.b
-        high, i = divmod(o, QK // 2)
-        assert i + w <= QK // 2, (o, w)
-        v = self.kb.vload(blk.bp, 4 + i, w)
-        nib = b.lshr(v, _vconst(I8, [4] * w)) if high else b.and_(v, _vconst(I8, [0x0F] * w))
-        return b.fsub(self._to_f32(nib, w), self.kb.splat(self._f16_field(blk, 2), w), flags=EXACT)
+        high, i = divmod(o, self.qk // 2)
+        assert i + w <= self.qk // 2, (o, w)
+        v = self.kb.vload(blk.bp, self.at("qs") + i, w)
+        nib = b.lshr(v, vconst(I8, [4] * w)) if high else b.and_(v, vconst(I8, [0x0F] * w))
+        return b.fsub(self._to_f32(nib, w), self.kb.splat(self._f16_field(blk, self.at("z")), w), flags=EXACT)
 
     def index(self, o):
-        high, i = divmod(o, QK // 2)
-        return 4 + i, 4 * high
+        high, i = divmod(o, self.qk // 2)
+        return self.at("qs") + i, 4 * high
 
     def table(self, blk):
         b, kb = self.kb.b, self.kb
-        q_z = b.fsub(_vconst(F32, [float(q) for q in range(16)]), kb.splat(self._f16_field(blk, 2), 16), flags=EXACT)
+        q_z = b.fsub(vconst(F32, [float(q) for q in range(16)]), kb.splat(self._f16_field(blk, self.at("z")), 16),
+                     flags=EXACT)
         return b.fmul(q_z, kb.splat(blk.d, 16), flags=EXACT)
 
 
-@register_decoder("QSF_Q2")
 class QSFQ2Decoder(QSFDecoder):
-    """q * d + m: the loop's multiply-then-add, with m at byte 2."""
+    """q * d + m: the loop's multiply-then-add (m: the row's offset field)."""
 
-    block_bytes = 4 + QK // 4
-    m_at = 2
     tabled = True
 
     def quants(self, blk, o, w):
-        return self._to_f32(self._crumbs(blk, 4, o, w), w)
+        return self._to_f32(self._crumbs(blk, self.at("qs"), o, w), w)
 
     def index(self, o):
-        return 4, 2 * (o // 16)
+        return self.at("qs"), 2 * (o // 16)
 
     def table(self, blk):
         b, kb = self.kb.b, self.kb
-        t = b.fmul(_vconst(F32, [float(i & 3) for i in range(16)]), kb.splat(blk.d, 16), flags=EXACT)
+        t = b.fmul(vconst(F32, [float(i & 3) for i in range(16)]), kb.splat(blk.d, 16), flags=EXACT)
         return b.fadd(t, kb.splat(blk.m, 16), flags=EXACT)
 
 
-@register_decoder("QSF_Q2S")
 class QSFQ2SDecoder(QSFDecoder):
     """(q - 1.5) * d: ``quants`` is q - 1.5 (exact in float32)."""
 
-    block_bytes = 2 + QK // 4
     tabled = True
 
     def quants(self, blk, o, w):
-        q = self._to_f32(self._crumbs(blk, 2, o, w), w)
-        return self.kb.b.fsub(q, _vconst(F32, [1.5] * w), flags=EXACT)
+        q = self._to_f32(self._crumbs(blk, self.at("qs"), o, w), w)
+        return self.kb.b.fsub(q, vconst(F32, [1.5] * w), flags=EXACT)
 
     def index(self, o):
-        return 2, 2 * (o // 16)
+        return self.at("qs"), 2 * (o // 16)
 
     def table(self, blk):
-        levels = _vconst(F32, [(i & 3) - 1.5 for i in range(16)])
+        levels = vconst(F32, [(i & 3) - 1.5 for i in range(16)])
         return self.kb.b.fmul(levels, self.kb.splat(blk.d, 16), flags=EXACT)
 
 
-@register_decoder("QSF_TERNARY")
 class QSFTernaryDecoder(QSFDecoder):
-    """A select of d, -d and 0 by the sign (byte 2) and zero (byte 10) masks."""
+    """A select of d, -d and 0 by the sign and zero masks."""
 
-    block_bytes = 2 + 16
-
-    def _bits(self, blk: _Block, at: int, o: int, w: int) -> ir.Value:
+    def _bits(self, blk: Block, at: int, o: int, w: int) -> ir.Value:
         """<w x i1>: bit o+i of the u64 mask at ``at``, i < w."""
         b = self.kb.b
         h, i = divmod(o, 32)
         assert i + w <= 32, (o, w)
         word = self._field(blk, f"{at}.{h}", lambda: self._u32(blk.bp, at + 4 * h))
-        lanes = _vconst(I32, [1 << (i + j) for j in range(w)])
-        return b.icmp_unsigned("!=", b.and_(self.kb.splat(word, w), lanes), _vconst(I32, [0] * w))
+        lanes = vconst(I32, [1 << (i + j) for j in range(w)])
+        return b.icmp_unsigned("!=", b.and_(self.kb.splat(word, w), lanes), vconst(I32, [0] * w))
 
     def values(self, blk, o, w):  # every width: no table path
         kb, b = self.kb, self.kb.b
         d = kb.splat(blk.d, w)
-        signed = b.select(self._bits(blk, 2, o, w), b.fneg(d), d)
-        return b.select(self._bits(blk, 10, o, w), kb.vzero(w), signed)
+        signed = b.select(self._bits(blk, self.at("sign"), o, w), b.fneg(d), d)
+        return b.select(self._bits(blk, self.at("zero"), o, w), kb.vzero(w), signed)

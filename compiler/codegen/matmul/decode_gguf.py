@@ -1,6 +1,6 @@
 """Decoders for GGUF's simple block quant types (BF16, Q8_0, Q4_0, Q4_1,
 Q5_0, Q5_1): stored blocks -> float32 vectors in registers, for the matmul,
-qmatmul and embedding loops of ``k_matmul``. Byte layouts: ``ir/quant/gguf.py``.
+qmatmul and embedding loops of ``matmul/float_tiles``. Byte layouts: ``ir/quant/gguf.py``.
 
 Row ``r`` of an ``[N, K]`` matrix is ``K/32`` consecutive blocks starting at
 byte ``r * (K/32) * block_bytes``; a block never crosses a row. ``step`` is
@@ -35,37 +35,19 @@ from __future__ import annotations
 
 import llvmlite.ir as ir
 
-from .emit import F32, I32, KernelBuilder, i64
-from .k_matmul import HALF, Decoder, register_decoder
+from ..emit import F32, I32, KernelBuilder, i64
+from ..simd import HALF, I8, I16, call, permutes, vconst
+from .float_tiles import Decoder
 
-
-#: values per block. (Not imported from ir.layouts_gguf: importing a layouts
-#: module directly would fill ir.layouts.LAYOUTS and stop get_layout from
-#: loading the other layout modules.)
-QK = 32
-I8 = ir.IntType(8)
-I16 = ir.IntType(16)
 #: no fast-math flags: decoded weights must equal the numpy reference exactly
 EXACT: tuple[str, ...] = ()
 
 
-def _vconst(t: ir.Type, values: list) -> ir.Constant:
-    return ir.Constant(ir.VectorType(t, len(values)), values)
-
-
-def _x86_intrinsic(kb: KernelBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
-    fn = kb.module.globals.get(name)
-    if fn is None:
-        fn = ir.Function(kb.module, ir.FunctionType(ret, [a.type for a in args]), name)
-    return kb.b.call(fn, args)
-
-
-@register_decoder("BF16")
 class BF16Decoder(Decoder):
     """bfloat16 values: zero-extend to 32 bits, shift into the high half."""
 
-    def __init__(self, kb: KernelBuilder, raw: ir.Value, n: int, k: int) -> None:
-        super().__init__(kb, raw, n, k)
+    def __init__(self, kb: KernelBuilder, raw: ir.Value, n: int, k: int, qt=None) -> None:
+        super().__init__(kb, raw, n, k, qt)
         self.w = kb.b.bitcast(raw, ir.PointerType(I16))
 
     def decode(self, row, col, widths, align, defer=False):
@@ -74,13 +56,13 @@ class BF16Decoder(Decoder):
         out, off = [], 0
         for w in widths:
             h = b.zext(kb.vload(self.w, b.add(base, i64(off)), w), ir.VectorType(I32, w))
-            h = b.shl(h, _vconst(I32, [16] * w))
+            h = b.shl(h, vconst(I32, [16] * w))
             out.append(b.bitcast(h, kb.vtype(w)))
             off += w
         return out, None
 
 
-class _Block:
+class Block:
     """What one decode call knows about one block: its address, scale,
     offset, and (lazily) shared loads such as the widened quant bytes."""
 
@@ -90,21 +72,22 @@ class _Block:
 
 
 class GGUFBlockDecoder(Decoder):
-    """Common part of the 32-value block types. Subclasses say where the
-    scale ``d`` and offset ``m`` live and give ``quants``: the integer
-    values ``q + bias`` of a piece of one block as a float32 vector (so the
-    weight is ``quants * d [+ m]``); ``values`` may instead return the
-    finished (scaled) weights, or None to use ``quants``."""
+    """Common part of the block types whose block has one scale ``d`` (and
+    maybe an offset ``m``): the type's row (``qt``) says the block's size,
+    bytes and where ``d`` and ``m`` live; subclasses give ``quants``: the
+    integer values ``q + bias`` of a piece of one block as a float32 vector
+    (so the weight is ``quants * d [+ m]``); ``values`` may instead return
+    the finished (scaled) weights, or None to use ``quants``."""
 
-    block_bytes = 34
-    #: values per block, a power of two (QSF's decoders reuse this class with 64)
-    qk = QK
-    #: byte offset of the float16 offset ``m`` (None: symmetric, value = q * d)
-    m_at: int | None = None
     decode_unroll = 4
 
-    def __init__(self, kb: KernelBuilder, raw: ir.Value, n: int, k: int) -> None:
-        super().__init__(kb, raw, n, k)
+    def __init__(self, kb: KernelBuilder, raw: ir.Value, n: int, k: int, qt) -> None:
+        super().__init__(kb, raw, n, k, qt)
+        #: bytes and values per block (a power of two: 32, QSF's 64)
+        self.block_bytes, self.qk = qt.block_bytes, qt.block
+        #: byte offset of the float16 scale ``d`` and offset ``m`` (None: symmetric, value = q * d)
+        self.d_at = qt.at("d")
+        self.m_at = qt.at("m") if qt.has("m") else None
         if k % self.qk:
             raise ValueError(f"row length {k} is not a multiple of the block size {self.qk}")
         self.nb = k // self.qk
@@ -114,10 +97,10 @@ class GGUFBlockDecoder(Decoder):
         return max(self.qk, s - s % self.qk)
 
     # --- per-type parts ---------------------------------------------------------------
-    def quants(self, blk: _Block, o: int, w: int) -> ir.Value:
+    def quants(self, blk: Block, o: int, w: int) -> ir.Value:
         raise NotImplementedError
 
-    def values(self, blk: _Block, o: int, w: int) -> ir.Value | None:
+    def values(self, blk: Block, o: int, w: int) -> ir.Value | None:
         return None
 
     # --- loads ----------------------------------------------------------------------------
@@ -137,7 +120,7 @@ class GGUFBlockDecoder(Decoder):
         assert align == 0 or align % qk == 0, (align, widths)
         first = b.add(b.mul(row, i64(self.nb)), b.lshr(col, i64(qk.bit_length() - 1)))   # col // qk
         base = b.mul(first, i64(self.block_bytes))
-        blocks: dict[int, _Block] = {}
+        blocks: dict[int, Block] = {}
         vecs: list[ir.Value] = []
         scaled: list[bool] = []
         off = 0
@@ -146,7 +129,7 @@ class GGUFBlockDecoder(Decoder):
             assert o + w <= qk, (off, w)
             if j not in blocks:
                 bp = kb.gep(self.raw, b.add(base, i64(j * self.block_bytes)))
-                blocks[j] = _Block(bp, self._f16(bp, 0), None if self.m_at is None else self._f16(bp, self.m_at))
+                blocks[j] = Block(bp, self._f16(bp, self.d_at), None if self.m_at is None else self._f16(bp, self.m_at))
             v = self.values(blocks[j], o, w)
             scaled.append(v is not None)
             vecs.append(v if v is not None else self.quants(blocks[j], o, w))
@@ -169,50 +152,47 @@ class GGUFBlockDecoder(Decoder):
         return out, None
 
 
-@register_decoder("Q8_0")
 class Q8_0Decoder(GGUFBlockDecoder):
-    block_bytes = 2 + QK
-
     def quants(self, blk, o, w):
-        return self.kb.b.sitofp(self.kb.vload(blk.bp, 2 + o, w), self.kb.vtype(w))
+        return self.kb.b.sitofp(self.kb.vload(blk.bp, self.qt.at("qs") + o, w), self.kb.vtype(w))
 
 
 class NibbleDecoder(GGUFBlockDecoder):
     """Q4_0, Q4_1, Q5_0, Q5_1: 16 bytes of nibble pairs at ``qs_at`` (low
     nibbles are values 0..15, high nibbles 16..31), for 5 bits a uint32 of
-    high bits at ``qh_at`` (bit j belongs to value j); q + ``bias`` times d."""
+    high bits at ``qh_at`` (bit j belongs to value j); q + ``bias`` times d
+    (bias: minus the type's zero point)."""
 
-    qs_at = 2
-    qh_at: int | None = None
-    bias = -8
+    def __init__(self, kb, raw, n, k, qt):
+        super().__init__(kb, raw, n, k, qt)
+        self.qs_at = qt.at("qs")
+        self.qh_at = qt.at("qh") if qt.has("qh") else None
+        self.bias = -qt.zero
+        self.lut = permutes(kb.target, kb.vw)
 
-    def __init__(self, kb, raw, n, k):
-        super().__init__(kb, raw, n, k)
-        t = kb.target
-        self.lut = kb.vw == 16 and t.triple.startswith("x86_64") and t.has("avx512f")
-
-    def _nibbles(self, blk: _Block, o: int, w: int) -> ir.Value:
+    def _nibbles(self, blk: Block, o: int, w: int) -> ir.Value:
         """<w x i8> nibbles of values o..o+w-1."""
         b = self.kb.b
-        high = o >= QK // 2
-        v = self.kb.vload(blk.bp, self.qs_at + o - (QK // 2 if high else 0), w)
-        return b.lshr(v, _vconst(I8, [4] * w)) if high else b.and_(v, _vconst(I8, [0x0F] * w))
+        half = self.qk // 2
+        high = o >= half
+        v = self.kb.vload(blk.bp, self.qs_at + o - (half if high else 0), w)
+        return b.lshr(v, vconst(I8, [4] * w)) if high else b.and_(v, vconst(I8, [0x0F] * w))
 
-    def _high_bit(self, blk: _Block, o: int, w: int) -> ir.Value:
+    def _high_bit(self, blk: Block, o: int, w: int) -> ir.Value:
         """<w x i1>: is the fifth bit of values o..o+w-1 set?"""
         b = self.kb.b
         if "qh" not in blk.cache:
             blk.cache["qh"] = self._u32(blk.bp, self.qh_at)
         qh = self.kb.splat(blk.cache["qh"], w)
-        masked = b.and_(qh, _vconst(I32, [1 << (o + i) for i in range(w)]))
-        return b.icmp_unsigned("!=", masked, _vconst(I32, [0] * w))
+        masked = b.and_(qh, vconst(I32, [1 << (o + i) for i in range(w)]))
+        return b.icmp_unsigned("!=", masked, vconst(I32, [0] * w))
 
     def quants(self, blk, o, w):
         b, vt = self.kb.b, self.kb.vtype(w)
         nib = self._nibbles(blk, o, w)
         if self.qh_at is None:
-            return b.sitofp(b.add(nib, _vconst(I8, [self.bias] * w)), vt)
-        hi = b.select(self._high_bit(blk, o, w), _vconst(I32, [16 + self.bias] * w), _vconst(I32, [self.bias] * w))
+            return b.sitofp(b.add(nib, vconst(I8, [self.bias] * w)), vt)
+        hi = b.select(self._high_bit(blk, o, w), vconst(I32, [16 + self.bias] * w), vconst(I32, [self.bias] * w))
         return b.sitofp(b.add(b.zext(nib, ir.VectorType(I32, w)), hi), vt)
 
     def values(self, blk, o, w):
@@ -224,7 +204,7 @@ class NibbleDecoder(GGUFBlockDecoder):
             # the block's 16 (32) possible weights, as float32 vectors
             tables = []
             for lo in range(0, 32 if self.qh_at is not None else 16, 16):
-                t = b.fmul(_vconst(F32, [float(lo + i + self.bias) for i in range(16)]), kb.splat(blk.d, 16), flags=EXACT)
+                t = b.fmul(vconst(F32, [float(lo + i + self.bias) for i in range(16)]), kb.splat(blk.d, 16), flags=EXACT)
                 if blk.m is not None:
                     t = b.fadd(t, kb.splat(blk.m, 16), flags=EXACT)
                 tables.append(t)
@@ -233,34 +213,10 @@ class NibbleDecoder(GGUFBlockDecoder):
         tables, qs = blk.cache["tables"], blk.cache["bytes"]
         # lane i of qs is byte i: the low nibble is value i, the high nibble
         # value i + 16; a permute reads only the low 4 (5) bits of its index
-        idx = b.lshr(qs, _vconst(I32, [4] * 16)) if o else qs
+        idx = b.lshr(qs, vconst(I32, [4] * 16)) if o else qs
         if self.qh_at is None:
-            return _x86_intrinsic(kb, "llvm.x86.avx512.permvar.sf.512", kb.vtype(16), [tables[0], idx])
+            return call(kb, "llvm.x86.avx512.permvar.sf.512", kb.vtype(16), [tables[0], idx])
         if not o:
-            idx = b.and_(idx, _vconst(I32, [0x0F] * 16))
-        idx = b.or_(idx, b.select(self._high_bit(blk, o, 16), _vconst(I32, [16] * 16), _vconst(I32, [0] * 16)))
-        return _x86_intrinsic(kb, "llvm.x86.avx512.vpermi2var.ps.512", kb.vtype(16), [tables[0], idx, tables[1]])
-
-
-@register_decoder("Q4_0")
-class Q4_0Decoder(NibbleDecoder):
-    block_bytes = 2 + QK // 2
-    qs_at, bias = 2, -8
-
-
-@register_decoder("Q4_1")
-class Q4_1Decoder(NibbleDecoder):
-    block_bytes = 4 + QK // 2
-    m_at, qs_at, bias = 2, 4, 0
-
-
-@register_decoder("Q5_0")
-class Q5_0Decoder(NibbleDecoder):
-    block_bytes = 6 + QK // 2
-    qh_at, qs_at, bias = 2, 6, -16
-
-
-@register_decoder("Q5_1")
-class Q5_1Decoder(NibbleDecoder):
-    block_bytes = 8 + QK // 2
-    m_at, qh_at, qs_at, bias = 2, 4, 8, 0
+            idx = b.and_(idx, vconst(I32, [0x0F] * 16))
+        idx = b.or_(idx, b.select(self._high_bit(blk, o, 16), vconst(I32, [16] * 16), vconst(I32, [0] * 16)))
+        return call(kb, "llvm.x86.avx512.vpermi2var.ps.512", kb.vtype(16), [tables[0], idx, tables[1]])

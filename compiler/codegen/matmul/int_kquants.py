@@ -7,14 +7,14 @@ super-block adds d_w d_x * (integer sum over sub-blocks of sc * q_w . q_x)
 - dmin_w d_x * (integer sum of m * bsum). The integer parts are exact, so
 the kernel differs from the reference only in float32 rounding.
 
-Scheduling is ``k_matmul_int``'s (``emit_int_matvec`` drives this class
+Scheduling is ``matmul/int_q8``'s (``emit_int_matvec`` drives this class
 through ``slot`` / ``quantize`` / ``tile``): each thread quantizes the
 rows it needs into its scratch, ``decode_rows`` rows at a time, then reads
 each weight super-block once, unpacks it once, and multiplies it with every
 quantized row of the group, each row with the one-row code's operations in
 its order (bit for bit the decode step's result).
 
-A layout is a subclass (``FORMATS``) that says how its bytes become
+A layout is a subclass (the traits table's ``int_kernel``) that says how its bytes become
 unsigned quants (``run``: 32 values) and integer sub-block scales and
 minimums (``scales``), its sub-block size, and whether its values carry a
 minimum (Q2_K, Q4_K, Q5_K: d sc q - dmin m) or an offset (Q3_K, Q6_K:
@@ -54,18 +54,16 @@ from typing import NamedTuple
 
 import llvmlite.ir as ir
 
-from .emit import F32, I32, KernelBuilder, i64
-from .k_matmul import HALF, PREFETCH_BYTES, _tuned, out_rows
-from .k_matmul_kquants import Q3K_SCALES_AT, q3k_scales
-from .kernels import KernelSig
-from .target import Target
+from ir.int_dot import BSUM
 
-QK_K = 256
+from ..act_quant import QK_K, quantize_q8k_block
+from ..emit import F32, I32, KernelBuilder, i64
+from ..kernels import KernelSig
+from ..simd import HALF, I8, I16, call, concat, madd, pair_sums, shuffle, vconst
+from .common import PREFETCH_BYTES, out_rows, tuned
+from .decode_kquants import q3k_scales, q3k_scales_at
+
 RUN = 32
-#: values per activation partial sum
-BSUM = 16
-I8 = ir.IntType(8)
-I16 = ir.IntType(16)
 _UNROLL = 1
 
 
@@ -85,105 +83,39 @@ def slot_bytes(k: int) -> int:
     return (k + 36 * nb + 63) // 64 * 64
 
 
-def chunk_runs(layout: str, vw: int) -> list[tuple[int, ...]]:
+def chunk_runs(runs_64: list[tuple[int, int]], vw: int) -> list[tuple[int, ...]]:
     """The runs of 32 values of each chunk, in the order the slot stores them."""
-    return FORMATS[layout].runs_64 if vw >= 16 else [(r,) for r in range(QK_K // RUN)]
-
-
-def _x86_names(t: Target, nbytes: int) -> tuple[str, str, str | None] | None:
-    """(maddubs, maddwd, VNNI dpwssd or None) intrinsics for ``nbytes``-byte
-    operands, if the target has them."""
-    if not t.triple.startswith("x86_64"):
-        return None
-    if nbytes == 64 and t.has("avx512bw"):
-        dp = "llvm.x86.avx512.vpdpwssd.512" if t.has("avx512vnni") else None
-        return "llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512", dp
-    if nbytes == 32 and t.has("avx2"):
-        vnni = (t.has("avx512vnni") and t.has("avx512vl")) or t.has("avxvnni")
-        return "llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd", ("llvm.x86.avx512.vpdpwssd.256" if vnni else None)
-    return None
-
-
-def _vc(t: ir.Type, values: list) -> ir.Constant:
-    return ir.Constant(ir.VectorType(t, len(values)), values)
-
-
-def _shuffle(b: ir.IRBuilder, x: ir.Value, y: ir.Value | None, idx: list[int]) -> ir.Value:
-    return b.shuffle_vector(x, y if y is not None else ir.Constant(x.type, ir.Undefined), _vc(I32, idx))
-
-
-def _concat(b: ir.IRBuilder, parts: list[ir.Value]) -> ir.Value:
-    while len(parts) > 1:
-        n = parts[0].type.count
-        parts = [_shuffle(b, parts[i], parts[i + 1], list(range(2 * n))) for i in range(0, len(parts), 2)]
-    return parts[0]
-
-
-def _call(kb: KernelBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
-    fn = kb.module.globals.get(name)
-    if fn is None:
-        fn = ir.Function(kb.module, ir.FunctionType(ret, [a.type for a in args]), name)
-    return kb.b.call(fn, args)
-
-
-def _pairs(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
-    """Adjacent lanes of ``v`` summed (n lanes -> n/2)."""
-    n = v.type.count
-    return b.add(_shuffle(b, v, None, list(range(0, n, 2))), _shuffle(b, v, None, list(range(1, n, 2))))
+    return runs_64 if vw >= 16 else [(r,) for r in range(QK_K // RUN)]
 
 
 def maddubs(kb: KernelBuilder, u: ir.Value, x: ir.Value) -> ir.Value:
     """<n x i8> unsigned u, signed x -> <n/2 x i16>: u[2i] x[2i] + u[2i+1] x[2i+1]
     (exact for the K-quants' ranges: never saturates)."""
     b, n = kb.b, u.type.count
-    names = _x86_names(kb.target, n)
+    names = madd(kb.target, n)
     if names:
-        return _call(kb, names[0], ir.VectorType(I16, n // 2), [u, x])
+        return call(kb, names[0], ir.VectorType(I16, n // 2), [u, x])
     v16 = ir.VectorType(I16, n)
-    return _pairs(b, b.mul(b.zext(u, v16), b.sext(x, v16)))
+    return pair_sums(b, b.mul(b.zext(u, v16), b.sext(x, v16)))
 
 
 def maddwd(kb: KernelBuilder, a: ir.Value, s: ir.Value) -> ir.Value:
     """<2n x i16> a, s -> <n x i32>: a[2i] s[2i] + a[2i+1] s[2i+1]."""
     b, n = kb.b, a.type.count
-    names = _x86_names(kb.target, 2 * n)
+    names = madd(kb.target, 2 * n)
     if names:
-        return _call(kb, names[1], ir.VectorType(I32, n // 2), [a, s])
+        return call(kb, names[1], ir.VectorType(I32, n // 2), [a, s])
     v32 = ir.VectorType(I32, n)
-    return _pairs(b, b.mul(b.sext(a, v32), b.sext(s, v32)))
+    return pair_sums(b, b.mul(b.sext(a, v32), b.sext(s, v32)))
 
 
 def dpwssd(kb: KernelBuilder, acc: ir.Value, a: ir.Value, s: ir.Value) -> ir.Value:
     """acc + maddwd(a, s): ``vpdpwssd`` on VNNI hosts (LLVM may still split
     one into ``vpmaddwd`` + ``vpaddd`` where that shortens a dependency chain)."""
-    names = _x86_names(kb.target, 2 * a.type.count)
+    names = madd(kb.target, 2 * a.type.count)
     if names and names[2]:
-        return _call(kb, names[2], acc.type, [acc, a, s])
+        return call(kb, names[2], acc.type, [acc, a, s])
     return kb.b.add(acc, maddwd(kb, a, s))
-
-
-def quantize_q8k_block(kb: KernelBuilder, at: ir.Value,
-                       x: ir.Value | None = None) -> tuple[ir.Value, ir.Value, ir.Value]:
-    """The 256 values of x (input 0, or the float rows ``x``) at float index ``at`` as a Q8_K block
-    (``ir.int_dot.quantize_q8k_rows``): <256 x i8> quants, float32 d_x,
-    and the <16 x i16> sums of 16 consecutive quants."""
-    b = kb.b
-    zero = ir.Constant(F32, 0.0)
-    xv = kb.vload(kb.in_f32(0) if x is None else x, at, QK_K)
-    amax = kb.hmax(kb.intrinsic("llvm.fabs", [xv]))
-    pos = b.fcmp_ordered(">", amax, zero)
-    iscale = b.select(pos, b.fdiv(ir.Constant(F32, 127.0), amax), zero)
-    d = b.select(pos, b.fdiv(ir.Constant(F32, 1.0), iscale), zero)
-    r = kb.intrinsic("llvm.roundeven", [b.fmul(xv, kb.splat(iscale, QK_K))])
-    q = b.fptosi(r, ir.VectorType(I8, QK_K))
-    v = b.sext(q, ir.VectorType(I16, QK_K))
-    g = 16
-    while g > 1:  # sums of 16 consecutive quants, by halving the groups
-        h, n = g // 2, v.type.count
-        lo = [grp * g + e for grp in range(n // g) for e in range(h)]
-        v = b.add(_shuffle(b, v, None, lo), _shuffle(b, v, None, [i + h for i in lo]))
-        g = h
-    return q, d, v
 
 
 class KScales(NamedTuple):
@@ -204,57 +136,36 @@ class _Weights(NamedTuple):
     f: ir.Value                # float factors: <16 x float> d_w x8, -dmin_w x8 (minimums); <L x float> d_w
 
 
-#: layout -> its kernel class (``_format``)
-FORMATS: dict[str, type] = {}
-
-
-def _format(name: str):
-    def deco(cls: type) -> type:
-        FORMATS[name] = cls
-        return cls
-    return deco
-
-
-def kquant_int_kernel(kb: KernelBuilder, sig: KernelSig) -> "KQuantIntKernel":
-    """The kernel class of the weight's layout."""
-    layout = sig.in_types[1].layout
-    if layout not in FORMATS:
-        raise NotImplementedError(f"q8k matvec on a {layout} weight")
-    return FORMATS[layout](kb, sig)
-
-
 class KQuantIntKernel:
-    """``slot`` / ``quantize`` / ``tile`` for ``k_matmul_int.emit_int_matvec``;
+    """``slot`` / ``quantize`` / ``tile`` for ``int_q8.emit_int_matvec``;
     a layout's subclass says how its bytes become unsigned quants (``run``)
-    and sub-block factors (``scales``), and what they mean:"""
+    and sub-block factors (``scales``). The type's row (``qt``) gives the
+    bytes per super-block, the values per sub-block (one scale, one
+    minimum: ``sub``), the zero point added to the signed quants to make
+    them unsigned bytes (Q3_K 4, Q6_K 32: ``offset``), whether value =
+    d sc q - dmin m (``minimums``: Q2_K, Q4_K, Q5_K) and the fields' offsets."""
 
-    #: bytes per super-block
-    block_bytes = 0
-    #: values per sub-block (one scale, one minimum)
-    sub = 32
-    #: added to the signed quants to make them unsigned bytes (Q3_K 4, Q6_K 32)
-    offset = 0
-    #: value = d sc q - dmin m (Q2_K, Q4_K, Q5_K)
-    minimums = False
     #: the runs of 32 values in each 64-value chunk (vector width 16):
     #: runs that one byte operation on 64 consecutive stored bytes produces
     runs_64: list[tuple[int, int]] = []
 
-    def __init__(self, kb: KernelBuilder, sig: KernelSig) -> None:
+    def __init__(self, kb: KernelBuilder, sig: KernelSig, qt) -> None:
         xt, wt = sig.in_types[:2]
+        self.qt, self.at = qt, qt.at
+        self.sub, self.offset, self.minimums = qt.sub_block, qt.zero, qt.has("dmin")
         self.layout = wt.layout
         self.kb, self.b = kb, kb.b
         self.n, self.k = int(wt.shape[0]), int(wt.shape[1])
         if self.k % QK_K:
             raise NotImplementedError(f"row length {self.k} is not a multiple of {QK_K}")
         self.nb = self.k // QK_K
-        self.bb = self.block_bytes
-        self.runs = chunk_runs(self.layout, kb.vw)
+        self.bb = qt.block_bytes
+        self.runs = chunk_runs(self.runs_64, kb.vw)
         self.CH = RUN * len(self.runs[0])
         self.L = self.CH // 4                  # int32 lanes of a chunk's sums
         self.A = 16 if self.minimums else self.L   # float accumulator lanes
         self.out, self.n_out = out_rows(kb, sig)
-        self.U = _tuned(kb, sig.attr, "unroll", _UNROLL)
+        self.U = tuned(kb, sig.attr, "unroll", _UNROLL)
         self.ahead = int(sig.attr.get("prefetch", PREFETCH_BYTES))
         self.xt = xt
         self.w = kb.in_raw[1]
@@ -276,13 +187,13 @@ class KQuantIntKernel:
             q, d, v = quantize_q8k_block(kb, b.add(xrow, b.mul(j, i64(QK_K))))
             base = b.mul(j, i64(QK_K))
             for run in range(QK_K // RUN):
-                piece = _shuffle(b, q, None, list(range(RUN * run, RUN * run + RUN)))
+                piece = shuffle(b, q, None, list(range(RUN * run, RUN * run + RUN)))
                 kb.vstore(piece, sl.q, b.add(base, i64(RUN * self.pos[run])))
             kb.vstore(v, sl.bs, b.mul(j, i64(16)))
             kb.store(d, sl.dx, j)
 
     # --- step 2: weights (a layout's ``run`` and ``scales``) -------------------------------
-    def _block_ptr(self, row: ir.Value, j: ir.Value) -> ir.Value:
+    def block_ptr(self, row: ir.Value, j: ir.Value) -> ir.Value:
         b = self.b
         return self.kb.gep(self.w, b.mul(b.add(b.mul(row, i64(self.nb)), j), i64(self.bb)))
 
@@ -293,14 +204,14 @@ class KQuantIntKernel:
         """Bytes of v shifted left by sh (right by -sh)."""
         b = self.b
         if sh > 0:
-            return b.shl(v, _vc(I8, [sh] * v.type.count))
+            return b.shl(v, vconst(I8, [sh] * v.type.count))
         if sh < 0:
-            return b.lshr(v, _vc(I8, [-sh] * v.type.count))
+            return b.lshr(v, vconst(I8, [-sh] * v.type.count))
         return v
 
     def _bits(self, v: ir.Value, lo: int, mask: int) -> ir.Value:
         """(v >> lo) & mask, bytewise."""
-        return self.b.and_(self._shift_to(v, -lo), _vc(I8, [mask] * v.type.count))
+        return self.b.and_(self._shift_to(v, -lo), vconst(I8, [mask] * v.type.count))
 
     def run(self, bp: ir.Value, r: int) -> ir.Value:
         """<32 x i8>: the unsigned quants (q + offset) of values 32r .. 32r+31."""
@@ -310,38 +221,38 @@ class KQuantIntKernel:
         """The super-block's sub-block scales (and minimums) and float factors."""
         raise NotImplementedError
 
-    def _weights(self, bp: ir.Value) -> _Weights:
+    def weights(self, bp: ir.Value) -> _Weights:
         b = self.b
-        u = [_concat(b, [self.run(bp, r) for r in c]) for c in self.runs]
+        u = [concat(b, [self.run(bp, r) for r in c]) for c in self.runs]
         ks = self.scales(bp)
         per_bsum = [BSUM * i // self.sub for i in range(16)]     # the sub-block of each partial sum
 
         def pairs(r: int) -> list[int]:                           # the sub-block of each pair of run r
             return [(RUN * r + 2 * p) // self.sub for p in range(RUN // 2)]
 
-        scs = [_shuffle(b, ks.sc, None, [s for r in c for s in pairs(r)]) for c in self.runs]
+        scs = [shuffle(b, ks.sc, None, [s for r in c for s in pairs(r)]) for c in self.runs]
         off = mins = None
         if self.offset:
-            sc16 = _shuffle(b, ks.sc, None, per_bsum)
-            off = self._widen16(b.mul(sc16, _vc(I16, [-self.offset] * 16)))
+            sc16 = shuffle(b, ks.sc, None, per_bsum)
+            off = self._widen16(b.mul(sc16, vconst(I16, [-self.offset] * 16)))
         if self.minimums:
-            mins = _shuffle(b, ks.m, None, per_bsum)
-            f = _shuffle(b, ks.f2, None, [0] * 8 + [1] * 8)
+            mins = shuffle(b, ks.m, None, per_bsum)
+            f = shuffle(b, ks.f2, None, [0] * 8 + [1] * 8)
         else:
-            f = _shuffle(b, ks.f2, None, [0] * self.L)
+            f = shuffle(b, ks.f2, None, [0] * self.L)
         return _Weights(u, scs, off, mins, f)
 
     def _widen16(self, v: ir.Value) -> ir.Value:
         """<16 x i16> -> <2L x i16>, zeros above (one register like a chunk's products)."""
         n = 2 * self.L
-        return v if n == 16 else _shuffle(self.b, v, _vc(I16, [0] * 16), list(range(16)) + [16] * (n - 16))
+        return v if n == 16 else shuffle(self.b, v, vconst(I16, [0] * 16), list(range(16)) + [16] * (n - 16))
 
-    def _superblock(self, wt: _Weights, j: ir.Value, accs: list[ir.Value], slots: list[KSlot]) -> list[ir.Value]:
+    def superblock(self, wt: _Weights, j: ir.Value, accs: list[ir.Value], slots: list[KSlot]) -> list[ir.Value]:
         """accs[s] + super-block j of one weight row (unpacked in ``wt``)
         times slot s's row, for every slot, each with the one-row code's
         operations."""
         kb, b, L = self.kb, self.b, self.L
-        izero = _vc(I32, [0] * L)
+        izero = vconst(I32, [0] * L)
         out = []
         for sl, acc in zip(slots, accs):
             bs = kb.vload(sl.bs, b.mul(j, i64(16)), 16)
@@ -352,8 +263,8 @@ class KQuantIntKernel:
                 s = dpwssd(kb, s, maddubs(kb, u, xq), sc)
             if wt.mins is not None:   # 8 lanes of the sum beside the 8 of sum m bsum: one convert, one FMA
                 if L > 8:
-                    s = b.add(_shuffle(b, s, None, list(range(8))), _shuffle(b, s, None, list(range(8, 16))))
-                s = _shuffle(b, s, maddwd(kb, bs, wt.mins), list(range(16)))
+                    s = b.add(shuffle(b, s, None, list(range(8))), shuffle(b, s, None, list(range(8, 16))))
+                s = shuffle(b, s, maddwd(kb, bs, wt.mins), list(range(16)))
             n = s.type.count
             acc = kb.fma(b.sitofp(s, ir.VectorType(F32, n)), b.fmul(wt.f, kb.splat(kb.load(sl.dx, j), n)), acc)
             out.append(acc)
@@ -372,8 +283,8 @@ class KQuantIntKernel:
             return (i * U + u) * P + p
 
         def step(i: int, j: ir.Value, u: int, accs: list[ir.Value]) -> None:
-            wt = self._weights(self._block_ptr(rows[i], j))
-            new = self._superblock(wt, j, [accs[at(i, u, p)] for p in range(P)], slots)
+            wt = self.weights(self.block_ptr(rows[i], j))
+            new = self.superblock(wt, j, [accs[at(i, u, p)] for p in range(P)], slots)
             for p in range(P):
                 accs[at(i, u, p)] = new[p]
 
@@ -383,7 +294,7 @@ class KQuantIntKernel:
                 cur = list(cur)
                 if self.ahead:
                     for i in range(R):
-                        kb.prefetch(kb.gep(self._block_ptr(rows[i], j), self.ahead), self.bb * U)
+                        kb.prefetch(kb.gep(self.block_ptr(rows[i], j), self.ahead), self.bb * U)
                 for i in range(R):
                     for u in range(U):
                         step(i, b.add(j, i64(u)), u, cur)
@@ -411,29 +322,28 @@ def _f16s(kb: KernelBuilder, bp: ir.Value, at: int, n: int) -> ir.Value:
 def _d_only(kb: KernelBuilder, bp: ir.Value, at: int) -> ir.Value:
     """<2 x float> (d, 0) from the f16 d at byte ``at``."""
     d = kb.b.extract_element(_f16s(kb, bp, at, 1), i64(0))
-    return kb.b.insert_element(_vc(F32, [0.0, 0.0]), d, i64(0))
+    return kb.b.insert_element(vconst(F32, [0.0, 0.0]), d, i64(0))
 
 
 class _ScaleMin(KQuantIntKernel):
-    """Q4_K / Q5_K: f16 d, f16 dmin, eight packed 6-bit (scale, min) pairs
-    at byte 4, sub-blocks of 32."""
+    """Q4_K / Q5_K: f16 d, f16 dmin, eight packed 6-bit (scale, min) pairs,
+    sub-blocks of 32."""
 
-    minimums = True
     runs_64 = [(0, 2), (1, 3), (4, 6), (5, 7)]
 
     def scales(self, bp):
         kb, b = self.kb, self.b
-        s = self._bytes(bp, 4, 16)   # 12 scale bytes + 4 quant bytes (still in the block)
+        s = self._bytes(bp, self.at("scales"), 16)   # 12 scale bytes + 4 quant bytes (still in the block)
         # s < 4: sc = b[s] & 63, m = b[s+4] & 63
         # s >= 4: sc = b[s+4] & 15 | (b[s-4] >> 6) << 4, m = b[s+4] >> 4 | (b[s] >> 6) << 4
-        lo = _shuffle(b, s, None, [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])
-        hi = _shuffle(b, s, None, [0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7])
-        v = b.or_(b.and_(lo, _vc(I8, [63] * 4 + [15] * 4 + [63] * 4 + [0] * 4)),
-                  b.and_(b.lshr(lo, _vc(I8, [4] * 16)), _vc(I8, [0] * 12 + [15] * 4)))
-        v = b.or_(v, b.and_(b.lshr(hi, _vc(I8, [2] * 16)), _vc(I8, ([0] * 4 + [0x30] * 4) * 2)))
+        lo = shuffle(b, s, None, [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])
+        hi = shuffle(b, s, None, [0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7])
+        v = b.or_(b.and_(lo, vconst(I8, [63] * 4 + [15] * 4 + [63] * 4 + [0] * 4)),
+                  b.and_(b.lshr(lo, vconst(I8, [4] * 16)), vconst(I8, [0] * 12 + [15] * 4)))
+        v = b.or_(v, b.and_(b.lshr(hi, vconst(I8, [2] * 16)), vconst(I8, ([0] * 4 + [0x30] * 4) * 2)))
         v = b.zext(v, ir.VectorType(I16, 16))
-        f2 = b.fmul(_f16s(kb, bp, 0, 2), _vc(F32, [1.0, -1.0]))
-        return KScales(_shuffle(b, v, None, list(range(8))), _shuffle(b, v, None, list(range(8, 16))), f2)
+        f2 = b.fmul(_f16s(kb, bp, self.at("d"), 2), vconst(F32, [1.0, -1.0]))   # d, dmin
+        return KScales(shuffle(b, v, None, list(range(8))), shuffle(b, v, None, list(range(8, 16))), f2)
 
     def _nibbles(self, bp: ir.Value, at: int, r: int) -> ir.Value:
         """Run r's nibbles: the low (r even) or high nibble of 32 bytes at at + 32 (r // 2)."""
@@ -441,93 +351,74 @@ class _ScaleMin(KQuantIntKernel):
         return self._bits(q, 4, 15) if r % 2 else self._bits(q, 0, 15)
 
 
-@_format("Q4_K")
-class _Q4K(_ScaleMin):
-    """144 bytes: d, dmin, 12 scale bytes, 128 bytes of nibbles."""
-
-    block_bytes = 144
+class Q4KInt(_ScaleMin):
+    """d, dmin, 12 scale bytes, 128 bytes of nibbles."""
 
     def run(self, bp, r):
-        return self._nibbles(bp, 16, r)
+        return self._nibbles(bp, self.at("qs"), r)
 
 
-@_format("Q5_K")
-class _Q5K(_ScaleMin):
-    """176 bytes: as Q4_K with 32 bytes of fifth bits (bit r of byte l for value 32r + l)."""
-
-    block_bytes = 176
+class Q5KInt(_ScaleMin):
+    """As Q4_K with 32 bytes of fifth bits (bit r of byte l for value 32r + l)."""
 
     def run(self, bp, r):
-        qh = self._shift_to(self._bytes(bp, 16), 4 - r)                 # bit r -> bit 4
-        return self.b.or_(self._nibbles(bp, 48, r), self.b.and_(qh, _vc(I8, [16] * RUN)))
+        qh = self._shift_to(self._bytes(bp, self.at("qh")), 4 - r)                 # bit r -> bit 4
+        return self.b.or_(self._nibbles(bp, self.at("qs"), r), self.b.and_(qh, vconst(I8, [16] * RUN)))
 
 
-@_format("Q6_K")
-class _Q6K(KQuantIntKernel):
-    """210 bytes: 128 of low nibbles, 64 of high 2-bit parts, 16 int8 scales, f16 d."""
+class Q6KInt(KQuantIntKernel):
+    """128 bytes of low nibbles, 64 of high 2-bit parts, 16 int8 scales, f16 d."""
 
-    block_bytes = 210
-    sub = 16
-    offset = 32
     runs_64 = [(0, 1), (2, 3), (4, 5), (6, 7)]
 
     def run(self, bp, r):
         b = self.b
         h, i = divmod(r, 4)
-        ql = self._bytes(bp, 64 * h + 32 * (i % 2))
+        ql = self._bytes(bp, self.at("ql") + 64 * h + 32 * (i % 2))
         ql = self._bits(ql, 4, 15) if i >= 2 else self._bits(ql, 0, 15)
-        qh = self._shift_to(self._bytes(bp, 128 + 32 * h), 4 - 2 * i)   # bits 2i, 2i+1 -> 4, 5
-        return b.or_(ql, b.and_(qh, _vc(I8, [0x30] * RUN)))
+        qh = self._shift_to(self._bytes(bp, self.at("qh") + 32 * h), 4 - 2 * i)   # bits 2i, 2i+1 -> 4, 5
+        return b.or_(ql, b.and_(qh, vconst(I8, [0x30] * RUN)))
 
     def scales(self, bp):
-        sc = self.b.sext(self._bytes(bp, 192, 16), ir.VectorType(I16, 16))
-        return KScales(sc, None, _d_only(self.kb, bp, 208))
+        sc = self.b.sext(self._bytes(bp, self.at("scales"), 16), ir.VectorType(I16, 16))
+        return KScales(sc, None, _d_only(self.kb, bp, self.at("d")))
 
 
 #: Q2_K / Q3_K: one shift of the 64 bytes of 2-bit fields gives runs i and 4 + i
 _RUNS_2BIT = [(0, 4), (1, 5), (2, 6), (3, 7)]
 
 
-@_format("Q2_K")
-class _Q2K(KQuantIntKernel):
-    """84 bytes: 16 bytes (scale | min << 4) per 16 values, 64 bytes of
-    2-bit quants (value 128h + 32i + l: bits 2i, 2i+1 of byte 16 + 32h + l),
-    f16 d, f16 dmin."""
+class Q2KInt(KQuantIntKernel):
+    """16 bytes (scale | min << 4) per 16 values, 64 bytes of 2-bit quants
+    (value 128h + 32i + l: bits 2i, 2i+1 of quant byte 32h + l), f16 d, f16 dmin."""
 
-    block_bytes = 84
-    sub = 16
-    minimums = True
     runs_64 = _RUNS_2BIT
 
     def run(self, bp, r):
         h, i = divmod(r, 4)
-        return self._bits(self._bytes(bp, 16 + 32 * h), 2 * i, 3)
+        return self._bits(self._bytes(bp, self.at("qs") + 32 * h), 2 * i, 3)
 
     def scales(self, bp):
         b = self.b
-        s = self._bytes(bp, 0, 16)
+        s = self._bytes(bp, self.at("scales"), 16)
         v16 = ir.VectorType(I16, 16)
-        f2 = b.fmul(_f16s(self.kb, bp, 80, 2), _vc(F32, [1.0, -1.0]))
+        f2 = b.fmul(_f16s(self.kb, bp, self.at("d"), 2), vconst(F32, [1.0, -1.0]))   # d, dmin
         return KScales(b.zext(self._bits(s, 0, 15), v16), b.zext(self._bits(s, 4, 15), v16), f2)
 
 
-@_format("Q3_K")
-class _Q3K(KQuantIntKernel):
-    """110 bytes: 32 bytes of high bits (bit r of byte l for value 32r + l),
-    64 bytes of 2-bit low parts (as Q2_K's), 12 bytes of packed 6-bit scales,
-    f16 d. The quant is low + 4 hbit - 4: unsigned, low | hbit << 2."""
+class Q3KInt(KQuantIntKernel):
+    """32 bytes of high bits (bit r of byte l for value 32r + l), 64 bytes of
+    2-bit low parts (as Q2_K's), 12 bytes of packed 6-bit scales, f16 d. The
+    quant is low + 4 hbit - 4: unsigned, low | hbit << 2 (offset 4)."""
 
-    block_bytes = 110
-    sub = 16
-    offset = 4
     runs_64 = _RUNS_2BIT
 
     def run(self, bp, r):
         h, i = divmod(r, 4)
-        low = self._bits(self._bytes(bp, 32 + 32 * h), 2 * i, 3)
-        hb = self.b.and_(self._shift_to(self._bytes(bp, 0), 2 - r), _vc(I8, [4] * RUN))   # bit r -> bit 2
+        low = self._bits(self._bytes(bp, self.at("qs") + 32 * h), 2 * i, 3)
+        hb = self.b.and_(self._shift_to(self._bytes(bp, self.at("hmask")), 2 - r), vconst(I8, [4] * RUN))   # bit r -> bit 2
         return self.b.or_(low, hb)
 
     def scales(self, bp):
-        sc = q3k_scales(self.b, self._bytes(bp, Q3K_SCALES_AT, 16))
-        return KScales(sc, None, _d_only(self.kb, bp, 108))
+        sc = q3k_scales(self.b, self._bytes(bp, q3k_scales_at(self.qt), 16))
+        return KScales(sc, None, _d_only(self.kb, bp, self.at("d")))

@@ -1,6 +1,6 @@
 """Decoders for GGUF's K-quants (Q2_K .. Q6_K): 256-value super-blocks
 -> float32 vectors in registers, for the matmul / qmatmul / embedding loops
-of ``k_matmul``. Byte layouts and value order: ``ir/quant/kquants.py``.
+of ``matmul/float_tiles``. Byte layouts and value order: ``ir/quant/kquants.py``.
 
 K is a multiple of 256 and ``step`` is one super-block, so a decode call
 starts at a super-block boundary and every vector piece lies in one
@@ -32,43 +32,37 @@ from __future__ import annotations
 
 import llvmlite.ir as ir
 
-from .emit import F32, I32, KernelBuilder, i64
-from .k_matmul import HALF, Decoder, register_decoder
+from ir.quant import ACT_BLOCK
 
-#: values per super-block (``ir/quant/kquants.py``; not imported from
-#: there: importing one layouts module by name keeps ``get_layout`` from
-#: auto-loading the others)
-QK_K = 256
-I8 = ir.IntType(8)
-I16 = ir.IntType(16)
-#: where Q3_K's scales are read: 16 bytes ending with the 12 scale bytes
-#: at 96 .. 107 and d (two quant bytes before them), never past the block
-Q3K_SCALES_AT = 94
+from ..emit import F32, I32, KernelBuilder, i64
+from ..simd import HALF, I8, I16, shuffle, vconst
+from .float_tiles import Decoder
+
+#: values per super-block
+QK_K = ACT_BLOCK["q8k"]
 
 
-def _vconst(t: ir.Type, values: list[int]) -> ir.Constant:
-    return ir.Constant(ir.VectorType(t, len(values)), values)
+def q3k_scales_at(qt) -> int:
+    """Where Q3_K's scales are read: 16 bytes ending with the 12 scale bytes
+    and d (two quant bytes before them), never past the block."""
+    return qt.at("scales") - 2
 
 
-def _i8s(w: int, v: int) -> ir.Constant:
-    return _vconst(I8, [v] * w)
-
-
-def _shuffle(b: ir.IRBuilder, v: ir.Value, idx: list[int]) -> ir.Value:
-    return b.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), _vconst(I32, idx))
+def i8s(w: int, v: int) -> ir.Constant:
+    return vconst(I8, [v] * w)
 
 
 def q3k_scales(b: ir.IRBuilder, s: ir.Value) -> ir.Value:
     """Q3_K's sixteen scales (6 bits, minus 32) as <16 x i16>, from the 16
-    bytes at ``Q3K_SCALES_AT`` (packed byte p in lane 2 + p): scale j is the
+    bytes at ``q3k_scales_at`` (packed byte p in lane 2 + p): scale j is the
     low (j < 8) or high nibble of byte j % 8, with bits 2(j // 4), 2(j // 4) + 1
     of byte 8 + j % 4 above it (llama.cpp's kmask1 / kmask2 unpacking)."""
     v16 = ir.VectorType(I16, 16)
-    lo = b.zext(_shuffle(b, s, [2 + j % 8 for j in range(16)]), v16)
-    hi = b.zext(_shuffle(b, s, [10 + j % 4 for j in range(16)]), v16)
-    lo = b.and_(b.lshr(lo, _vconst(I16, [4 * (j // 8) for j in range(16)])), _vconst(I16, [15] * 16))
-    hi = b.and_(b.lshr(hi, _vconst(I16, [2 * (j // 4) for j in range(16)])), _vconst(I16, [3] * 16))
-    return b.sub(b.or_(lo, b.shl(hi, _vconst(I16, [4] * 16))), _vconst(I16, [32] * 16))
+    lo = b.zext(shuffle(b, s, None, [2 + j % 8 for j in range(16)]), v16)
+    hi = b.zext(shuffle(b, s, None, [10 + j % 4 for j in range(16)]), v16)
+    lo = b.and_(b.lshr(lo, vconst(I16, [4 * (j // 8) for j in range(16)])), vconst(I16, [15] * 16))
+    hi = b.and_(b.lshr(hi, vconst(I16, [2 * (j // 4) for j in range(16)])), vconst(I16, [3] * 16))
+    return b.sub(b.or_(lo, b.shl(hi, vconst(I16, [4] * 16))), vconst(I16, [32] * 16))
 
 
 class _VolatileLoad(ir.LoadInstr):
@@ -111,16 +105,17 @@ class _Block:
 
 class KQuantDecoder(Decoder):
     """Common part: super-block addressing and the factor buffer.
-    Subclasses give ``block_bytes``, ``sub`` (values per sub-block) and
+    The type's row (``qt``) gives the super-block's bytes, its fields'
+    offsets and the values per sub-block (``sub``); subclasses give
     ``piece(blk, io, w)``: the weights at in-block offsets io..io+w-1
     (inside one sub-block) as a float32 vector."""
 
-    block_bytes = 0
-    sub = 32
     decode_unroll = 4
 
-    def __init__(self, kb: KernelBuilder, raw: ir.Value, n: int, k: int) -> None:
-        super().__init__(kb, raw, n, k)
+    def __init__(self, kb: KernelBuilder, raw: ir.Value, n: int, k: int, qt) -> None:
+        super().__init__(kb, raw, n, k, qt)
+        self.block_bytes, self.sub = qt.block_bytes, qt.sub_block
+        self.at = qt.at
         if k % QK_K:
             raise NotImplementedError(f"K-quant rows must be a multiple of {QK_K}, got {k}")
         self.nb = k // QK_K  # super-blocks per row
@@ -185,15 +180,15 @@ class _ScaleMinDecoder(KQuantDecoder):
         """Buffer lanes 0-7: ``d*sc[s]``; lanes 8-15: ``dmin*m[s]``."""
         def make():
             b = self.kb.b
-            s = blk.bytes(4, 16)  # 12 scale bytes + 4 quant bytes (still in the block)
+            s = blk.bytes(self.at("scales"), 16)  # 12 scale bytes + 4 quant bytes (still in the block)
             # s < 4: sc = b[s] & 63, m = b[s+4] & 63
             # s >= 4: sc = b[s+4] & 15 | (b[s-4] >> 6) << 4, m = b[s+4] >> 4 | (b[s] >> 6) << 4
-            lo = _shuffle(b, s, [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])
-            hi = _shuffle(b, s, [0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7])
-            v = b.or_(b.and_(lo, _vconst(I8, [63] * 4 + [15] * 4 + [63] * 4 + [0] * 4)),
-                      b.and_(b.lshr(lo, _i8s(16, 4)), _vconst(I8, [0] * 12 + [15] * 4)))
-            v = b.or_(v, b.and_(b.lshr(hi, _i8s(16, 2)), _vconst(I8, ([0] * 4 + [0x30] * 4) * 2)))
-            dd = _shuffle(b, blk.f16s(0, 2), [0] * 8 + [1] * 8)   # d x8, dmin x8
+            lo = shuffle(b, s, None, [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])
+            hi = shuffle(b, s, None, [0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7])
+            v = b.or_(b.and_(lo, vconst(I8, [63] * 4 + [15] * 4 + [63] * 4 + [0] * 4)),
+                      b.and_(b.lshr(lo, i8s(16, 4)), vconst(I8, [0] * 12 + [15] * 4)))
+            v = b.or_(v, b.and_(b.lshr(hi, i8s(16, 2)), vconst(I8, ([0] * 4 + [0x30] * 4) * 2)))
+            dd = shuffle(b, blk.f16s(self.at("d"), 2), None, [0] * 8 + [1] * 8)   # d x8, dmin x8 (dmin after d)
             self.store_factors(b.fmul(dd, self.widen(v)))
         blk.once("factors", make)
 
@@ -206,59 +201,49 @@ class _ScaleMinDecoder(KQuantDecoder):
         return self.kb.mul_add(self.widen(q), f, m)
 
 
-@register_decoder("Q4_K")
 class Q4KDecoder(_ScaleMinDecoder):
-    """144 bytes: d, dmin, 12 scale bytes, 128 bytes of nibbles (value
-    64j + 32h + l is nibble h of byte 32j + l)."""
-
-    block_bytes = 144
+    """d, dmin, 12 scale bytes, 128 bytes of nibbles (value 64j + 32h + l is
+    nibble h of byte 32j + l)."""
 
     def piece(self, blk, io, w):
         b = self.kb.b
         j, r = divmod(io, 64)
         h, l0 = divmod(r, 32)
-        q = blk.bytes(16 + 32 * j + l0, w)
-        q = b.lshr(q, _i8s(w, 4)) if h else b.and_(q, _i8s(w, 15))
+        q = blk.bytes(self.at("qs") + 32 * j + l0, w)
+        q = b.lshr(q, i8s(w, 4)) if h else b.and_(q, i8s(w, 15))
         return self.scaled(blk, q, io // 32)
 
 
-@register_decoder("Q5_K")
 class Q5KDecoder(_ScaleMinDecoder):
-    """176 bytes: as Q4_K with 32 bytes of fifth bits (bit s of byte l is
-    bit 4 of value 32s + l) before the nibbles."""
-
-    block_bytes = 176
+    """As Q4_K with 32 bytes of fifth bits (bit s of byte l is bit 4 of
+    value 32s + l) before the nibbles."""
 
     def piece(self, blk, io, w):
         b = self.kb.b
         s, l0 = divmod(io, 32)
         j, h = divmod(s, 2)
-        q = blk.bytes(48 + 32 * j + l0, w)
-        q = b.lshr(q, _i8s(w, 4)) if h else b.and_(q, _i8s(w, 15))
-        qh = blk.bytes(16 + l0, w)
-        qh = b.shl(qh, _i8s(w, 4 - s)) if s <= 4 else b.lshr(qh, _i8s(w, s - 4))  # bit s -> bit 4
-        q = b.or_(q, b.and_(qh, _i8s(w, 16)))
+        q = blk.bytes(self.at("qs") + 32 * j + l0, w)
+        q = b.lshr(q, i8s(w, 4)) if h else b.and_(q, i8s(w, 15))
+        qh = blk.bytes(self.at("qh") + l0, w)
+        qh = b.shl(qh, i8s(w, 4 - s)) if s <= 4 else b.lshr(qh, i8s(w, s - 4))  # bit s -> bit 4
+        q = b.or_(q, b.and_(qh, i8s(w, 16)))
         return self.scaled(blk, q, s)
 
 
-@register_decoder("Q6_K")
 class Q6KDecoder(KQuantDecoder):
-    """210 bytes: 128 bytes of low nibbles, 64 of high 2-bit parts, 16 int8
-    scales, f16 d; the two halves of 128 values are laid out alike."""
-
-    block_bytes = 210
-    sub = 16
+    """128 bytes of low nibbles, 64 of high 2-bit parts, 16 int8 scales, f16
+    d; the two halves of 128 values are laid out alike; q = u - zero (32)."""
 
     def quants(self, blk: _Block, hf: int, i: int, l0: int, w: int) -> ir.Value:
         """q - 32 (<w x i8>) of values 128hf + 32i + l0 .. + w-1: the low or
         high nibble of ql[64hf + 32(i%2) + l] and bits 2i, 2i+1 of qh[32hf + l]."""
         b = self.kb.b
-        ql = blk.bytes(64 * hf + 32 * (i % 2) + l0, w)
-        ql = b.lshr(ql, _i8s(w, 4)) if i >= 2 else b.and_(ql, _i8s(w, 15))
-        qh = blk.bytes(128 + 32 * hf + l0, w)
+        ql = blk.bytes(self.at("ql") + 64 * hf + 32 * (i % 2) + l0, w)
+        ql = b.lshr(ql, i8s(w, 4)) if i >= 2 else b.and_(ql, i8s(w, 15))
+        qh = blk.bytes(self.at("qh") + 32 * hf + l0, w)
         sh = 4 - 2 * i  # bits 2i, 2i+1 -> bits 4, 5
-        qh = b.shl(qh, _i8s(w, sh)) if sh > 0 else (b.lshr(qh, _i8s(w, -sh)) if sh < 0 else qh)
-        return b.sub(b.or_(ql, b.and_(qh, _i8s(w, 0x30))), _i8s(w, 32))
+        qh = b.shl(qh, i8s(w, sh)) if sh > 0 else (b.lshr(qh, i8s(w, -sh)) if sh < 0 else qh)
+        return b.sub(b.or_(ql, b.and_(qh, i8s(w, 0x30))), i8s(w, self.qt.zero))
 
     def piece(self, blk, io, w):
         b = self.kb.b
@@ -267,14 +252,14 @@ class Q6KDecoder(KQuantDecoder):
         if w == 16:
             # 16-lane pieces (AVX-512): the byte ops on all 32 values of
             # (hf, i) at once, 256-bit ops that cost what a 128-bit one does
-            q = _shuffle(b, blk.once(("q", hf, i), lambda: self.quants(blk, hf, i, 0, 32)),
-                         list(range(l0, l0 + w)))
+            q = shuffle(b, blk.once(("q", hf, i), lambda: self.quants(blk, hf, i, 0, 32)), None,
+                        list(range(l0, l0 + w)))
         else:
             q = self.quants(blk, hf, i, l0, w)
 
         def factors():  # d * sc for the 16 sub-blocks
-            sc = self.widen(blk.bytes(192, 16), signed=True)
-            d = self.kb.splat(b.extract_element(blk.f16s(208, 1), i64(0)), 16)
+            sc = self.widen(blk.bytes(self.at("scales"), 16), signed=True)
+            d = self.kb.splat(b.extract_element(blk.f16s(self.at("d"), 1), i64(0)), 16)
             self.store_factors(b.fmul(d, sc))
         blk.once("factors", factors)
         return b.fmul(self.widen(q, signed=True), self.factor(blk, io // 16, w))
@@ -284,61 +269,53 @@ def _shift_bits(b: ir.IRBuilder, v: ir.Value, sh: int) -> ir.Value:
     """Bytes of v shifted left by sh (right by -sh)."""
     w = v.type.count
     if sh > 0:
-        return b.shl(v, _i8s(w, sh))
-    return b.lshr(v, _i8s(w, -sh)) if sh < 0 else v
+        return b.shl(v, i8s(w, sh))
+    return b.lshr(v, i8s(w, -sh)) if sh < 0 else v
 
 
-@register_decoder("Q2_K")
 class Q2KDecoder(KQuantDecoder):
-    """84 bytes: 16 (scale | min << 4) bytes, one per 16 values, 64 bytes of
-    2-bit quants (value 128h + 32i + l: bits 2i, 2i+1 of qs[32h + l]), f16
-    d, f16 dmin: ``d*sc*q - dmin*m``."""
-
-    block_bytes = 84
-    sub = 16
+    """16 (scale | min << 4) bytes, one per 16 values, 64 bytes of 2-bit
+    quants (value 128h + 32i + l: bits 2i, 2i+1 of qs[32h + l]), f16 d, f16
+    dmin: ``d*sc*q - dmin*m``."""
 
     def factors(self, blk: _Block) -> None:
         """Buffer lanes 0-15: ``d*sc[s]``; lanes 16-31: ``dmin*m[s]``."""
         def make():
             b = self.kb.b
-            s = blk.bytes(0, 16)
-            dd = blk.f16s(80, 2)
+            s = blk.bytes(self.at("scales"), 16)
+            dd = blk.f16s(self.at("d"), 2)   # d, dmin
             d, dmin = (self.kb.splat(b.extract_element(dd, i64(i)), 16) for i in (0, 1))
-            self.store_factors(b.fmul(d, self.widen(b.and_(s, _i8s(16, 15)))))
-            self.store_factors(b.fmul(dmin, self.widen(b.lshr(s, _i8s(16, 4)))), 16)
+            self.store_factors(b.fmul(d, self.widen(b.and_(s, i8s(16, 15)))))
+            self.store_factors(b.fmul(dmin, self.widen(b.lshr(s, i8s(16, 4)))), 16)
         blk.once("factors", make)
 
     def piece(self, blk, io, w):
         b = self.kb.b
         h, r = divmod(io, 128)
         i, l0 = divmod(r, 32)
-        q = b.and_(_shift_bits(b, blk.bytes(16 + 32 * h + l0, w), -2 * i), _i8s(w, 3))
+        q = b.and_(_shift_bits(b, blk.bytes(self.at("qs") + 32 * h + l0, w), -2 * i), i8s(w, 3))
         self.factors(blk)
         f = self.factor(blk, io // 16, w)
         m = b.fneg(self.factor(blk, 16 + io // 16, w))
         return self.kb.mul_add(self.widen(q), f, m)
 
 
-@register_decoder("Q3_K")
 class Q3KDecoder(KQuantDecoder):
-    """110 bytes: 32 bytes of high bits (bit 4h + i of hmask[l] for value
-    128h + 32i + l), 64 bytes of 2-bit low parts (as Q2_K's), 12 bytes of
-    packed 6-bit scales, f16 d: ``d*(sc - 32)*q`` with q = low + 4 hbit - 4."""
-
-    block_bytes = 110
-    sub = 16
+    """32 bytes of high bits (bit 4h + i of hmask[l] for value 128h + 32i +
+    l), 64 bytes of 2-bit low parts (as Q2_K's), 12 bytes of packed 6-bit
+    scales, f16 d: ``d*(sc - 32)*q`` with q = low + 4 hbit - zero (4)."""
 
     def piece(self, blk, io, w):
         b = self.kb.b
         h, r = divmod(io, 128)
         i, l0 = divmod(r, 32)
-        low = b.and_(_shift_bits(b, blk.bytes(32 + 32 * h + l0, w), -2 * i), _i8s(w, 3))
-        hb = b.and_(_shift_bits(b, blk.bytes(l0, w), 2 - (4 * h + i)), _i8s(w, 4))   # bit 4h+i -> bit 2
-        q = b.sub(b.or_(low, hb), _i8s(w, 4))
+        low = b.and_(_shift_bits(b, blk.bytes(self.at("qs") + 32 * h + l0, w), -2 * i), i8s(w, 3))
+        hb = b.and_(_shift_bits(b, blk.bytes(self.at("hmask") + l0, w), 2 - (4 * h + i)), i8s(w, 4))   # bit 4h+i -> bit 2
+        q = b.sub(b.or_(low, hb), i8s(w, self.qt.zero))
 
         def factors():  # d * (sc - 32) for the 16 sub-blocks
-            sc = b.sitofp(q3k_scales(b, blk.bytes(Q3K_SCALES_AT, 16)), self.kb.vtype(16))
-            d = self.kb.splat(b.extract_element(blk.f16s(108, 1), i64(0)), 16)
+            sc = b.sitofp(q3k_scales(b, blk.bytes(q3k_scales_at(self.qt), 16)), self.kb.vtype(16))
+            d = self.kb.splat(b.extract_element(blk.f16s(self.at("d"), 1), i64(0)), 16)
             self.store_factors(b.fmul(d, sc))
         blk.once("factors", factors)
         return b.fmul(self.widen(q, signed=True), self.factor(blk, io // 16, w))

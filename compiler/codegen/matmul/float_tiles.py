@@ -41,7 +41,7 @@ vector. Prefill uses
 ``R x C = 4 x 4`` register tiles (3 x 3 on 16-register AVX2) and walks all
 token tiles for a block of rows before moving on, so that block's weights
 stay in L1 while the activations stream through; a K of 2048 or more is cut
-into chunks of ``_K_CHUNK`` columns (partial sums are added in ``out``) so a
+into chunks of ``K_CHUNK`` columns (partial sums are added in ``out``) so a
 chunk of activations stays in L2.
 
 Rows of a batch of decode rows (the ``decode_rows`` attribute, set by
@@ -63,57 +63,34 @@ overlapping the row's flat element range ``[r*K, r*K + K)``.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import llvmlite.ir as ir
 
-from ir.quant import PlanarQ8Layout, get_layout
-from ir.types import TensorType
+from ..emit import F32, F32P, I32, KernelBuilder, f32c, i64
+from ..kernels import KernelSig
+from ..simd import HALF
 
-from .emit import F32, F32P, I32, I64, KernelBuilder, f32c, i64
-from .kernels import KernelSig, kernel
-from .paging import RowPositions
-
-HALF = ir.HalfType()
+if TYPE_CHECKING:
+    from ir.quant import QuantType
+from .common import PREFETCH_BYTES, as_int, out_rows, pow2_pieces, tuned
 
 #: tile shapes (rows x tokens) for prefill, by vector width (register budget)
 _PREFILL_TILE = {16: (4, 4), 8: (3, 3), 4: (4, 4)}
 #: rows per tile for decode (one token)
 _DECODE_ROWS = 4
-#: bytes ahead of the weights in use that a decode tile prefetches (see
-#: _prefetch_rows; measured with ``lmc kernel --prefetch``: 2048 best of
-#: 0/512/1024/2048/4096 for Q4_0, Q5_0 and Q8_0 on 896..151936-row matrices)
-PREFETCH_BYTES = 2048
 #: tokens per tile for a batch of decode rows (each with decode's sums)
 _DECODE_TOKENS = 4
 _LONG_ROW = 8192  # columns; measured on znver4: below this R=1 reads faster
 #: prefill splits K into chunks of this many columns when K >= 2 chunks
-_K_CHUNK = 1024
+K_CHUNK = 1024
 
 
 # --- small helpers ---------------------------------------------------------------
-def _pow2_pieces(n: int, vw: int) -> list[int]:
-    """Split ``n`` columns into vector widths: whole ``vw`` vectors, then
-    narrower powers of two (8, 4, 2, 1)."""
-    out = [vw] * (n // vw)
-    n %= vw
-    w = vw // 2
-    while n:
-        if n >= w:
-            out.append(w)
-            n -= w
-        w //= 2
-    return out
-
-
 def _muladd(kb: KernelBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
     """a*b + c, an explicit FMA where the target has one (``kb.mul_add``):
     a dot product's bits must not depend on what LLVM chooses to fuse."""
     return kb.mul_add(a, b, c)
-
-
-def _as_int(d) -> int:
-    if not isinstance(d, int):
-        raise NotImplementedError(f"weight dims must be static, got {d!r}")
-    return d
 
 
 # --- decoders: stored bytes -> float32 vectors in registers -----------------------------
@@ -133,8 +110,10 @@ class Decoder:
     #: (or, for a deferred scale, the length of the partial dot product)
     decode_unroll = 2
 
-    def __init__(self, kb: KernelBuilder, raw: ir.Value, n: int, k: int) -> None:
+    def __init__(self, kb: KernelBuilder, raw: ir.Value, n: int, k: int, qt: "QuantType | None" = None) -> None:
+        """``qt``: the weight type's row of ``ir.quant.table`` (block decoders read their offsets there)."""
         self.kb, self.raw, self.n, self.k = kb, raw, n, k
+        self.qt = qt
 
     def step(self, unroll: int) -> int:
         return self.kb.vw * unroll
@@ -150,8 +129,8 @@ class Decoder:
 
 
 class F32Decoder(Decoder):
-    def __init__(self, kb, raw, n, k):
-        super().__init__(kb, raw, n, k)
+    def __init__(self, kb, raw, n, k, qt=None):
+        super().__init__(kb, raw, n, k, qt)
         self.w = kb.fptr(raw)
 
     def decode(self, row, col, widths, align, defer=False):
@@ -165,8 +144,8 @@ class F32Decoder(Decoder):
 
 
 class F16Decoder(Decoder):
-    def __init__(self, kb, raw, n, k):
-        super().__init__(kb, raw, n, k)
+    def __init__(self, kb, raw, n, k, qt=None):
+        super().__init__(kb, raw, n, k, qt)
         self.w = kb.b.bitcast(raw, ir.PointerType(HALF))
 
     def decode(self, row, col, widths, align, defer=False):
@@ -238,40 +217,6 @@ class PlanarQ8Decoder(Decoder):
         return out, (shared_scale if defer else None)
 
 
-#: layout name -> Decoder class (constructed as cls(kb, raw, n, k)); block
-#: formats (GGUF's Q8_0, Q4_K ...) register here from their own modules
-DECODERS: dict[str, type] = {}
-
-
-def register_decoder(*names: str):
-    def deco(cls: type) -> type:
-        for n in names:
-            DECODERS[n] = cls
-        return cls
-
-    return deco
-
-
-def _decoder(kb: KernelBuilder, wt: TensorType, raw: ir.Value) -> Decoder:
-    n, k = _as_int(wt.shape[0]), _as_int(wt.shape[1])
-    name = wt.layout or "F32"
-    if name in DECODERS:
-        return DECODERS[name](kb, raw, n, k)
-    if name == "F32":
-        return F32Decoder(kb, raw, n, k)
-    if name == "F16":
-        return F16Decoder(kb, raw, n, k)
-    lay = get_layout(name)
-    if isinstance(lay, PlanarQ8Layout):
-        if PlanarQ8Decoder.fits(k, lay.group, kb.vw):
-            return PlanarQ8Decoder(kb, raw, n, k, lay.group)
-        d = Decoder(kb, raw, n, k)  # row-wise path, see _planar_rowwise_tile
-        d.row_aligned = False
-        d.g = lay.group
-        return d
-    raise NotImplementedError(f"no matmul decoder for weight layout {name!r}")
-
-
 # --- the tiled dot-product loop ----------------------------------------------------------
 def _tile(kb: KernelBuilder, dec: Decoder, x: ir.Value, out: ir.Value, r0: ir.Value, R: int,
           t0: ir.Value, C: int, n: int, k: int, U: int,
@@ -328,7 +273,7 @@ def _tile(kb: KernelBuilder, dec: Decoder, x: ir.Value, out: ir.Value, r0: ir.Va
         accs = list(kb.last_carry)
 
     # static tail: klen % S columns at the constant column k0 + kmain
-    pieces = _pow2_pieces(klen - kmain, vw)
+    pieces = pow2_pieces(klen - kmain, vw)
     tails: list[ir.Value | None] = [None] * (R * C)
     if pieces:
         kt = k0 + kmain
@@ -428,40 +373,13 @@ def _is_one(v: ir.Value) -> bool:
     return isinstance(v, ir.Constant) and v.constant == 1
 
 
-def _tuned(kb: KernelBuilder, attrs: dict, name: str, default: int) -> int:
-    """A tiling parameter: the kernel attribute ``name`` if set (``lmc kernel``
-    sets them; graphs do not), else ``default``; recorded in ``kb.tuning``."""
-    v = int(attrs.get(name, default))
-    if v < 1:
-        raise NotImplementedError(f"{name} must be >= 1, got {v}")
-    kb.tuning[name] = v
-    return v
-
-
-def out_rows(kb: KernelBuilder, sig: KernelSig) -> tuple[ir.Value, int]:
-    """Where a matmul's rows go and the output's row stride. ``qmatmul_rows``
-    (a row block of a weight split for streaming) writes its rows into the
-    full-width result; the lowering passes the output pointer at its first
-    row (``row0``), so the kernel knows only the stride ``n_total``. Every
-    other matmul owns its output."""
-    out = kb.out_f32()
-    n = _as_int(sig.in_types[1].shape[0])
-    if sig.op != "qmatmul_rows":
-        return out, n
-    return out, int(sig.attr["n_total"])
-
-
-@kernel("matmul", "qmatmul", "qmatmul_rows")
-def emit_matmul(kb: KernelBuilder, sig: KernelSig) -> None:
-    if sig.attr.get("act") in ("q8", "q8k"):  # integer path: x quantized per block, int8 dot products
-        from .k_matmul_int import emit_int_matvec
-        return emit_int_matvec(kb, sig)
+def emit_float_matmul(kb: KernelBuilder, sig: KernelSig, dec: Decoder) -> None:
+    """The float path: ``dec`` turns the weight's bytes into float vectors."""
     xt, wt = sig.in_types[:2]
     if sig.op == "matmul" and wt.layout not in (None, "F32"):
         raise NotImplementedError(f"matmul on a {wt.layout} weight: dequant should have been fused")
     b = kb.b
-    n, k = _as_int(wt.shape[0]), _as_int(wt.shape[1])
-    dec = _decoder(kb, wt, kb.in_raw[1])
+    n, k = as_int(wt.shape[0]), as_int(wt.shape[1])
     dec.row_bytes = wt.nbytes() // n
     x = kb.in_f32(0)
     out, n_out = out_rows(kb, sig)
@@ -471,7 +389,7 @@ def emit_matmul(kb: KernelBuilder, sig: KernelSig) -> None:
 
     tune = sig.attr  # optional overrides of the constants below: rows, tile_tokens, unroll
     if not dec.row_aligned:
-        C = 1 if as_decode else _tuned(kb, tune, "tile_tokens", 4)
+        C = 1 if as_decode else tuned(kb, tune, "tile_tokens", 4)
         with kb.loop(lo, hi, name="row") as r:
             _over_tokens(kb, m, C, lambda t0, c: _planar_rowwise_tile(kb, dec, x, out, r, t0, c, n, k, n_out))
         return
@@ -482,11 +400,11 @@ def emit_matmul(kb: KernelBuilder, sig: KernelSig) -> None:
         R, C, U = ((_DECODE_ROWS, 1, dec.decode_unroll) if k >= _LONG_ROW
                    else (1, 1, 2 * dec.decode_unroll))
         if not _is_one(m):   # decode rows: C tokens share each decoded weight vector
-            C = _tuned(kb, tune, "tile_tokens", _DECODE_TOKENS)
+            C = tuned(kb, tune, "tile_tokens", _DECODE_TOKENS)
     else:
         (R, C), U = _PREFILL_TILE.get(kb.vw, (4, 4)), 1
-        C = _tuned(kb, tune, "tile_tokens", C)
-    R, U = _tuned(kb, tune, "rows", R), _tuned(kb, tune, "unroll", U)
+        C = tuned(kb, tune, "tile_tokens", C)
+    R, U = tuned(kb, tune, "rows", R), tuned(kb, tune, "unroll", U)
     # dense float rows are one stream the hardware prefetcher follows alone
     quantized = (wt.layout or "F32") not in ("F32", "F16", "BF16")
     ahead = int(tune.get("prefetch", PREFETCH_BYTES if as_decode and quantized else 0))
@@ -500,7 +418,7 @@ def emit_matmul(kb: KernelBuilder, sig: KernelSig) -> None:
             _over_tokens(kb, m, C, lambda t0, c: _tile(kb, dec, x, out, r, 1, t0, c, n_out, k, U, k0, klen, first,
                                                        exact=as_decode, ahead=ahead))
 
-    kc = _K_CHUNK
+    kc = K_CHUNK
     if as_decode or k < 2 * kc or kc % dec.step(U):
         rows_pass(0, k, None)
         return
@@ -530,52 +448,13 @@ def _over_tokens(kb: KernelBuilder, m: ir.Value, C: int, body) -> None:
         body(t, 1)
 
 
-# --- embedding ---------------------------------------------------------------------------
-@kernel("embedding", "pos_embedding")
-def emit_embedding(kb: KernelBuilder, sig: KernelSig) -> None:
-    """A table row per token: the token's id (``embedding``), or its
-    position (``pos_embedding``: pos + t, or positions[t] in a batch)."""
-    wt, it = sig.in_types[0], sig.in_types[-1]
-    b = kb.b
-    v, d = _as_int(wt.shape[0]), _as_int(wt.shape[1])
-    dec = _decoder(kb, wt, kb.in_raw[0])
-    if sig.op == "embedding":
-        ids = b.bitcast(kb.in_raw[1], ir.PointerType(I32))
-        row_of = lambda t: b.sext(kb.load(ids, t), I64)  # noqa: E731
-    elif sig.in_types[1].rank == 1:
-        row_of = RowPositions(kb, kb.in_raw[1])
-    else:
-        row_of = lambda t: b.add(kb.pos, t)  # noqa: E731
-    out = kb.out_f32()
-    m = i64(1)
-    for dd in it.shape:
-        m = b.mul(m, kb.dim(dd))
-    lo, hi = kb.thread_share(m)  # one token (decode): the last thread copies it
-    with kb.loop(lo, hi, name="tok") as t:
-        # The runtime validates token ids and positions before the call: 0 <= row < V
-        # is assumed here (no clamping; an invalid one would read out of bounds).
-        row = row_of(t)
-        obase = b.mul(t, i64(d))
-        if dec.row_aligned:
-            S = dec.step(1)
-            dmain = d - d % S
-            if dmain:
-                with kb.loop(0, dmain, step=S, name="col") as col:
-                    for j, vec in enumerate(dec.decode(row, col, [kb.vw] * (S // kb.vw), S)[0]):
-                        kb.vstore(vec, out, b.add(obase, b.add(col, i64(j * kb.vw))))
-            pieces = _pow2_pieces(d - dmain, kb.vw)
-            if pieces:
-                align = dmain & -dmain
-                off = 0
-                for w, vec in zip(pieces, dec.decode(row, i64(dmain), pieces, align)[0]):
-                    kb.vstore(vec, out, b.add(obase, i64(dmain + off)))
-                    off += w
-        else:
-            # planar Q8 with groups straddling rows: element by element
-            g = dec.g
-            s = b.bitcast(kb.gep(dec.raw, v * d), F32P)
-            base = b.mul(row, i64(d))
-            with kb.loop(0, d, name="col") as c:
-                e = b.add(base, c)
-                val = b.fmul(b.sitofp(kb.load(dec.raw, e), F32), kb.load(s, b.udiv(e, i64(g))))
-                kb.store(val, out, b.add(obase, c))
+def planar_decoder(kb: KernelBuilder, raw: ir.Value, n: int, k: int, group: int) -> Decoder:
+    """llama2.c's planar Q8 of ``group`` values per scale: the vector
+    decoder where groups fit the vector pieces, else a row-wise loop that
+    lets groups straddle rows (``_planar_rowwise_tile``)."""
+    if PlanarQ8Decoder.fits(k, group, kb.vw):
+        return PlanarQ8Decoder(kb, raw, n, k, group)
+    d = Decoder(kb, raw, n, k)
+    d.row_aligned = False
+    d.g = group
+    return d

@@ -1,0 +1,112 @@
+"""Vector helpers every kernel family uses, and which SIMD instructions a
+target has for them.
+
+What an emitter may use is a fact of the target it compiles for
+(``KernelBuilder.target``), so the functions that name x86 intrinsics take
+the target and return None where it lacks them: the caller then emits the
+portable form (which LLVM turns into what the target does have).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import llvmlite.ir as ir
+
+if TYPE_CHECKING:
+    from .target import Target
+
+I1 = ir.IntType(1)
+I8 = ir.IntType(8)
+I16 = ir.IntType(16)
+I32 = ir.IntType(32)
+I64 = ir.IntType(64)
+F32 = ir.FloatType()
+HALF = ir.HalfType()
+
+
+def vconst(t: ir.Type, values: Sequence) -> ir.Constant:
+    """A constant vector of ``t`` holding ``values``."""
+    return ir.Constant(ir.VectorType(t, len(values)), list(values))
+
+
+def shuffle(b: ir.IRBuilder, x: ir.Value, y: ir.Value | None, idx: Sequence[int]) -> ir.Value:
+    """Lanes ``idx`` of x followed by y (y None: x alone)."""
+    return b.shuffle_vector(x, y if y is not None else ir.Constant(x.type, ir.Undefined), vconst(I32, idx))
+
+
+def concat(b: ir.IRBuilder, parts: list[ir.Value]) -> ir.Value:
+    """Equal-width vectors (a power of two of them) joined into one."""
+    while len(parts) > 1:
+        n = parts[0].type.count
+        parts = [shuffle(b, parts[i], parts[i + 1], list(range(2 * n))) for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def pair_sums(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """Adjacent lanes of ``v`` summed (n lanes -> n/2)."""
+    n = v.type.count
+    return b.add(shuffle(b, v, None, list(range(0, n, 2))), shuffle(b, v, None, list(range(1, n, 2))))
+
+
+def call(kb, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
+    """Call the intrinsic (or any function) ``name``, declared in the kernel's module once."""
+    fn = kb.module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(kb.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return kb.b.call(fn, args)
+
+
+def gather_f16(kb, ptrs: list[ir.Value], off: int) -> ir.Value:
+    """<n x float>: the float16 at byte ``off`` of each of the n pointers (i8*)."""
+    b = kb.b
+    v = ir.Constant(ir.VectorType(HALF, len(ptrs)), ir.Undefined)
+    for i, bp in enumerate(ptrs):
+        p = bp if off == 0 else kb.gep(bp, off)
+        v = b.insert_element(v, b.load(b.bitcast(p, ir.PointerType(HALF)), align=1), ir.Constant(I64, i))
+    return b.fpext(v, ir.VectorType(F32, len(ptrs)))
+
+
+# --- which instructions a target has --------------------------------------------------------------
+def _x86(t: "Target") -> bool:
+    return t.triple.startswith("x86_64")
+
+
+def dpbusd(t: "Target", groups: int) -> str | None:
+    """The ``vpdpbusd`` intrinsic for 32 * groups bytes, if the target has it."""
+    if not _x86(t):
+        return None
+    if groups == 2 and t.has("avx512vnni"):
+        return "llvm.x86.avx512.vpdpbusd.512"
+    if groups == 1 and ((t.has("avx512vnni") and t.has("avx512vl")) or t.has("avxvnni")):
+        return "llvm.x86.avx512.vpdpbusd.256"
+    return None
+
+
+def madd(t: "Target", nbytes: int) -> tuple[str, str, str | None] | None:
+    """(``pmaddubsw``, ``pmaddwd``, VNNI ``vpdpwssd`` or None) intrinsics for
+    ``nbytes``-byte operands, if the target has them."""
+    if not _x86(t):
+        return None
+    if nbytes == 64 and t.has("avx512bw"):
+        dp = "llvm.x86.avx512.vpdpwssd.512" if t.has("avx512vnni") else None
+        return "llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512", dp
+    if nbytes == 32 and t.has("avx2"):
+        vnni = (t.has("avx512vnni") and t.has("avx512vl")) or t.has("avxvnni")
+        return "llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd", ("llvm.x86.avx512.vpdpwssd.256" if vnni else None)
+    return None
+
+
+def psadbw(t: "Target", groups: int) -> str | None:
+    """The ``vpsadbw`` intrinsic for 32 * groups bytes, if the target has it."""
+    if not _x86(t):
+        return None
+    if groups == 2 and t.has("avx512bw"):
+        return "llvm.x86.avx512.psad.bw.512"
+    if groups == 1 and t.has("avx2"):
+        return "llvm.x86.avx2.psad.bw"
+    return None
+
+
+def permutes(t: "Target", vw: int) -> bool:
+    """Whether 16-lane float permutes (``vpermps``, ``vpermi2ps``) exist: AVX-512 at width 16."""
+    return vw == 16 and _x86(t) and t.has("avx512f")
