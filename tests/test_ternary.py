@@ -208,6 +208,16 @@ def test_round_trip_gguf_quantize(name):
     np.testing.assert_array_equal(got[1], np.float32(3.25))
 
 
+def test_writer_falls_back_as_llama_cpp():
+    """Rows not a multiple of 256 values are written as Q4_0, as llama.cpp's quantizer does."""
+    from frontends.gguf_writer import tensor_qtype
+
+    for name in LAYOUTS:
+        assert tensor_qtype((300, 512), name) == name
+        assert tensor_qtype((300, 192), name) == "Q4_0"
+        assert tensor_qtype((512,), name) == "F32"
+
+
 # --- the integer path's reference -----------------------------------------------------------------------
 def slow_int_matvec(x: np.ndarray, w: WeightData) -> np.ndarray:
     """ggml_vec_dot_tq*_q8_K in Python ints: per super-block sum (c - 1) q_x, times d_w d_x."""
