@@ -26,6 +26,7 @@ from compiler.codegen.harness import CompiledKernel, scratch_floats_for, sig_for
 from compiler.codegen.target import Target, host_target, vnni_width
 from ir import kv_codec
 from ir.interp import state_array
+from ir.quant import quant_type
 from ir.quant.repack import REPACKABLE
 from ir.ops import WeightData
 from ir.types import TensorType, f32, i32, kv_cache_type
@@ -33,6 +34,7 @@ from test_gguf_layouts import gguf_weight
 from test_int_qsf import qsf_weight
 from test_kquants import kquant_weight
 from test_repacked_kernels import repacked
+from test_ternary import tq_weight
 
 X86 = host_target().triple.startswith(("x86_64", "i386", "i686"))
 #: (label, LLVM CPU, feature prefixes dropped from the host's, features the host must have)
@@ -98,13 +100,15 @@ def float_weight(rng, layout: str, n: int, k: int) -> WeightData:
         return kquant_weight(rng, layout, n, k)
     if layout.startswith("QSF"):
         return qsf_weight(rng, layout, n, k)
+    if layout.startswith("TQ"):
+        return tq_weight(rng, layout, n, k)
     return gguf_weight(rng, layout, n, k)
 
 
 def shapes(layout: str) -> tuple[tuple[int, int], ...]:
     """(rows, K): short rows (one at a time) with a tail after the unrolled
     steps, and long ones (4-row tiles), in whole blocks of the layout."""
-    if layout.endswith("_K"):
+    if layout.endswith("_K") or layout.startswith("TQ"):
         return (33, 1280), (9, 8448)
     if layout.startswith("QSF"):
         return (33, 576), (9, 8256)
@@ -129,7 +133,7 @@ def rows_against_one(target: Target, w: WeightData, T: int, seed: int, **attrs) 
 
 # --- float matmuls: decode rows (passes/int_dot marks them) -------------------------------------
 FLOAT_LAYOUTS = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "QSF_Q8", "QSF_Q4", "QSF_Q2", "QSF_TERNARY"]
+                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "QSF_Q8", "QSF_Q4", "QSF_Q2", "QSF_TERNARY", "TQ1_0", "TQ2_0"]
 
 
 @pytest.mark.parametrize("label", LABELS)
@@ -143,7 +147,7 @@ def test_float_decode_rows(label: str, layout: str) -> None:
 
 # --- the integer path: decode rows -----------------------------------------------------------------
 INT_LAYOUTS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
-               "QSF_Q8", "QSF_Q4", "QSF_Q2", "QSF_Q2S", "QSF_TERNARY"]
+               "QSF_Q8", "QSF_Q4", "QSF_Q2", "QSF_Q2S", "QSF_TERNARY", "TQ1_0", "TQ2_0"]
 
 
 @pytest.mark.parametrize("label", LABELS)
@@ -151,7 +155,7 @@ INT_LAYOUTS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
 def test_int_decode_rows(label: str, layout: str) -> None:
     target = variant(label)
     rng = np.random.default_rng(8)
-    act = "q8k" if layout.endswith("_K") else "q8"
+    act = quant_type(layout).act
     for n, k in shapes(layout):
         rows_against_one(target, float_weight(rng, layout, n, k), 6, n + k, act=act, decode_rows=4)
 

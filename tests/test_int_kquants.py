@@ -22,12 +22,14 @@ from compiler.codegen.harness import CompiledKernel, run_kernel_like_reference, 
 from ir.int_dot import ACT_LAYOUTS, kquant_ints, quantize_q8k_rows
 from ir.int_dot import int_act
 from ir.ops import ShapeError, WeightData, get_op, qmatmul_ref
+from ir.quant import quant_type
 from ir.types import TensorType
 from kernel_checks import call_with_guard, check_within, portable_target, same_tokens_interp_and_native
 from test_kquants import random_blocks
 
 
-KQ = list(ACT_LAYOUTS["q8k"])
+#: the K-quants (the ternary types take act="q8k" too: tests/test_ternary.py)
+KQ = [n for n in ACT_LAYOUTS["q8k"] if quant_type(n).family == "kquant"]
 BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 #: what the kernel adds to the signed quants to make them unsigned bytes
 OFFSET = {"Q3_K": 4, "Q6_K": 32}

@@ -1,5 +1,5 @@
 """Quant types: the table of every weight type lmc reads (``table``), the
-numpy (de)quantizers it points to (``base``, ``gguf``, ``kquants``, ``qsf``)
+numpy (de)quantizers it points to (``base``, ``gguf``, ``kquants``, ``ternary``, ``qsf``)
 and repacked tiles (``repack``). ``get_layout`` finds any layout by name."""
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from .base import Layout
 from .gguf import BF16Layout, NibbleLayout, Q8_0Layout
 from .kquants import Q2KLayout, Q3KLayout, Q4KLayout, Q5KLayout, Q6KLayout
 from .qsf import Q2Layout, Q2SLayout, Q4Layout, Q8Layout, TernaryLayout
+from .ternary import TQ1Layout, TQ2Layout
 
 #: activation formats of the integer path: values per activation block
 ACT_BLOCK = {"q8": 32, "q8k": 256}
@@ -30,7 +31,7 @@ class QuantType:
     name: str
     block: int                 # values per block (1: a plain element type)
     block_bytes: int           # bytes per block
-    family: str                # "float", "gguf", "kquant", "qsf": where its layout and kernels live
+    family: str                # "float", "gguf", "kquant", "ternary", "qsf": where its layout and kernels live
     #: byte offset of each field of a block: d (scale), m (offset), dmin, z (zero point),
     #: qs (quants), qh (high bits), scales, hmask, sign, zero ...
     fields: tuple[tuple[str, int], ...] = ()
@@ -97,6 +98,12 @@ _ROWS = [
               ggml_type=13, dequantizer=Q5KLayout),
     QuantType("Q6_K", 256, 210, "kquant", _f(ql=0, qh=128, scales=192, d=208), zero=32, sub_block=16, act="q8k",
               tile_bytes=212, ggml_type=14, dequantizer=Q6KLayout),
+    # GGUF's ternary types (BitNet b1.58): super-blocks of 256 values, one scale; value = (code - 1) d,
+    # to the integer path a K-quant with one sub-block of scale 1 (ir/quant/ternary.py)
+    QuantType("TQ1_0", 256, 54, "ternary", _f(qs=0, qh=48, d=52), zero=1, sub_block=256, act="q8k", ggml_type=34,
+              dequantizer=TQ1Layout),
+    QuantType("TQ2_0", 256, 66, "ternary", _f(qs=0, d=64), zero=1, sub_block=256, act="q8k", ggml_type=35,
+              dequantizer=TQ2Layout),
     # QSF's 64-value blocks (docs/qsf.md)
     QuantType("QSF_Q8", 64, 66, "qsf", _f(d=0, qs=2), zero=128, act="q8", dequantizer=Q8Layout),
     QuantType("QSF_Q4", 64, 36, "qsf", _f(d=0, z=2, qs=4), offset=True, act="q8", dequantizer=Q4Layout),

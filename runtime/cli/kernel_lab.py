@@ -80,7 +80,7 @@ DEFAULT_REPEATS = 15
 SWEEP_REPEATS = 7
 #: f16 scale fields of the K-quant super-blocks (byte offsets: d, dmin)
 _KQUANT_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,)}
-_GGUF_QUANTIZE = ("BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+_GGUF_QUANTIZE = ("BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "TQ1_0", "TQ2_0")
 _ORDER = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 #: parameter name (kernel attribute) -> the option that sets it
 FLAGS = {"vector_width": "--vector-width", "unroll": "--unroll", "rows": "rows per tile (--tile R)",

@@ -5,11 +5,11 @@ type through the kernel traits table (``traits``) to its kernels:
 * a repacked weight (``TensorType.repack``): ``repacked`` (one arithmetic
   for every row count);
 * the integer path (``act``): the type's decode kernel (``int_q8``,
-  ``int_qsf``, ``int_kquants``), driven by ``int_q8.emit_int_matvec``, or for
+  ``int_qsf``, ``int_kquants``, ``ternary``), driven by ``int_q8.emit_int_matvec``, or for
   a prompt chunk whose rows fill tiles the type's GEMM (``gemm``,
   ``gemm_kquants``);
 * else the float path: ``float_tiles`` with the type's decoder
-  (``decode_gguf``, ``decode_kquants``, ``decode_qsf``).
+  (``decode_gguf``, ``decode_kquants``, ``decode_qsf``, ``ternary``).
 
 Shared: ``common`` (tiling parameters, output rows), ``..simd`` (vector
 helpers and which instructions a target has), ``..act_quant`` (the

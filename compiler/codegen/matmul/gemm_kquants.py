@@ -34,7 +34,7 @@ from ir.quant import quant_type
 from ..act_quant import QK_K, quantize_q8k_block
 from ..emit import F32, I32, KernelBuilder, i64
 from ..kernels import KernelSig
-from ..simd import I8, shuffle, vconst
+from ..simd import I8, pair_sums, shuffle, vconst
 from ..target import vnni_width
 from .gemm import GemmBase, transpose
 from .int_kquants import RUN
@@ -94,8 +94,10 @@ class KQGemm(GemmBase):
                 if self.sub == 32:
                     v = b.add(shuffle(b, v, None, list(range(0, 16, 2))), shuffle(b, v, None, list(range(1, 16, 2))))
                 kb.vstore(b.sitofp(v, ir.VectorType(F32, self.n_sub)), b.bitcast(at, ir.PointerType(F32)), 0)
-            else:
+            else:   # per sub-block, -offset times x's quants summed over it (its 16-value sums)
                 c = b.mul(b.sext(v, ir.VectorType(I32, 16)), vconst(I32, [-self.offset] * 16))
+                while c.type.count > self.n_sub:
+                    c = pair_sums(b, c)
                 kb.vstore(c, b.bitcast(at, ir.PointerType(I32)), 0)
             kb.store(d, dxp, j)
 

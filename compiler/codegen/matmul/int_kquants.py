@@ -260,7 +260,7 @@ class KQuantIntKernel:
             s = dpwssd(kb, izero, self._widen16(bs), wt.off) if wt.off is not None else izero
             for c, (u, sc) in enumerate(zip(wt.u, wt.sc)):
                 xq = kb.vload(sl.q, b.add(b.mul(j, i64(QK_K)), i64(c * self.CH)), self.CH)
-                s = dpwssd(kb, s, maddubs(kb, u, xq), sc)
+                s = self.chunk_dot(s, u, xq, sc)
             if wt.mins is not None:   # 8 lanes of the sum beside the 8 of sum m bsum: one convert, one FMA
                 if L > 8:
                     s = b.add(shuffle(b, s, None, list(range(8))), shuffle(b, s, None, list(range(8, 16))))
@@ -269,6 +269,11 @@ class KQuantIntKernel:
             acc = kb.fma(b.sitofp(s, ir.VectorType(F32, n)), b.fmul(wt.f, kb.splat(kb.load(sl.dx, j), n)), acc)
             out.append(acc)
         return out
+
+    def chunk_dot(self, s: ir.Value, u: ir.Value, xq: ir.Value, sc: ir.Value) -> ir.Value:
+        """s + a chunk's products: u (unsigned quants) times xq, each pair of
+        values scaled by its sub-block's scale in sc (int32 lanes of 4 values)."""
+        return dpwssd(self.kb, s, maddubs(self.kb, u, xq), sc)
 
     def tile(self, r0: ir.Value, R: int, slots: list[KSlot], ts: list[ir.Value]) -> None:
         """out[ts[s], r0 .. r0+R-1] for the quantized rows in ``slots``

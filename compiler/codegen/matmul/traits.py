@@ -30,6 +30,7 @@ from .gemm_kquants import KQGemm
 from .int_kquants import Q2KInt, Q3KInt, Q4KInt, Q5KInt, Q6KInt
 from .int_q8 import IntKernel
 from .int_qsf import QSFIntKernel
+from .ternary import TQ1Decoder, TQ1Int, TQ2Decoder, TQ2Int
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ TRAITS: dict[str, MatmulTraits] = {
     "Q4_K": MatmulTraits(Q4KDecoder, Q4KInt, repacked=True, **_kq),
     "Q5_K": MatmulTraits(Q5KDecoder, Q5KInt, repacked=True, **_kq),
     "Q6_K": MatmulTraits(Q6KDecoder, Q6KInt, repacked=True, **_kq),
+    "TQ1_0": MatmulTraits(TQ1Decoder, TQ1Int, **_kq),
+    "TQ2_0": MatmulTraits(TQ2Decoder, TQ2Int, **_kq),
     "QSF_Q8": MatmulTraits(QSFQ8Decoder, QSFIntKernel, Q8Gemm),
     "QSF_Q4": MatmulTraits(QSFQ4Decoder, QSFIntKernel, Q8Gemm),
     "QSF_Q2": MatmulTraits(QSFQ2Decoder, QSFIntKernel, Q8Gemm),
