@@ -27,7 +27,7 @@ from compiler.driver import LoadedModel, load_model, model_graph
 from ir.types import KV_TYPES
 
 from ..model import Model, RunError
-from .common import CliError, _threads, memory_args, speculation_args, speculation_of, whole_number
+from .common import CliError, memory_args, speculation_args, speculation_of, thread_count, whole_number
 from .serve_bench import stream_counts
 
 #: fields in the order the table prints them, with their labels and formats
@@ -244,7 +244,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     b = subparsers.add_parser("bench", help="measure compile time, prefill/decode speed and the roofline")
     b.add_argument("model", help="model file (.bin, .gguf)")
     b.add_argument("-z", "--tokenizer", default=None, help="tokenizer file (llama2.c tokenizer.bin)")
-    b.add_argument("-t", "--threads", type=_threads, default=os.cpu_count() or 1,
+    b.add_argument("-t", "--threads", type=thread_count, default=os.cpu_count() or 1,
                    help="threads (default: all cores)")
     b.add_argument("--prompt-tokens", type=whole_number("--prompt-tokens", 1), default=None,
                    help="random prompt length for prefill (default 128; clipped to the context); with --serve, "

@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from ..model import RunError
-from .common import CliError, _model_args, kv_type_arg
+from .common import CliError, kv_type_arg, model_args
 
 
 def _layer_arg(s: str) -> int | str:
@@ -19,7 +19,7 @@ def _layer_arg(s: str) -> int | str:
 
 def add_parser(sub) -> None:
     i = sub.add_parser("ir", help="print or draw a model's IR graph")
-    _model_args(i)
+    model_args(i)
     i.add_argument("--format", choices=["text", "dot", "svg", "png"], default="text",
                    help="text: the stable one-line-a-node form; dot: Graphviz text; svg/png: the picture "
                         "(needs Graphviz's dot program)")

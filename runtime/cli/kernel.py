@@ -8,7 +8,7 @@ import json
 import re
 import sys
 
-from .common import _threads, whole_number
+from .common import thread_count, whole_number
 from .kernel_lab import (DEFAULT_REPEATS, KINDS, SWEEP_REPEATS, KernelLabError, Params, Problem, format_sweep,
                          format_text, lab, parse_tile, show, sweep)
 
@@ -16,7 +16,7 @@ from .kernel_lab import (DEFAULT_REPEATS, KINDS, SWEEP_REPEATS, KernelLabError, 
 def add_parser(sub) -> None:
     kn = sub.add_parser("kernel", help="compile one kernel on its own: check it, time it, try variants")
     add_arguments(kn)
-    kn.add_argument("-t", "--threads", type=_threads, default=None, help="threads (default: the number of cores)")
+    kn.add_argument("-t", "--threads", type=thread_count, default=None, help="threads (default: the number of cores)")
 
 
 def add_arguments(k: argparse.ArgumentParser) -> None:

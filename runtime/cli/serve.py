@@ -24,14 +24,14 @@ from ..draft_models import build_pool_drafter, check_pool_draft
 from ..model import load
 from ..speculative import DEFAULT_DRAFT_MAX, Speculation
 from ..status import StatusLine
-from .common import CliError, _exec_args, _model_args, _resolve_model, _size, kv_type_arg, whole_number
+from .common import CliError, exec_args, kv_type_arg, model_args, resolve_model, size_arg, whole_number
 
 DEFAULT_CTX = 4096
 
 
 def add_parser(sub) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, paged KV cache)")
-    _model_args(s, optional=True)
+    model_args(s, optional=True)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=whole_number("--port", 0), default=8080,
                    help="port (default 8080; 0 picks a free one and prints it)")
@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
                         "with --mem-budget: what fits)")
     s.add_argument("--block-size", type=whole_number("--block-size", 1), default=16,
                    help="positions per KV block (default 16)")
-    s.add_argument("--mem-budget", type=_size, default=None, metavar="SIZE",
+    s.add_argument("--mem-budget", type=size_arg, default=None, metavar="SIZE",
                    help="peak resident memory for the server (1G, 800M ...): the KV pool gets what is left")
     s.add_argument("--queue", type=whole_number("--queue", 0), default=64,
                    help="requests that may wait beyond --parallel (default 64); more get 503")
@@ -78,7 +78,7 @@ def add_parser(sub) -> None:
                    help=f"with a drafter: tokens drafted per step at most (default {DEFAULT_DRAFT_MAX}; a request's "
                         f"'draft_max' wins); the step is compiled for --parallel plus this many rows")
     kv_type_arg(s)
-    _exec_args(s)
+    exec_args(s)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"lmc serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     spec = _speculation(args)
     sock = _bind(args.host, args.port)   # before the slow part: a taken port fails at once
-    model_path, tok_path = _resolve_model(args)
+    model_path, tok_path = resolve_model(args)
     status = StatusLine()
     try:
         from compiler.driver import load_model
