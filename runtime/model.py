@@ -476,7 +476,7 @@ def _compile_child(path: str, tokenizer: str | None, opts, said=None) -> None:
         opts = dataclasses.replace(opts, progress=lambda text: said.put(f"{text} (in a child process, to stay "
                                                                         f"within the budget)"))
     compile_native(load_model(path, tokenizer), opts)
-    from .native_softmax import prepare
+    from compiler.codegen.k_sampler import prepare
 
     prepare()   # sampling's own native code, so the parent starts no LLVM either
 

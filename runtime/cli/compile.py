@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     o.dump_dir, o.dump_after = dump_dir, (args.dump_after or "all") if dump_dir else None
     res = compile_native(m, o)
     res.artifact.write(args.output)
-    from ..native_softmax import prepare
+    from compiler.codegen.k_sampler import prepare
 
     prepare()   # what sampling compiles on first use, so the artifact's runs start no LLVM
     man = res.artifact.manifest
