@@ -28,7 +28,7 @@ from ir.interp import new_state, state_array
 from ir.ops import ShapeError
 from ir.types import TensorType, f32, i32, kv_cache_type
 from runtime.cli import DEFAULT_MODEL, DEFAULT_TOKENIZER
-from runtime.model import RunError
+from runtime.errors import RunError
 from shared_data import ROOT, reference_cases
 from test_gguf_frontend import float_native, tiny
 from test_kernels_attention import WIDTHS, act, act_type, close, run

@@ -21,7 +21,8 @@ from runtime.cli import main as lmc
 from runtime.models import gemma_path
 from runtime.native import NativeExecutor
 from runtime.sampling import Sampler, SamplerConfig
-from runtime.speculative import Draft, LookupDrafter, Speculation, accept, lookup_continuation
+from runtime.speculative import (ONE_STREAM, Draft, LookupDrafter, Speculation, StreamSeq, accept,
+                                lookup_continuation)
 from shared_data import MODELS, QWEN, SMOLLM2, instruct_models, needs_shared
 
 STORIES = str(MODELS / "stories260K.bin")
@@ -41,7 +42,7 @@ def test_lookup_takes_the_longest_latest_match():
     assert lookup_continuation([1, 2, 3], 3, 4) == []          # nothing repeats
     assert lookup_continuation([4, 4], 2, 5) == [4]            # a run of one token
     assert lookup_continuation(h, 2, 0) == []
-    assert LookupDrafter(2).propose(h, 1).tokens == [3]
+    assert LookupDrafter(2).propose([StreamSeq(h)], [1], ONE_STREAM)[0].tokens == [3]
 
 
 # --- the acceptance rule --------------------------------------------------------------------

@@ -22,7 +22,7 @@ from frontends.arch import ModelError
 from frontends.llama2c_tokenizer import TokenizerError
 from ir.verify import VerifyError
 
-from ..model import RunError
+from ..errors import RunError
 from .common import CliError, Parser
 
 #: Errors that are the user's input, not our bug: one line, exit 2.

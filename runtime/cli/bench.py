@@ -26,7 +26,8 @@ import numpy as np
 from compiler.driver import LoadedModel, load_model, model_graph
 from ir.types import KV_TYPES
 
-from ..model import Model, RunError
+from ..errors import RunError
+from ..model import Model
 from .common import CliError, memory_args, speculation_args, speculation_of, thread_count, whole_number
 from .serve_bench import stream_counts
 

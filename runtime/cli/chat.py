@@ -15,7 +15,8 @@ import os
 import sys
 
 from ..chat import ChatSession, ChatSettings, read_messages
-from ..model import RunError, load
+from ..api import load
+from ..errors import RunError
 from ..sampling import SamplerConfig
 from ..status import StatusLine
 from .common import (CliError, exec_args, kv_type_arg, model_args, positive_or_zero, resolve_model, sampling_args,

@@ -5,7 +5,7 @@ import argparse
 import json
 import os
 
-from ..model import RunError
+from ..errors import RunError
 from .common import CliError, kv_type_arg, memory_args, model_args, native_options, thread_count
 
 
@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     m = load_model(args.model, args.tokenizer)
     if args.ctx is not None and not 0 < args.ctx <= m.config.seq_len:
         raise RunError(f"--ctx {args.ctx}: must be between 1 and the model's context {m.config.seq_len}")
-    from ..model import DEFAULT_CTX
+    from ..loading import DEFAULT_CTX
 
     o = native_options(args, m, DEFAULT_CTX)
     o.dump_dir, o.dump_after = dump_dir, (args.dump_after or "all") if dump_dir else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..model import RunError
+from ..errors import RunError
 from .common import CliError, kv_type_arg, model_args
 
 
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from ir.dot import to_dot
     from ir.printer import print_graph
 
-    from ..model import DEFAULT_CTX
+    from ..loading import DEFAULT_CTX
     from . import ir_render
 
     if args.stats and (args.format != "text" or args.layer is not None or args.overview):

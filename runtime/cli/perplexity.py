@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ..model import RunError
+from ..errors import RunError
 from ..perplexity import perplexity
 from .common import exec_args, model_args, resolve_model
 
@@ -26,7 +26,7 @@ def run(args) -> int:
     import json
     import os
 
-    from ..model import load
+    from ..api import load
 
     if args.ctx is not None and args.ctx < 2:
         raise RunError(f"-c/--ctx {args.ctx}: a window needs at least 2 tokens")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..model import RunError
+from ..errors import RunError
 from .common import kv_type_arg, memory_args, model_args, native_options, thread_count
 
 
@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from compiler.driver import load_model
 
-    from ..model import DEFAULT_CTX
+    from ..loading import DEFAULT_CTX
     from . import plan_report
 
     m = load_model(args.model, args.tokenizer)

@@ -29,7 +29,9 @@ from compiler.artifact import is_artifact
 from compiler.driver import load_model
 from ir.graph import Graph, Node
 
-from ..model import DEFAULT_CTX, Model, RunError
+from ..errors import RunError
+from ..loading import DEFAULT_CTX
+from ..model import Model
 
 DEFAULT_STEPS = 32
 DEFAULT_PROMPT_TOKENS = 64

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from ..model import load
+from ..api import load
 from ..status import StatusLine
 from .common import (exec_args, kv_type_arg, memory_args, model_args, positive_or_zero, resolve_model,
                      sampling_args, sampling_of, speculation_args, speculation_of)

@@ -5,7 +5,7 @@ for every request at once; FastAPI on uvicorn answers HTTP and streams
 tokens as they come. With ``--draft MODEL`` or ``--draft-layers K`` (as
 llama.cpp's ``--model-draft``), one drafter built at startup proposes tokens
 for every request that does not turn it off (``draft_max`` 0) or ask for
-prompt lookup (``lookup``); the step checks them (``runtime.pool_drafters``). It binds to 127.0.0.1 unless ``--host`` says otherwise.
+prompt lookup (``lookup``); the step checks them (``runtime.speculative``). It binds to 127.0.0.1 unless ``--host`` says otherwise.
 Ctrl-C or SIGTERM drains: new requests get 503, running ones finish (or are
 cut after ``--drain-timeout`` seconds, with their finish reason set), then
 the process exits.
@@ -20,9 +20,9 @@ import sys
 
 from compiler.driver import BatchOptions
 
-from ..draft_models import build_pool_drafter, check_pool_draft
-from ..model import load
+from ..engine import load_batch_model
 from ..speculative import DEFAULT_DRAFT_MAX, Speculation
+from ..speculative.build import build_drafter, check_draft
 from ..status import StatusLine
 from .common import CliError, exec_args, kv_type_arg, model_args, resolve_model, size_arg, whole_number
 
@@ -114,12 +114,12 @@ def run(args: argparse.Namespace) -> int:
             n_blocks = -(-args.kv_pool // args.block_size)
         if n_blocks * args.block_size < ctx:
             raise CliError(f"--kv-pool {n_blocks * args.block_size}: smaller than one request of the context ({ctx})")
-        draft_loaded = check_pool_draft(loaded, ctx, spec) if spec is not None else None
-        model = load(model_path, tok_path, backend=args.backend, ctx=ctx, threads=args.threads,
-                     use_cache=not args.no_cache, kv_type=kv, status=status,
-                     batch=BatchOptions(args.block_size, n_blocks,
-                                        args.parallel + (args.draft_max if args.lookup or spec else 0)))
-        drafter = build_pool_drafter(model, spec, draft_loaded) if spec is not None else None
+        draft_loaded = check_draft(loaded, ctx, spec, batched=True) if spec is not None else None
+        model = load_batch_model(model_path, tok_path, backend=args.backend, ctx=ctx, threads=args.threads,
+                                 use_cache=not args.no_cache, kv_type=kv, status=status,
+                                 batch=BatchOptions(args.block_size, n_blocks,
+                                                    args.parallel + (args.draft_max if args.lookup or spec else 0)))
+        drafter = build_drafter(model, spec, draft_loaded) if spec is not None else None
     finally:
         status.clear()
     tok = model.tokenizer

@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..model import RunError
+from ..errors import RunError
 from .bench_servers import BenchServerError, llamacpp_server, llamacpp_version, lmc_server
 from .common import CliError
 from .loadtest import ServerUnreachable, run_load_test, synthetic_prompt
