@@ -1,4 +1,4 @@
-"""The continuous-batching engine (runtime.scheduler), driven directly.
+"""The continuous-batching engine (runtime.engine), driven directly.
 
 stories260K built for batched serving (f32 weights, so the single-stream
 reference takes the same arithmetic): requests batched together give the
@@ -20,9 +20,8 @@ import pytest
 
 import runtime
 from runtime.cli import DEFAULT_MODEL, DEFAULT_TOKENIZER
-from runtime.engine import load_batch_model
+from runtime.engine import Engine, EngineBusy, EngineError, Event, Request, load_batch_model, share_rows
 from runtime.sampling import SamplerConfig
-from runtime.scheduler import Engine, EngineBusy, EngineError, Event, Request, share_rows
 from runtime.serve.metrics import ServerMetrics
 from runtime.speculative import Speculation
 from runtime.speculative.build import build_drafter
@@ -48,8 +47,7 @@ def pooled():
 
 
 def engine_for(model, max_batch: int = 8, chunk: int = 16, **kw) -> Engine:
-    return Engine(model.executor, model.tokenizer, model.config.stop_ids, model.config.vocab_size, max_batch,
-                  prefill_chunk=chunk, metrics=ServerMetrics(), **kw)
+    return Engine(model, max_batch, prefill_chunk=chunk, metrics=ServerMetrics(), **kw)
 
 
 class Collect:

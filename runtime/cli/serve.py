@@ -1,6 +1,6 @@
 """``lmc serve``: an OpenAI-compatible server with continuous batching.
 
-One engine thread runs the model's paged batch steps (``runtime.scheduler``)
+One engine thread runs the model's paged batch steps (``runtime.engine``)
 for every request at once; FastAPI on uvicorn answers HTTP and streams
 tokens as they come. With ``--draft MODEL`` or ``--draft-layers K`` (as
 llama.cpp's ``--model-draft``), one drafter built at startup proposes tokens
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
     from frontends.chat_template import resolve_chat_template
 
-    from ..scheduler import Engine
+    from ..engine import Engine
     from ..serve.app import create_app
     from ..serve.metrics import ServerMetrics
     from ..serve.pool import PoolError, os_threads, pool_blocks
@@ -129,8 +129,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         tok.chat_template   # a broken template is an error now, not at the first request
     metrics = ServerMetrics()
-    engine = Engine(model.executor, tok, model.config.stop_ids, model.config.vocab_size, args.parallel,
-                    prefill_chunk=args.prefill_chunk, metrics=metrics, max_queue=args.queue, drafter=drafter)
+    engine = Engine(model, args.parallel, prefill_chunk=args.prefill_chunk, metrics=metrics, max_queue=args.queue,
+                    drafter=drafter)
     model_id = args.alias or os.path.splitext(os.path.basename(model_path))[0]
     drafting = _drafter_text(spec, args.draft_max)
     app = create_app(engine, tok, model_id, model.ctx, api_key=args.api_key, metrics=metrics,

@@ -1,7 +1,7 @@
 """The HTTP side: an OpenAI-compatible API on FastAPI, talking to the engine thread.
 
 Each request is rendered (chat template) and tokenized off the event loop,
-handed to the engine (``runtime.scheduler.Engine``) with a callback that
+handed to the engine (``runtime.engine.Engine``) with a callback that
 puts its events on an asyncio queue, and answered whole or streamed as
 server-sent events ending in ``data: [DONE]``. A client that goes away
 cancels its request and frees its KV blocks. Every refusal is a 4xx with an
@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from ..sampling import SamplerConfig
-from ..scheduler import Engine, EngineBusy, EngineError, Event, Request
+from ..engine import Engine, EngineBusy, EngineError, Event, Request
 from ..speculative import DEFAULT_DRAFT_MAX
 from ..stop_strings import StopStringError, check_stops
 from . import schemas as S
