@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..engine import Engine
     from ..serve.app import create_app
+    from ..serve.backend import EngineBackend, ModelInfo
     from ..serve.metrics import ServerMetrics
     from ..serve.pool import PoolError, os_threads, pool_blocks
 
@@ -133,11 +134,12 @@ def run(args: argparse.Namespace) -> int:
                     drafter=drafter)
     model_id = args.alias or os.path.splitext(os.path.basename(model_path))[0]
     drafting = _drafter_text(spec, args.draft_max)
-    app = create_app(engine, tok, model_id, model.ctx, api_key=args.api_key, metrics=metrics,
-                     model_meta={"n_ctx": model.ctx, "n_parallel": args.parallel, "kv_blocks": n_blocks,
-                                 "block_size": args.block_size, "kv_type": kv, "backend": args.backend,
-                                 "drafter": drafting or None},
+    info = ModelInfo(model_id, model.ctx, model.config.vocab_size,
+                     meta={"n_ctx": model.ctx, "n_parallel": args.parallel, "kv_blocks": n_blocks,
+                           "block_size": args.block_size, "kv_type": kv, "backend": args.backend,
+                           "drafter": drafting or None},
                      lookup=args.lookup, draft_max=args.draft_max)
+    app = create_app(EngineBackend(engine, tok, info, metrics), api_key=args.api_key)
     engine.start()
     host, port = sock.getsockname()[:2]
     print(f"lmc serve: {model_id} on http://{_url_host(host)}:{port} (parallel {args.parallel}, context "
