@@ -325,7 +325,7 @@ def test_cli_run_json_reports_kv(backend):
 
 
 def test_bench_reports_kv():
-    from runtime.cli.bench import run_bench
+    from runtime.tools.bench import run_bench
 
     r = run_bench(DEFAULT_MODEL, DEFAULT_TOKENIZER, threads=1, prompt_tokens=8, gen_tokens=4, runs=1,
                   backend="interp", probe_bytes=16 << 20, probe_repeats=1, kv_type="f16")

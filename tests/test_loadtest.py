@@ -21,7 +21,7 @@ import pytest
 from llamacpp_oracle import have_llamacpp
 from runtime.cli import loadtest
 from runtime.cli.common import CliError, Parser
-from runtime.cli.loadtest import run_load_test
+from runtime.tools.loadtest import run_load_test
 from shared_data import MODELS
 
 MODEL = MODELS / "TinyStories-656K-Q8_0.gguf"

@@ -259,7 +259,8 @@ def test_run_json_reports_the_drafts(capsys):
 
 @needs_shared
 def test_bench_reports_the_speedup_and_identity(tmp_path):
-    from runtime.cli.bench import format_table, run_bench
+    from runtime.cli.bench import format_table
+    from runtime.tools.bench import run_bench
 
     r = run_bench(STORIES, TOK, 2, gen_tokens=40, runs=2, probe_bytes=16 << 20, probe_repeats=1,
                   speculation=Speculation(lookup=3), prompt_text=PROMPT)

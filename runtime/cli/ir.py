@@ -1,4 +1,5 @@
-"""``lmc ir``: print or draw a model's IR graph (pictures: ``ir_render``)."""
+"""``lmc ir``: print or draw a model's IR graph (pictures: ``runtime.tools.ir_render``; ``--stats``:
+``runtime.tools.graph_stats``)."""
 from __future__ import annotations
 
 import argparse
@@ -51,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     from ir.printer import print_graph
 
     from ..loading import DEFAULT_CTX
-    from . import ir_render
+    from ..tools import ir_render
+    from ..tools.graph_stats import graph_stats
 
     if args.stats and (args.format != "text" or args.layer is not None or args.overview):
         raise CliError("--stats prints a text summary: it takes no --format, --layer or --overview")
@@ -95,25 +97,3 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(data.decode())
     return 0
-
-
-def graph_stats(g, title: str) -> str:
-    """What one step of ``g`` costs in calls: a kernel per op, a barrier
-    before each op that touches what the ops since the last one touched
-    (``passes.barriers``) and one at the end; ops by kind; the arena (a
-    prefill chunk at the native default length)."""
-    from collections import Counter
-
-    from compiler.native import DEFAULT_PREFILL_CHUNK
-    from passes.barriers import barrier_count
-    from passes.plan_arena import plan_arena
-
-    symbols = {"T": DEFAULT_PREFILL_CHUNK}
-    plan = plan_arena(g, symbols)
-    kinds = Counter(n.op + (f"[{n.attrs['layout']}]" if n.attrs.get("layout") else "") for n in g.nodes)
-    lines = [title,
-             f"kernel calls per step  {len(g.nodes)}",
-             f"barriers per step      {barrier_count(g, plan)}  (one after every op: {len(g.nodes)})",
-             f"arena                  {plan.size / 2**20:.2f} MiB" + (" (T = %d)" % symbols["T"] if g.meta.get("mode") != "decode" else ""),
-             "ops by kind            " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))]
-    return "\n".join(lines) + "\n"

@@ -1,4 +1,4 @@
-"""``lmc plan``: the memory map of a model under a budget (the report: ``plan_report``)."""
+"""``lmc plan``: the memory map of a model under a budget (the report: ``runtime.tools.plan_report``)."""
 from __future__ import annotations
 
 import argparse
@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from compiler.driver import load_model
 
     from ..loading import DEFAULT_CTX
-    from . import plan_report
+    from ..tools import plan_report
 
     m = load_model(args.model, args.tokenizer)
     if args.ctx is not None and not 0 < args.ctx <= m.config.seq_len:

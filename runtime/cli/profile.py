@@ -1,5 +1,5 @@
 """``lmc profile``: time every kernel of a decode step and a prefill (the
-measurement and its report: ``profile_report``)."""
+measurement and its report: ``runtime.tools.profile_report``)."""
 from __future__ import annotations
 
 import argparse
@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import profile_report
+    from ..tools import profile_report
 
     model_path, tok_path = resolve_model(args)
     report = profile_report.profile_model(model_path, tok_path, threads=args.threads, steps=args.steps,

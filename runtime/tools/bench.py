@@ -1,7 +1,7 @@
-"""``lmc bench``: compile time, prefill and decode speed, memory, and how close
-decoding comes to the memory-bandwidth roofline, measured side by side in one
-process. ``--serve`` measures serving instead: ``lmc serve`` under 1, 4, 8,
-16 concurrent streams (``serve_bench``).
+"""The single-stream benchmark (``lmc bench``): compile time, prefill and
+decode speed, memory, and how close decoding comes to the memory-bandwidth
+roofline, measured side by side in one process; and llama.cpp's speed on
+the same file beside it (``llamacpp_bench``).
 
 Decoding one token reads every weight of the decode graph once (the
 embedding table only one row, unless it is also the classifier), so
@@ -10,9 +10,6 @@ on this machine; ``roofline_fraction`` says how much of it we reach.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import os
 import resource
 import shutil
@@ -24,40 +21,9 @@ from typing import Any
 import numpy as np
 
 from compiler.driver import LoadedModel, load_model, model_graph
-from ir.types import KV_TYPES
 
 from ..errors import RunError
 from ..model import Model
-from .common import CliError, memory_args, speculation_args, speculation_of, thread_count, whole_number
-from .serve_bench import stream_counts
-
-#: fields in the order the table prints them, with their labels and formats
-_TABLE = [
-    ("model", "model", "{}"),
-    ("backend", "backend", "{}"),
-    ("threads", "threads", "{}"),
-    ("kv_type", "KV cache", "{}"),
-    ("kv_bytes", "KV cache bytes", "{:,} B"),
-    ("prompt_tokens", "prompt tokens", "{}"),
-    ("gen_tokens", "generated tokens", "{}"),
-    ("compile_s_cold", "compile, cold", "{:.3f} s"),
-    ("compile_s_warm", "compile, cached", "{:.4f} s"),
-    ("prefill_tok_s", "prefill", "{:.1f} tok/s"),
-    ("decode_tok_s", "decode", "{:.1f} tok/s"),
-    ("speculative", "speculative decoding", "{}"),
-    ("plain_loop_tok_s", "plain, decode + sampling", "{:.1f} tok/s"),
-    ("speculative_loop_tok_s", "speculative, same", "{:.1f} tok/s"),
-    ("speculative_speedup", "speed-up", "{:.2f}x"),
-    ("drafted", "drafted tokens", "{}"),
-    ("accepted", "accepted", "{}"),
-    ("acceptance_rate", "acceptance rate", "{:.1%}"),
-    ("speculative_identical", "greedy output identical", "{}"),
-    ("peak_rss_mb", "peak RSS", "{:.1f} MB"),
-    ("weight_bytes_per_token", "weights read per token", "{:,} B"),
-    ("read_bandwidth_gb_s", "read bandwidth", "{:.1f} GB/s"),
-    ("roofline_tok_s", "roofline (bandwidth / bytes)", "{:.1f} tok/s"),
-    ("roofline_fraction", "decode / roofline", "{:.1%}"),
-]
 
 
 def weight_bytes_per_token(loaded: LoadedModel) -> int:
@@ -78,14 +44,14 @@ def weight_bytes_per_token(loaded: LoadedModel) -> int:
     return total
 
 
-def _clip(ctx: int, prompt_tokens: int, gen_tokens: int) -> tuple[int, int]:
+def clip_lengths(ctx: int, prompt_tokens: int, gen_tokens: int) -> tuple[int, int]:
     """Prompt and generation lengths that fit the context (generation first)."""
     gen = max(1, min(gen_tokens, ctx - 1))
     prompt = max(1, min(prompt_tokens, ctx - gen))
     return prompt, gen
 
 
-def _median_time(fn, runs: int) -> float:
+def median_time(fn, runs: int) -> float:
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
@@ -154,7 +120,7 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
                                f"({model.ctx})")
             prompt, gen = len(ids), gen_tokens
         else:
-            prompt, gen = _clip(model.ctx, prompt_tokens, gen_tokens)
+            prompt, gen = clip_lengths(model.ctx, prompt_tokens, gen_tokens)
             rng = np.random.default_rng(seed)
             ids = [int(i) for i in rng.integers(3, loaded.config.vocab_size, prompt)]
         out["prompt_tokens"], out["gen_tokens"], out["runs"] = prompt, gen, runs
@@ -165,7 +131,7 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
             ex.prefill(ids, 0)
 
         prefill()  # warm-up: first-touch of weights and arena
-        out["prefill_tok_s"] = prompt / _median_time(prefill, runs)
+        out["prefill_tok_s"] = prompt / median_time(prefill, runs)
 
         decode_s, io_split, plain_loop, spec_loop, spec_stats = [], [], [], [], []
         identical = True
@@ -227,91 +193,14 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
     return out
 
 
-def format_table(r: dict[str, Any]) -> str:
-    rows = []
-    spec_rows = {"speculative", "plain_loop_tok_s", "speculative_loop_tok_s", "speculative_speedup", "drafted",
-                 "accepted", "acceptance_rate", "speculative_identical"}
-    for key, label, fmt in _TABLE:
-        v = r.get(key)
-        if key in spec_rows and r.get("speculative") is None:
-            continue
-        rows.append((label, "-" if v is None else fmt.format(v)))
-    w = max(len(label) for label, _ in rows)
-    return "\n".join(f"{label:<{w}}  {val}" for label, val in rows)
+def compare_with_llamacpp(r: dict[str, Any], model_path: str, threads: int, runs: int) -> None:
+    """Add llama.cpp's figures on the same file (``r["llamacpp"]``, or its
+    error) and our ratios to them to a ``run_bench`` result."""
+    from .llamacpp_bench import bench_llamacpp
 
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``bench`` to the ``lmc`` sub-commands."""
-    b = subparsers.add_parser("bench", help="measure compile time, prefill/decode speed and the roofline")
-    b.add_argument("model", help="model file (.bin, .gguf)")
-    b.add_argument("-z", "--tokenizer", default=None, help="tokenizer file (llama2.c tokenizer.bin)")
-    b.add_argument("-t", "--threads", type=thread_count, default=os.cpu_count() or 1,
-                   help="threads (default: all cores)")
-    b.add_argument("--prompt-tokens", type=whole_number("--prompt-tokens", 1), default=None,
-                   help="random prompt length for prefill (default 128; clipped to the context); with --serve, "
-                        "words of each synthetic prompt (default 64)")
-    b.add_argument("--gen-tokens", type=whole_number("--gen-tokens", 1), default=None,
-                   help="greedy decode steps timed (default 128); with --serve, tokens of each reply (default 64)")
-    b.add_argument("--runs", type=whole_number("--runs", 1), default=5,
-                   help="repetitions; medians are reported (default 5)")
-    b.add_argument("--backend", choices=["llvm", "interp"], default="llvm")
-    b.add_argument("--kv-type", choices=list(KV_TYPES), default=None,
-                   help="KV cache storage: f32 (default), f16 or q8")
-    b.add_argument("--probe-mb", type=whole_number("--probe-mb", 16), default=1024,
-                   help="buffer of the bandwidth probe in MiB (default 1024; keep it >> the L3 cache)")
-    b.add_argument("--compare-llamacpp", action="store_true",
-                   help="also measure llama.cpp (the xllamacpp package) on the same file, same threads; with "
-                        "--serve, llama.cpp's server with as many slots, after ours")
-    b.add_argument("--serve", action="store_true",
-                   help="measure serving: start lmc serve on the model and load it with 1, 4, 8, 16 concurrent "
-                        "streaming clients (lmc loadtest); aggregate tok/s, time to first token, inter-token "
-                        "latency; prints JSON, then a table unless --json")
-    b.add_argument("--streams", type=stream_counts, default=None, metavar="N,N,...",
-                   help="with --serve: the stream counts (default 1,4,8,16); each client sends two requests")
-    b.add_argument("--parallel", type=whole_number("--parallel", 1), default=None, metavar="P",
-                   help="with --serve: lmc serve --parallel, llama.cpp's slots (default: the largest of --streams)")
-    b.add_argument("--json", action="store_true", help="print one JSON object")
-    b.add_argument("--prompt-file", default=None, metavar="FILE",
-                   help="the prompt: this file's text (control tokens such as <|im_start|> recognised) instead of "
-                        "random token ids")
-
-    memory_args(b)
-    speculation_args(b)
-    return b
-
-
-def _jsonable(r: dict[str, Any]) -> dict[str, Any]:
-    return {k: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v) for k, v in r.items()}
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.serve:
-        from . import serve_bench
-
-        return serve_bench.run(args)
-    for flag, value in (("--streams", args.streams), ("--parallel", args.parallel)):
-        if value is not None:
-            raise CliError(f"{flag} is a flag of lmc bench --serve")
-    spec = speculation_of(args)
-    prompt_text = None
-    if args.prompt_file is not None:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            prompt_text = f.read()
-    r = run_bench(args.model, args.tokenizer, args.threads, prompt_tokens=args.prompt_tokens or 128,
-                  gen_tokens=args.gen_tokens or 128, runs=args.runs, backend=args.backend,
-                  probe_bytes=args.probe_mb << 20, kv_type=args.kv_type, mem_budget=args.mem_budget,
-                  stream=args.stream, stream_io=args.stream_io, speculation=spec, prompt_text=prompt_text)
-    if args.compare_llamacpp:
-        from .llamacpp_bench import bench_llamacpp
-
-        lc = bench_llamacpp(args.model, args.threads, r["prompt_tokens"], r["gen_tokens"], args.runs,
-                            int(r.get("vocab_size") or 32000))
-        r["llamacpp"] = lc
-        if "error" not in lc:
-            r["decode_vs_llamacpp"] = r["decode_tok_s"] / lc["decode_tok_s"]
-            r["prefill_vs_llamacpp"] = r["prefill_tok_s"] / lc["prefill_tok_s"]
-    if args.json:
-        print(json.dumps(_jsonable(r)))
-    else:
-        print(format_table(r))
-    return 0
+    lc = bench_llamacpp(model_path, threads, r["prompt_tokens"], r["gen_tokens"], runs,
+                        int(r.get("vocab_size") or 32000))
+    r["llamacpp"] = lc
+    if "error" not in lc:
+        r["decode_vs_llamacpp"] = r["decode_tok_s"] / lc["decode_tok_s"]
+        r["prefill_vs_llamacpp"] = r["prefill_tok_s"] / lc["prefill_tok_s"]

@@ -1,4 +1,4 @@
-"""What is inside a model file (``lmc inspect``).
+"""What is inside a model file (``lmc inspect``): the report.
 
 One function per format builds a plain JSON-able dict; one renderer prints
 any such dict. The schema is shared with QSF (``frontends.qsf.inspect_qsf``),
@@ -26,15 +26,11 @@ there is then no trustworthy layout to report.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import mmap
 import os
 import re
 import struct
-import sys
 from typing import Any, Callable
 
 import numpy as np
@@ -67,7 +63,7 @@ def _layers(tensors: list[dict]) -> list[dict]:
              "tensors": len(ts)} for i, ts in sorted(by.items())]
 
 
-def _summary(tensors: list[dict]) -> dict:
+def summary(tensors: list[dict]) -> dict:
     types: dict[str, dict] = {}
     params = 0
     for t in tensors:
@@ -154,109 +150,6 @@ def _config(loader: Callable[[], Any]) -> tuple[dict | None, dict]:
 
 # --- GGUF ------------------------------------------------------------------------
 
-_GGUF_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
-class _Short(Exception):
-    """The file ends inside the header."""
-
-
-def _gguf_walk(path: str) -> dict:
-    """Byte boundaries of a GGUF header (metadata end, tensor infos end) and
-    the tensor infos as stored, without decoding values. ``read_gguf`` gives
-    the values; this gives where they are, and a clear message for a
-    truncated file, where the gguf package's reader fails obscurely."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        return _gguf_walk_buffer(path, buf)
-
-
-def _gguf_walk_buffer(path: str, buf: Any) -> dict:
-    pos = 0
-
-    def take(fmt: str) -> tuple:
-        nonlocal pos
-        n = struct.calcsize(fmt)
-        if pos + n > len(buf):
-            raise _Short
-        v = struct.unpack_from(fmt, buf, pos)
-        pos += n
-        return v
-
-    def skip(n: int) -> None:
-        nonlocal pos
-        if n < 0 or pos + n > len(buf):
-            raise _Short
-        pos += n
-
-    def string() -> bytes:
-        (n,) = take(e + "Q")
-        skip(n)
-        return buf[pos - n:pos]
-
-    def value(vt: int) -> None:
-        if vt in _GGUF_FIXED:
-            skip(_GGUF_FIXED[vt])
-        elif vt == 8:
-            string()
-        elif vt == 9:
-            et, count = take(e + "IQ")
-            if et in _GGUF_FIXED:
-                skip(count * _GGUF_FIXED[et])
-            else:
-                for _ in range(count):
-                    value(et)
-        else:
-            raise ModelError(f"{path}: metadata value type {vt} is not a GGUF type")
-
-    e = "<"
-    where = "header"
-    try:
-        magic, version = take("<4sI")
-        if version > 0xFFFF:  # a big-endian file
-            e, version = ">", struct.unpack(">I", struct.pack("<I", version))[0]
-        n_tensors, n_kv = take(e + "QQ")
-        where = "metadata"
-        alignment = 32
-        for _ in range(n_kv):
-            key = string()
-            (vt,) = take(e + "I")
-            if key == b"general.alignment" and vt == 4:
-                (alignment,) = take(e + "I")
-            else:
-                value(vt)
-        kv_end = pos
-        where = "tensor infos"
-        infos = []
-        for _ in range(n_tensors):
-            name = string().decode("utf-8", "replace")
-            (nd,) = take(e + "I")
-            if nd > 8:
-                raise ModelError(f"{path}: tensor {name} has {nd} dimensions")
-            dims = take(e + f"{nd}Q")
-            qt, off = take(e + "IQ")
-            infos.append((name, qt, dims, off))
-    except _Short:
-        raise ModelError(f"{path}: truncated: the file ({len(buf)} bytes) ends inside the GGUF {where}") from None
-    data_start = -(-pos // alignment) * alignment
-    return {"magic": magic, "version": version, "n_tensors": n_tensors, "n_kv": n_kv, "alignment": alignment,
-            "kv_end": kv_end, "infos_end": pos, "data_start": data_start, "infos": infos}
-
-
-def _gguf_truncation(path: str, walk: dict, size: int) -> str | None:
-    """Which tensor the file stops short of, if any."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    for name, qt, dims, off in walk["infos"]:
-        try:
-            block, nb = GGML_QUANT_SIZES[GGMLQuantizationType(qt)]
-        except (ValueError, KeyError):
-            continue
-        end = walk["data_start"] + off + math.prod(dims) // block * nb
-        if end > size:
-            return f"{path}: truncated: tensor {name} needs bytes up to {end}, the file has {size}"
-    return None
-
-
 def _meta_value(v: Any) -> Any:
     """A metadata value for the report: arrays as their length, long text as its length."""
     from frontends.string_table import StringArray
@@ -278,41 +171,41 @@ def _meta_value(v: Any) -> Any:
 
 def inspect_gguf(path: str, verify: bool = False) -> dict:
     from frontends.gguf import read_gguf
+    from frontends.gguf_parse import gguf_layout
     from frontends.loader import load_model
 
     size = os.path.getsize(path)
     try:
         contents = read_gguf(path)
     except ModelError:
-        walk = _gguf_walk(path)  # raises its own clearer message when the header is cut
-        raise ModelError(_gguf_truncation(path, walk, size) or
-                         f"{path}: not a readable GGUF file") from None
-    walk = _gguf_walk(path)
+        walk = gguf_layout(path)  # raises its own clearer message when the header is cut
+        raise ModelError(walk.truncation(path, size) or f"{path}: not a readable GGUF file") from None
+    walk = gguf_layout(path)
     meta = contents.meta
-    header: dict[str, Any] = {"magic": walk["magic"].decode("latin-1"), "version": walk["version"],
-                              "tensor_count": walk["n_tensors"], "metadata_kv_count": walk["n_kv"],
-                              "alignment": walk["alignment"]}
+    header: dict[str, Any] = {"magic": walk.magic.decode("latin-1"), "version": walk.version,
+                              "tensor_count": walk.n_tensors, "metadata_kv_count": walk.n_kv,
+                              "alignment": walk.alignment}
     header.update((k, _meta_value(v)) for k, v in meta.items() if not k.startswith("GGUF."))
 
     tensors = _tensor_rows([(t.name, t.qtype, tuple(reversed(t.shape)), t.offset, t.nbytes)
                             for t in contents.tensors])
-    data_end = max((t["offset"] + t["nbytes"] for t in tensors), default=walk["data_start"])
-    sections = [{"name": "header + metadata", "offset": 0, "size": walk["kv_end"]},
-                {"name": "tensor infos", "offset": walk["kv_end"], "size": walk["infos_end"] - walk["kv_end"]},
-                {"name": "padding", "offset": walk["infos_end"], "size": walk["data_start"] - walk["infos_end"]},
-                {"name": "tensor data", "offset": walk["data_start"], "size": data_end - walk["data_start"]}]
+    data_end = max((t["offset"] + t["nbytes"] for t in tensors), default=walk.data_start)
+    sections = [{"name": "header + metadata", "offset": 0, "size": walk.kv_end},
+                {"name": "tensor infos", "offset": walk.kv_end, "size": walk.infos_end - walk.kv_end},
+                {"name": "padding", "offset": walk.infos_end, "size": walk.data_start - walk.infos_end},
+                {"name": "tensor data", "offset": walk.data_start, "size": data_end - walk.data_start}]
     if data_end < size:
         sections.append({"name": "trailing bytes", "offset": data_end, "size": size - data_end})
 
     config, loads = _config(lambda: load_model(path))
-    al = walk["alignment"]
+    al = walk.alignment
     checks = _layout_checks(tensors, size)
     checks.append(_check(f"tensor data aligned to {al} bytes",
                          [f"{t['name']} at {t['offset']}" for t in tensors
-                          if (t["offset"] - walk["data_start"]) % al], f"{len(tensors)} tensors"))
+                          if (t["offset"] - walk.data_start) % al], f"{len(tensors)} tensors"))
     checks.append(_check("tensor count matches the header",
-                         [] if len(tensors) == walk["n_tensors"] else
-                         [f"header says {walk['n_tensors']}, {len(tensors)} read"], f"{len(tensors)}"))
+                         [] if len(tensors) == walk.n_tensors else
+                         [f"header says {walk.n_tensors}, {len(tensors)} read"], f"{len(tensors)}"))
     checks.append(_lmc_layout_check(tensors, lambda t: tuple(t["shape"])))
     checks.append(loads)
     if verify:
@@ -320,7 +213,7 @@ def inspect_gguf(path: str, verify: bool = False) -> dict:
     report = {"format": "gguf", "path": path, "size": size, "header": header}
     if config is not None:
         report["config"] = config
-    report.update(sections=sections, layers=_layers(tensors), tensors=tensors, summary=_summary(tensors),
+    report.update(sections=sections, layers=_layers(tensors), tensors=tensors, summary=summary(tensors),
                   checks=checks)
     return report
 
@@ -382,7 +275,7 @@ def inspect_llama2c(path: str, tokenizer: str | None = None, verify: bool = Fals
         checks.append(check)
     if verify:
         checks.append(_finite_check(path, tensors))
-    report.update(sections=sections, layers=_layers(tensors), tensors=tensors, summary=_summary(tensors),
+    report.update(sections=sections, layers=_layers(tensors), tensors=tensors, summary=summary(tensors),
                   checks=checks)
     return report
 
@@ -391,11 +284,11 @@ def _llama2c_tokenizer(path: str, tokenizer: str | None, vocab: int) -> tuple[di
     """The tokenizer given with -z, or found beside the model as ``lmc run``
     would find it; None when there is neither (the model file alone is fine)."""
     from frontends.llama2c_tokenizer import Llama2cTokenizer, TokenizerError
-    from frontends.loader import _find_llama2c_tokenizer
+    from frontends.loader import find_llama2c_tokenizer
 
     if tokenizer is None:
         try:
-            tokenizer = _find_llama2c_tokenizer(path, vocab)
+            tokenizer = find_llama2c_tokenizer(path, vocab)
         except ModelError:
             return None
     what = "the tokenizer fits the model's vocabulary"
@@ -424,126 +317,8 @@ def inspect_file(path: str | os.PathLike, tokenizer: str | None = None, verify: 
         from frontends.qsf import inspect_qsf
 
         r = inspect_qsf(path, verify)
-        r["summary"] = _summary(r["tensors"])
+        r["summary"] = summary(r["tensors"])
         return r
     if magic == b"GGUF":
         return inspect_gguf(path, verify)
     return inspect_llama2c(path, tokenizer, verify)
-
-
-# --- text ------------------------------------------------------------------------
-
-def human_size(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-    raise AssertionError
-
-
-def _table(headers: list[str], rows: list[list[Any]], right: set[int]) -> list[str]:
-    cells = [[str(c) for c in r] for r in rows]
-    w = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
-
-    def line(r: list[str]) -> str:
-        return "  " + "  ".join(c.rjust(w[i]) if i in right else c.ljust(w[i]) for i, c in enumerate(r)).rstrip()
-
-    return [line(headers)] + [line(r) for r in cells]
-
-
-def _short(v: Any) -> str:
-    """A float32 value read as float64 (1e-5 as 9.99999974e-06) in its shortest form."""
-    if isinstance(v, float) and math.isfinite(v) and float(np.float32(v)) == v:
-        return f"{v:.7g}"
-    return str(v)
-
-
-def _pairs(d: dict) -> list[str]:
-    w = max((len(str(k)) for k in d), default=0)
-    return [f"  {str(k).rjust(w)}: {_short(v)}" for k, v in d.items()]
-
-
-#: layer table columns, in order: (key, heading, formatter)
-_LAYER_COLS: list[tuple[str, str, Callable[[Any], str]]] = [
-    ("index", "layer", str), ("offset", "offset", str), ("stored", "stored", human_size),
-    ("decompressed", "decompressed", human_size), ("ratio", "ratio", lambda r: f"{r:.3f}"),
-    ("qtype", "qtype", str), ("compression", "compression", str),
-    ("tensors", "tensors", lambda t: str(len(t)) if isinstance(t, (list, tuple, dict)) else str(t)),
-    ("crc", "crc32", lambda c: f"{c:08x}" if isinstance(c, int) else str(c)),
-    ("crc_ok", "crc ok", lambda ok: "-" if ok is None else "OK" if ok else "BAD"),
-    ("importance", "importance", lambda v: f"{v:.4g}" if isinstance(v, float) else str(v))]
-
-
-def render_text(r: dict, show_tensors: bool = False) -> str:
-    """Any report of the schema above as readable text."""
-    out = [f"{r['path']}: {r['format']}, {human_size(r['size'])} ({r['size']:,} bytes)"]
-    if r.get("header"):
-        out += ["", "header"] + _pairs(r["header"])
-    if r.get("config"):
-        cfg = {k: v for k, v in r["config"].items() if v not in ({}, None)}
-        out += ["", "config (as lmc derives it)"] + _pairs(cfg)
-    if r.get("tokenizer"):
-        out += ["", "tokenizer"] + _pairs(r["tokenizer"])
-    if r.get("sections"):
-        rows = [[s["name"], s["offset"], s["offset"] + s["size"], human_size(s["size"]), f"{s['size']:,}"]
-                for s in r["sections"]]
-        out += ["", "sections"] + _table(["name", "offset", "end", "size", "bytes"], rows, {1, 2, 3, 4})
-    if r.get("layers"):
-        layers = [dict(l) for l in r["layers"]]
-        for l in layers:
-            if l.get("stored") and l.get("decompressed"):
-                l["ratio"] = l["stored"] / l["decompressed"]
-        cols = [c for c in _LAYER_COLS if any(l.get(c[0]) is not None for l in layers)]
-        rows = [[fmt(l[k]) if l.get(k) is not None else "-" for k, _, fmt in cols] for l in layers]
-        right = {i for i, (k, _, _) in enumerate(cols) if k not in ("qtype", "compression", "crc_ok")}
-        out += ["", "layers"] + _table([h for _, h, _ in cols], rows, right)
-    s = r.get("summary")
-    if s and s.get("types"):
-        total = s.get("total_weight_bytes") or 0
-        rows = [[t, d["count"], f"{d.get('parameters', ''):,}" if "parameters" in d else "-",
-                 human_size(d["bytes"]), f"{d['bytes']:,}", f"{100 * d['bytes'] / total:.1f}%" if total else "-"]
-                for t, d in s["types"].items()]
-        out += ["", "weights by type"] + _table(["type", "tensors", "parameters", "size", "bytes", "share"], rows,
-                                                {1, 2, 3, 4, 5})
-        tail = [f"{human_size(total)} ({total:,} bytes) of weights"]
-        if s.get("parameters"):
-            tail.append(f"{s['parameters']:,} parameters")
-        if s.get("bits_per_weight") is not None:
-            tail.append(f"{s['bits_per_weight']:.3f} bits per weight")
-        out.append("  total: " + ", ".join(tail))
-    if r.get("checks"):
-        out += ["", "checks"] + [f"  {'OK  ' if c['ok'] else 'FAIL'}  {c['what']}"
-                                 + (f": {c['detail']}" if c.get("detail") else "") for c in r["checks"]]
-    if show_tensors and r.get("tensors"):
-        rows = [[t["name"], t["type"], "x".join(map(str, t["shape"])), t["offset"], f"{t['nbytes']:,}"]
-                for t in r["tensors"]]
-        out += ["", "tensors"] + _table(["name", "type", "shape", "offset", "bytes"], rows, {3, 4})
-    elif r.get("tensors"):
-        out += ["", f"{len(r['tensors'])} tensors (--tensors lists them)"]
-    return "\n".join(out) + "\n"
-
-
-# --- CLI -------------------------------------------------------------------------
-
-def add_parser(subparsers) -> None:
-    """Add ``inspect`` to the ``lmc`` sub-commands."""
-    p = subparsers.add_parser("inspect", help="what is inside a model file: header, sections, tensors, checks",
-                              description="Report a model file's header, byte sections, layers, weight types "
-                                          "and consistency checks. Exit status 1 when a check fails.")
-    p.add_argument("model", metavar="FILE", help="model file (.bin, .gguf, .qsf)")
-    p.add_argument("-z", "--tokenizer", default=None, help="llama2.c tokenizer to check against the model")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.add_argument("--verify", action="store_true",
-                   help="read the weights too: layer CRCs for QSF, float tensors finite for GGUF and llama2.c")
-    p.add_argument("--tensors", action="store_true", help="list every tensor in the text report")
-
-
-def run(args: argparse.Namespace) -> int:
-    report = inspect_file(args.model, args.tokenizer, args.verify)
-    if args.json:
-        sys.stdout.write(json.dumps(report, indent=1) + "\n")
-    else:
-        sys.stdout.write(render_text(report, args.tensors))
-    return 0 if all(c.get("ok", True) for c in report.get("checks", ())) else 1

@@ -1,4 +1,4 @@
-"""``lmc loadtest URL``: load an OpenAI-compatible server and print one JSON object.
+"""The load generator (``lmc loadtest URL``): load an OpenAI-compatible server, report in one JSON object.
 
 It measures what a user of a serving engine feels and what its operator
 pays for, from the client's side, so the same numbers come out of ``lmc
@@ -34,7 +34,6 @@ or a server that cannot be reached at all (one line on stderr).
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -43,10 +42,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from .common import CliError, whole_number
 
 #: words of the synthetic prompts: plain English, about one token each in most vocabularies
-_WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
+WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
           "number group problem fact water room mother area money story month lot right study book job word "
           "house night home river city garden window door table friend morning music road paper light "
           "summer winter tree bird stone cloud forest").split()
@@ -58,7 +56,7 @@ class ServerUnreachable(Exception):
 
 
 @dataclass
-class _Request:
+class RequestRecord:
     """One request's timings (``time.perf_counter`` seconds) and outcome."""
 
     sent: float
@@ -80,7 +78,7 @@ def synthetic_prompt(words: int, rng: random.Random) -> str:
     this run or an earlier one) share more than a token or two of prefix,
     so a server's prefix cache cannot skip their prefill. The instruction
     comes last for the same reason."""
-    return " ".join(rng.choice(_WORDS) for _ in range(words)) + ". Write a story with these words."
+    return " ".join(rng.choice(WORDS) for _ in range(words)) + ". Write a story with these words."
 
 
 def _percentiles(xs: list[float], qs: tuple[int, ...]) -> dict[str, float | None]:
@@ -104,7 +102,7 @@ def _error_text(status: int, body: bytes) -> str:
     return f"{status} {msg}".strip()
 
 
-async def _stream_one(client: Any, path: str, body: dict, rec: _Request) -> None:
+async def _stream_one(client: Any, path: str, body: dict, rec: RequestRecord) -> None:
     """POST one streaming request and fill ``rec`` from its server-sent events."""
     import httpx
 
@@ -191,7 +189,7 @@ async def load_test(url: str, clients: int = 4, requests: int | None = None, max
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=clients + 1, max_keepalive_connections=clients + 1)
     salt = random.getrandbits(64)
-    recs: list[_Request] = []
+    recs: list[RequestRecord] = []
     in_flight = 0
     next_index = 0
 
@@ -232,7 +230,7 @@ async def load_test(url: str, clients: int = 4, requests: int | None = None, max
             while next_index < requests:
                 i = next_index
                 next_index += 1
-                rec = _Request(sent=time.perf_counter())
+                rec = RequestRecord(sent=time.perf_counter())
                 in_flight += 1
                 await _stream_one(client, path, body(i), rec)   # a cancel here drops rec: not finished
                 in_flight -= 1
@@ -262,7 +260,7 @@ async def load_test(url: str, clients: int = 4, requests: int | None = None, max
 
 
 def _report(url: str, model: str | None, endpoint: str, clients: int, requests: int, max_tokens: int,
-            recs: list[_Request], timed_out: bool, cancelled: int) -> dict[str, Any]:
+            recs: list[RequestRecord], timed_out: bool, cancelled: int) -> dict[str, Any]:
     import numpy as np
 
     ok = [r for r in recs if r.error is None]
@@ -300,75 +298,3 @@ def run_load_test(url: str, clients: int = 4, requests: int | None = None, max_t
                   **kwargs: Any) -> dict[str, Any]:
     """``load_test`` for callers without an event loop (tests, benchmarks)."""
     return asyncio.run(load_test(url, clients, requests, max_tokens, **kwargs))
-
-
-def _seconds(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--timeout takes seconds, not {s!r}") from None
-    if not 0 < v < 1e7:
-        raise argparse.ArgumentTypeError(f"--timeout must be a positive number of seconds, got {s}")
-    return v
-
-
-def _temperature(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--temperature takes a number, not {s!r}") from None
-    if not 0 <= v <= 100:
-        raise argparse.ArgumentTypeError(f"--temperature must be between 0 and 100, got {s}")
-    return v
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("loadtest", help="load an OpenAI-compatible server with streaming clients; JSON report",
-                       description="N streaming clients send M requests in all to an OpenAI-compatible server "
-                                   "(lmc serve, llama.cpp's server ...) and one JSON object reports time to first "
-                                   "token, inter-token latency and throughput. Exit 0 if at least one request "
-                                   "completed, 1 if none did.")
-    p.add_argument("url", help="the server, e.g. http://127.0.0.1:8080 (a trailing /v1 is fine)")
-    p.add_argument("--clients", type=whole_number("--clients", 1), default=4, metavar="N",
-                   help="concurrent clients, each streaming one request after another (default 4)")
-    p.add_argument("--requests", type=whole_number("--requests", 1), default=None, metavar="M",
-                   help="requests in all (default: one per client)")
-    p.add_argument("--max-tokens", type=whole_number("--max-tokens", 1), default=64, metavar="K",
-                   help="max_tokens of every request (default 64)")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--prompt", default=None, metavar="TEXT", help="the same prompt text for every request")
-    g.add_argument("--prompt-tokens", type=whole_number("--prompt-tokens", 1), default=None, metavar="P",
-                   help=f"a synthetic prompt of about P words, different per request so that no prefix cache "
-                        f"skips prefill (the default, {DEFAULT_PROMPT_WORDS} words)")
-    e = p.add_mutually_exclusive_group()
-    e.add_argument("--chat", dest="endpoint", action="store_const", const="chat", default="chat",
-                   help="POST /v1/chat/completions, the prompt as one user message (default)")
-    e.add_argument("--completions", dest="endpoint", action="store_const", const="completions",
-                   help="POST /v1/completions with the prompt as is")
-    p.add_argument("--model", default=None, metavar="NAME",
-                   help="the model field (default: the first id of GET /v1/models)")
-    p.add_argument("--api-key", default=None, metavar="KEY", help="sent as Authorization: Bearer KEY")
-    p.add_argument("--temperature", type=_temperature, default=0.0, metavar="T",
-                   help="sampling temperature (default 0)")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="ask the server to generate max_tokens for every request whatever comes (the "
-                        "ignore_eos field of llama.cpp, vLLM and lmc serve): equal work per request, for "
-                        "throughput comparisons")
-    p.add_argument("--timeout", type=_seconds, default=600.0, metavar="S",
-                   help="bound on the whole run in seconds; what is unfinished then is cancelled (default 600)")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        import httpx  # noqa: F401
-    except ImportError:
-        raise CliError("lmc loadtest needs httpx (pip install httpx)") from None
-    try:
-        report = run_load_test(args.url, args.clients, args.requests, args.max_tokens, prompt=args.prompt,
-                               prompt_tokens=args.prompt_tokens, endpoint=args.endpoint, model=args.model,
-                               api_key=args.api_key, temperature=args.temperature, timeout=args.timeout,
-                               ignore_eos=args.ignore_eos)
-    except ServerUnreachable as e:
-        raise CliError(str(e)) from None
-    print(json.dumps(report, indent=1))
-    return 0 if report["completed"] else 1

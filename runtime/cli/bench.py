@@ -1,0 +1,167 @@
+"""``lmc bench``: compile time, prefill and decode speed, memory and the
+roofline of one stream (``runtime.tools.bench``); ``--serve`` measures
+serving instead: ``lmc serve`` under 1, 4, 8, 16 concurrent streams
+(``runtime.tools.serve_bench``). Parsing and printing only."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Any
+
+from ir.types import KV_TYPES
+
+from ..tools import serve_bench
+from ..tools.bench import compare_with_llamacpp, run_bench
+from .common import CliError, memory_args, speculation_args, speculation_of, thread_count, whole_number
+
+#: fields in the order the table prints them, with their labels and formats
+_TABLE = [
+    ("model", "model", "{}"),
+    ("backend", "backend", "{}"),
+    ("threads", "threads", "{}"),
+    ("kv_type", "KV cache", "{}"),
+    ("kv_bytes", "KV cache bytes", "{:,} B"),
+    ("prompt_tokens", "prompt tokens", "{}"),
+    ("gen_tokens", "generated tokens", "{}"),
+    ("compile_s_cold", "compile, cold", "{:.3f} s"),
+    ("compile_s_warm", "compile, cached", "{:.4f} s"),
+    ("prefill_tok_s", "prefill", "{:.1f} tok/s"),
+    ("decode_tok_s", "decode", "{:.1f} tok/s"),
+    ("speculative", "speculative decoding", "{}"),
+    ("plain_loop_tok_s", "plain, decode + sampling", "{:.1f} tok/s"),
+    ("speculative_loop_tok_s", "speculative, same", "{:.1f} tok/s"),
+    ("speculative_speedup", "speed-up", "{:.2f}x"),
+    ("drafted", "drafted tokens", "{}"),
+    ("accepted", "accepted", "{}"),
+    ("acceptance_rate", "acceptance rate", "{:.1%}"),
+    ("speculative_identical", "greedy output identical", "{}"),
+    ("peak_rss_mb", "peak RSS", "{:.1f} MB"),
+    ("weight_bytes_per_token", "weights read per token", "{:,} B"),
+    ("read_bandwidth_gb_s", "read bandwidth", "{:.1f} GB/s"),
+    ("roofline_tok_s", "roofline (bandwidth / bytes)", "{:.1f} tok/s"),
+    ("roofline_fraction", "decode / roofline", "{:.1%}"),
+]
+
+
+def format_table(r: dict[str, Any]) -> str:
+    rows = []
+    spec_rows = {"speculative", "plain_loop_tok_s", "speculative_loop_tok_s", "speculative_speedup", "drafted",
+                 "accepted", "acceptance_rate", "speculative_identical"}
+    for key, label, fmt in _TABLE:
+        v = r.get(key)
+        if key in spec_rows and r.get("speculative") is None:
+            continue
+        rows.append((label, "-" if v is None else fmt.format(v)))
+    w = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{w}}  {val}" for label, val in rows)
+
+
+def stream_counts(text: str) -> list[int]:
+    """argparse type of ``--streams``: ``1,4,8,16`` -> [1, 4, 8, 16] (distinct, in order)."""
+    out: list[int] = []
+    for part in text.split(","):
+        try:
+            n = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--streams takes whole numbers separated by commas, not {text!r}"
+                                             ) from None
+        if not 1 <= n <= 1024:
+            raise argparse.ArgumentTypeError(f"--streams: {n} is not between 1 and 1024")
+        if n not in out:
+            out.append(n)
+    return out
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``bench`` to the ``lmc`` sub-commands."""
+    b = subparsers.add_parser("bench", help="measure compile time, prefill/decode speed and the roofline")
+    b.add_argument("model", help="model file (.bin, .gguf)")
+    b.add_argument("-z", "--tokenizer", default=None, help="tokenizer file (llama2.c tokenizer.bin)")
+    b.add_argument("-t", "--threads", type=thread_count, default=os.cpu_count() or 1,
+                   help="threads (default: all cores)")
+    b.add_argument("--prompt-tokens", type=whole_number("--prompt-tokens", 1), default=None,
+                   help="random prompt length for prefill (default 128; clipped to the context); with --serve, "
+                        "words of each synthetic prompt (default 64)")
+    b.add_argument("--gen-tokens", type=whole_number("--gen-tokens", 1), default=None,
+                   help="greedy decode steps timed (default 128); with --serve, tokens of each reply (default 64)")
+    b.add_argument("--runs", type=whole_number("--runs", 1), default=5,
+                   help="repetitions; medians are reported (default 5)")
+    b.add_argument("--backend", choices=["llvm", "interp"], default="llvm")
+    b.add_argument("--kv-type", choices=list(KV_TYPES), default=None,
+                   help="KV cache storage: f32 (default), f16 or q8")
+    b.add_argument("--probe-mb", type=whole_number("--probe-mb", 16), default=1024,
+                   help="buffer of the bandwidth probe in MiB (default 1024; keep it >> the L3 cache)")
+    b.add_argument("--compare-llamacpp", action="store_true",
+                   help="also measure llama.cpp (the xllamacpp package) on the same file, same threads; with "
+                        "--serve, llama.cpp's server with as many slots, after ours")
+    b.add_argument("--serve", action="store_true",
+                   help="measure serving: start lmc serve on the model and load it with 1, 4, 8, 16 concurrent "
+                        "streaming clients (lmc loadtest); aggregate tok/s, time to first token, inter-token "
+                        "latency; prints JSON, then a table unless --json")
+    b.add_argument("--streams", type=stream_counts, default=None, metavar="N,N,...",
+                   help="with --serve: the stream counts (default 1,4,8,16); each client sends two requests")
+    b.add_argument("--parallel", type=whole_number("--parallel", 1), default=None, metavar="P",
+                   help="with --serve: lmc serve --parallel, llama.cpp's slots (default: the largest of --streams)")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--prompt-file", default=None, metavar="FILE",
+                   help="the prompt: this file's text (control tokens such as <|im_start|> recognised) instead of "
+                        "random token ids")
+
+    memory_args(b)
+    speculation_args(b)
+    return b
+
+
+def _jsonable(r: dict[str, Any]) -> dict[str, Any]:
+    return {k: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v) for k, v in r.items()}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.serve:
+        return _run_serve(args)
+    for flag, value in (("--streams", args.streams), ("--parallel", args.parallel)):
+        if value is not None:
+            raise CliError(f"{flag} is a flag of lmc bench --serve")
+    spec = speculation_of(args)
+    prompt_text = None
+    if args.prompt_file is not None:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            prompt_text = f.read()
+    r = run_bench(args.model, args.tokenizer, args.threads, prompt_tokens=args.prompt_tokens or 128,
+                  gen_tokens=args.gen_tokens or 128, runs=args.runs, backend=args.backend,
+                  probe_bytes=args.probe_mb << 20, kv_type=args.kv_type, mem_budget=args.mem_budget,
+                  stream=args.stream, stream_io=args.stream_io, speculation=spec, prompt_text=prompt_text)
+    if args.compare_llamacpp:
+        compare_with_llamacpp(r, args.model, args.threads, args.runs)
+    if args.json:
+        print(json.dumps(_jsonable(r)))
+    else:
+        print(format_table(r))
+    return 0
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    """``lmc bench --serve``, from the bench's parsed flags."""
+    if args.stream is not None:
+        raise CliError("--stream: lmc serve keeps its weights in memory; not with --serve")
+    extra = ["--backend", args.backend]
+    if args.kv_type:
+        extra += ["--kv-type", args.kv_type]
+    if args.mem_budget is not None:
+        extra += ["--mem-budget", str(args.mem_budget)]
+    try:
+        r = serve_bench.run_serve_bench(args.model, args.tokenizer, args.threads, args.streams or list(serve_bench.DEFAULT_STREAMS),
+                            parallel=args.parallel, gen_tokens=args.gen_tokens or serve_bench.DEFAULT_TOKENS,
+                            prompt_tokens=args.prompt_tokens or serve_bench.DEFAULT_TOKENS,
+                            compare_llamacpp=args.compare_llamacpp, serve_args=extra,
+                            say=lambda s: print(f"lmc bench: {s}", file=sys.stderr, flush=True))
+    except serve_bench.BenchServerError as e:
+        raise CliError(str(e)) from None
+    print(json.dumps(serve_bench.rounded(r)), flush=True)
+    if not args.json:
+        print()
+        print(serve_bench.format_table(r))
+    return 0
