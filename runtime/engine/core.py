@@ -62,7 +62,8 @@ class EngineCore:
             draft_rows_lag=self.keeper is not None))
         self.output = OutputProcessor(tokenizer, stop_ids, self.ctx)
         self.runner = StepRunner(executor, self.scheduler.table, drafter)
-        self.room = _SchedulerRoom(self)
+        self.copier = BlockCopier(executor, drafter)
+        self.room = _SchedulerRoom(self.scheduler, self.copier)
         self._lookups: dict[int, LookupDrafter] = {}   # one per n-gram length
         self.steps = 0
 
@@ -129,7 +130,7 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def load(self) -> EngineLoad:
+    def current_load(self) -> EngineLoad:
         bm = self.blocks
         return EngineLoad(len(self.scheduler.waiting), len(self.scheduler.running), bm.n_blocks,
                           len(bm.evictable), bm.n_blocks - len(bm.free) - len(bm.evictable))
@@ -145,7 +146,7 @@ class EngineCore:
         for s in plan.ended:
             out.events.append((s.req, self.output.ended(s, "length")))
             out.finished.append(s)
-        self.copy_blocks(plan.copies)
+        self.copier.copy(plan.copies)
         drafts = self._draft(plan) if plan.decode and not plan.mixed else [Draft() for _ in plan.decode]
         logits = self.runner.run(plan, drafts)
         if plan.decode:
@@ -204,8 +205,17 @@ class EngineCore:
                     out[i] = d
         return out
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """The block manager's (src, dst) copies, in the pool and the drafter's."""
+
+
+class BlockCopier:
+    """Makes the block manager's (src, dst) copies, in the pool and the
+    engine drafter's own (if it keeps one)."""
+
+    def __init__(self, executor: Any, drafter: Drafter | None) -> None:
+        self.ex = executor
+        self.drafter = drafter
+
+    def copy(self, copies: list[tuple[int, int]]) -> None:
         for src, dst in copies:
             self.ex.copy_block(src, dst)
             if self.drafter is not None:
@@ -216,13 +226,14 @@ class _SchedulerRoom:
     """Drafted positions' room (``speculative.DraftRoom``): blocks from the
     scheduler, without preempting anyone, copied before the draft writes."""
 
-    def __init__(self, core: EngineCore) -> None:
-        self.core = core
+    def __init__(self, scheduler: Scheduler, copier: BlockCopier) -> None:
+        self.scheduler = scheduler
+        self.copier = copier
 
     def make_room(self, seq: Sequence, n: int) -> int:
-        k, copies = self.core.scheduler.reserve(seq, n)
-        self.core.copy_blocks(copies)
+        k, copies = self.scheduler.reserve(seq, n)
+        self.copier.copy(copies)
         return k
 
     def table(self, seq: Sequence) -> list[int]:
-        return self.core.scheduler.table(seq)
+        return self.scheduler.table(seq)

@@ -44,7 +44,7 @@ class Engine:
         self.draining = False
         self.drain_deadline = float("inf")
         if metrics:
-            metrics.observe(self.core.load())   # the pool's size is known before the first step
+            metrics.observe(self.core.current_load())   # the pool's size is known before the first step
 
     # --- what the core holds, for the server and the tests -------------------------------------
     @property
@@ -160,7 +160,7 @@ class Engine:
             self._deliver(out)
         if self.metrics:
             self.metrics.record(out.stats)
-            self.metrics.observe(self.core.load())
+            self.metrics.observe(self.core.current_load())
 
     def _deliver(self, out: StepOutput) -> None:
         self._forget(len(out.finished))
