@@ -3,7 +3,7 @@ stream; ``runtime.load_tokenizer``: its tokenizer alone."""
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Any, Callable
 
 from compiler.artifact import is_artifact
 from compiler.driver import load_model
@@ -39,7 +39,7 @@ def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, ba
                  status=status, speculation=speculation)
 
 
-def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None):
+def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None) -> Any:
     """The tokenizer alone: from a llama2.c tokenizer.bin (``vocab_size``:
     its checkpoint's), a GGUF file (a model or a vocabulary-only file) or a
     QSF model. ``encode(text, bos=True)``, ``decode(ids)``."""

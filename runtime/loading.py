@@ -167,7 +167,7 @@ def separate_tokenizer(model_path: str, tokenizer: str | None) -> str | None:
     return tokenizer
 
 
-def compile_child(path: str, tokenizer: str | None, opts, said=None) -> None:
+def compile_child(path: str, tokenizer: str | None, opts: Any, said: Any = None) -> None:
     """The compile child of ``compile_within_budget`` (a spawned process).
     ``said``: a queue the child's progress lines go to (the parent's status line)."""
     from compiler.codegen.k_sampler import prepare
@@ -198,7 +198,7 @@ def check_artifact_budget(artifact: Artifact, budget: int, model_path: str) -> N
                        f"{fmt_size(int(plan['total']))} ({plan.get('describe', '')}); {again}")
 
 
-def compile_within_budget(loaded: LoadedModel, opts):
+def compile_within_budget(loaded: LoadedModel, opts: Any) -> Any:
     """With a memory budget, LLVM runs in a child process that fills the
     compile cache, one kernel module at a time (``jobs=1``); this process
     then loads the artifact, so its own peak stays within the budget. Where

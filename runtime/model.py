@@ -49,6 +49,10 @@ class GenerationStats:
 class Model:
     """A loaded, compiled model with its own KV cache."""
 
+    #: a paged pool's options (what a drafter built beside it reads): None,
+    #: one stream's cache is contiguous (batched serving: ``runtime.engine``)
+    batch = None
+
     def __init__(self, loaded: LoadedModel, backend: str = "llvm", ctx: int | None = None,
                  threads: int | None = None, artifact: Artifact | None = None,
                  use_cache: bool = True, passes: tuple[str, ...] | None = None,
@@ -86,8 +90,6 @@ class Model:
         self.kv_bytes = built.kv_bytes
         self.compile_info = built.compile_info
         self.backend = backend
-        #: always None: a model for batched serving is ``runtime.engine.load_batch_model``'s
-        self.batch = None
         self.last_stats = GenerationStats()
         self.last_completion: Completion | None = None
         self._kv: list[int] = []   # the ids whose K/V rows the cache holds, from position 0

@@ -15,12 +15,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from typing import Any
 
 from ..speculative import Drafter
 from .block_manager import BlockManager
 from .core import EngineCore, StepOutput
 from .requests import EngineBusy, Request
+from .sequence import Sequence
 
 
 class Engine:
@@ -64,11 +66,11 @@ class Engine:
         return self.core.blocks
 
     @property
-    def running(self) -> list:
+    def running(self) -> list[Sequence]:
         return self.core.scheduler.running
 
     @property
-    def waiting(self):
+    def waiting(self) -> deque[Sequence]:
         return self.core.scheduler.waiting
 
     @property

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from compiler.artifact import is_artifact
 from compiler.driver import BatchOptions, LoadedModel, load_model
+from frontends.arch import ModelConfig
 
 from ..errors import RunError
 from ..loading import BuildOptions, build_executor, check_run_options, loading_text, read_artifact
@@ -33,11 +34,11 @@ class BatchModel:
     compile_info: dict = field(default_factory=dict)
 
     @property
-    def config(self):
+    def config(self) -> ModelConfig:
         return self.loaded.config
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
         return self.loaded.tokenizer
 
     @property

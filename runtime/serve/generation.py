@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import Request as HttpRequest
 
@@ -93,7 +93,7 @@ async def whole(backend: ServingBackend, rid: str, events: asyncio.Queue) -> tup
     return text, lps, last
 
 
-def piece(tokenizer, tok: int) -> tuple[str, list[int]]:
+def piece(tokenizer: Any, tok: int) -> tuple[str, list[int]]:
     """A token's text and bytes (control tokens spelled out)."""
     raw = tokenizer.token_to_piece(tok, special=True) if hasattr(tokenizer, "token_to_piece") else \
         tokenizer.decode([tok]).encode()

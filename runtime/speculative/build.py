@@ -70,7 +70,7 @@ def check_draft(target_loaded: LoadedModel, ctx: int, spec: Speculation, batched
         raise RunError(str(e)) from None
 
 
-def same_vocabulary(a, b) -> str | None:
+def same_vocabulary(a: Any, b: Any) -> str | None:
     """Why tokenizers ``a`` and ``b`` differ (None when every id is the same piece)."""
     na, nb = int(a.vocab_size), int(b.vocab_size)
     if na != nb:
@@ -92,7 +92,7 @@ def read_draft(spec: Speculation) -> LoadedModel:
     return load_model(name, spec.draft_tokenizer)
 
 
-def check_vocabulary(target_tokenizer, target_vocab: int, draft: LoadedModel) -> None:
+def check_vocabulary(target_tokenizer: Any, target_vocab: int, draft: LoadedModel) -> None:
     """Refuse a draft (a ``LoadedModel``) whose ids are not the target's."""
     why = same_vocabulary(target_tokenizer, draft.tokenizer)
     if why is None and draft.config.vocab_size != target_vocab:
