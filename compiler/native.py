@@ -80,7 +80,7 @@ class CompileResult:
     child_peak: int | None = None        # compiled in a child process (a budget): its peak resident bytes
 
 
-def _scratch_floats(graphs: dict, ctx: int) -> int:
+def scratch_floats(graphs: dict, ctx: int) -> int:
     """Per-thread scratch (float32 elements): attention scores over the whole
     context at least, and whatever any kernel's own rule asks for (attention
     scores per head, the integer path's quantized activations: a row each
@@ -205,7 +205,7 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
                       "strategy": p.strategy} for n, p in plans.items()},
         "state_offsets": state_offsets,
         "state_bytes": state_bytes,
-        "scratch_floats": _scratch_floats(graphs, ctx),
+        "scratch_floats": scratch_floats(graphs, ctx),
         "kernels": sorted({n.op for g in graphs.values() for n in g.nodes}),
         "updates_state": sorted({n.op for g in graphs.values() for n in g.nodes if get_op(n.op).updates_state}),
     }
@@ -333,7 +333,7 @@ def _fit_budget(model: LoadedModel, o: NativeOptions, graphs: dict, plans: dict,
 
     from .memory import model_sizes
 
-    sizes = model_sizes(model, graphs, plans, _scratch_floats(graphs, 0), 2 << 20, ctx)
+    sizes = model_sizes(model, graphs, plans, scratch_floats(graphs, 0), 2 << 20, ctx)
     kv = getattr(o, "kv_type", None)
     mp = plan_memory(sizes, o.mem_budget, o.threads or os.cpu_count() or 1,
                      ctx=None if o.auto_ctx else ctx, kv_type=None if (o.auto_kv or not kv) else kv,

@@ -67,10 +67,10 @@ class ChatTemplateMixin:
         wrote, where control tokens count, and ``(text, False)`` a message's
         content, where they never do (a user who types ``<|im_end|>`` gets
         plain text; llama.cpp's server does not make that distinction)."""
-        from .chat_template import _checked_messages
+        from .chat_template import checked_messages
 
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
-        contents = [m["content"] for m in _checked_messages(messages, f"chat template {self.chat_template.label}")
+        contents = [m["content"] for m in checked_messages(messages, f"chat template {self.chat_template.label}")
                     if isinstance(m.get("content"), str)]
         return text, self._content_pieces(text, contents)
 

@@ -77,7 +77,7 @@ def _text_of_parts(parts: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def _checked_messages(messages: Any, prefix: str) -> list[dict]:
+def checked_messages(messages: Any, prefix: str) -> list[dict]:
     """Plain dicts with a string role and content (see the module doc for what is accepted)."""
     if not isinstance(messages, (list, tuple)):
         raise ChatTemplateError(f"{prefix}: messages must be a list of {{'role': ..., 'content': ...}} dicts, "
@@ -153,7 +153,7 @@ class ChatTemplate:
         ``enable_thinking``, ``date_string``, ...)."""
         variables = dict(extra)
         variables.setdefault("documents", None)
-        variables.update(messages=_checked_messages(messages, self._prefix),
+        variables.update(messages=checked_messages(messages, self._prefix),
                          add_generation_prompt=bool(add_generation_prompt),
                          bos_token=bos_token, eos_token=eos_token, tools=tools)
         try:

@@ -105,7 +105,7 @@ class GGUFContents:
     tensors: list[TensorRecord]
 
 
-def _metadata_from_reader(reader: Any) -> dict[str, Any]:
+def metadata_from_reader(reader: Any) -> dict[str, Any]:
     from gguf import GGUFValueType
 
     meta: dict[str, Any] = {}
@@ -135,8 +135,8 @@ def read_gguf(path: str | os.PathLike) -> GGUFContents:
     """Metadata and tensor infos of a GGUF file.
 
     ``gguf_parse`` reads the header directly (a tenth of a second for a
-    262144-token vocabulary); the rare file it leaves alone (big-endian,
-    arrays of arrays) goes through ``gguf.GGUFReader``, which builds a numpy
+    262144-token vocabulary); the rare file it leaves alone (arrays of
+    arrays) goes through ``gguf.GGUFReader``, which builds a numpy
     view per array element. What was found is cached on disk (keyed by the
     file's path, size and modification time): later loads skip even the
     parse. Errors become one-line ModelErrors."""
@@ -167,7 +167,7 @@ def _read_with_package(path: str) -> tuple[dict[str, Any], list[TensorRecord]]:
     from gguf import GGUFReader
 
     reader = GGUFReader(path, "r")
-    meta = _metadata_from_reader(reader)
+    meta = metadata_from_reader(reader)
     tensors = [TensorRecord(t.name, t.tensor_type.name, tuple(int(x) for x in t.shape), int(t.data_offset),
                             int(t.n_bytes)) for t in reader.tensors]
     return meta, tensors

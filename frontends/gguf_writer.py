@@ -57,7 +57,7 @@ def _tensor_name(n: str) -> str:
     return n if n.endswith(".bias") else n + ".weight"
 
 
-def _add_value(w: Any, key: str, value: Any) -> None:
+def add_value(w: Any, key: str, value: Any) -> None:
     """One metadata key, typed by its Python value (the types GGUF files use)."""
     if isinstance(value, bool):
         w.add_bool(key, value)
@@ -125,7 +125,7 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig, tensor: Callable[[str]
     try:
         w.add_name(name)
         for key, value in {**family_metadata(cfg), **(metadata or {})}.items():
-            _add_value(w, key, value)
+            add_value(w, key, value)
         w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType.GUESSED)
         toks, scores, types = vocab or synth_vocab(cfg.vocab_size)
         w.add_tokenizer_model("llama")

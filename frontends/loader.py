@@ -23,7 +23,7 @@ class LoadedModel:
         return os.path.splitext(os.path.basename(self.path))[0]
 
 
-def _find_llama2c_tokenizer(model_path: str, vocab_size: int) -> str:
+def find_llama2c_tokenizer(model_path: str, vocab_size: int) -> str:
     """run.c wants -z; as a convenience look beside the model for tok{V}.bin,
     then tokenizer.bin."""
     folder = os.path.dirname(os.path.abspath(model_path))
@@ -53,7 +53,7 @@ def load_model(path: str | os.PathLike, tokenizer: str | os.PathLike | None = No
         return _load_qsf(path, tokenizer)
     ckpt = load_llama2c(path)
     cfg = ckpt.config
-    tok_path = os.fspath(tokenizer) if tokenizer is not None else _find_llama2c_tokenizer(path, cfg.vocab_size)
+    tok_path = os.fspath(tokenizer) if tokenizer is not None else find_llama2c_tokenizer(path, cfg.vocab_size)
     tok = Llama2cTokenizer.from_file(tok_path, cfg.vocab_size)
     return LoadedModel(path, f"llama2c-v{ckpt.version}", cfg, ckpt.weights, tok)
 

@@ -18,7 +18,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from .model import Model, RunError, TextStream
+from .errors import RunError
+from .model import Model, TextStream
 
 
 @dataclass

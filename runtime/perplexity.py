@@ -33,7 +33,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from .model import RunError
+from .errors import RunError
 
 #: float64 elements per block of log-softmax rows (128 MiB)
 _BLOCK_ELEMS = 1 << 24

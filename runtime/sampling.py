@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from decimal import Decimal, localcontext
 from typing import Sequence
 
 import numpy as np
+
+from compiler.codegen.k_sampler import (EXP2F_TABLE, EXPF_C0, EXPF_C1, EXPF_C2, EXPF_INVLN2N, EXPF_MAY_UNDERFLOW,
+                                        EXPF_OVERFLOW, EXPF_SHIFT, EXPF_UNDERFLOW, native_sample_mult, native_softmax)
 
 __all__ = ["SamplerConfig", "XorShiftRng", "Sampler", "expf_glibc", "softmax_f32"]
 
@@ -110,36 +112,14 @@ class XorShiftRng:
 
 
 # ----------------------------------------------------------------------------
-# glibc expf, vectorised
+# glibc expf, vectorised (its table and constants: ``compiler.codegen.k_sampler``,
+# whose compiled softmax computes with the same)
 
-
-def _exp2_table() -> np.ndarray:
-    # 2^(i/32) rounded to double, with i << 47 subtracted from the bits so that
-    # adding the whole reduction integer k << 47 later installs 2^(k/32)'s
-    # exponent. Equal to glibc's __exp2f_data.tab (checked).
-    with localcontext() as ctx:
-        ctx.prec = 60
-        vals = [float(Decimal(2) ** (Decimal(i) / Decimal(32))) for i in range(32)]
-    bits = np.array(vals, dtype=np.float64).view(np.uint64)
-    return bits - (np.arange(32, dtype=np.uint64) << np.uint64(47))
-
-
-_EXP2F_T = _exp2_table()
-# glibc's polynomial for 2^(r/32) on |r| <= 1/2 and its scaled 32/ln2.
-# Dividing by 32 is exact, as in glibc's own definitions.
-_C0 = float.fromhex("0x1.c6af84b912394p-5") / 32 / 32 / 32
-_C1 = float.fromhex("0x1.ebfce50fac4f3p-3") / 32 / 32
-_C2 = float.fromhex("0x1.62e42ff0c52d6p-1") / 32
-_INVLN2N = float.fromhex("0x1.71547652b82fep+0") * 32
-_SHIFT = float.fromhex("0x1.8p+52")
-# Veltkamp split of _INVLN2N into 26 + 27 significant bits: either half times
+# Veltkamp split of EXPF_INVLN2N into 26 + 27 significant bits: either half times
 # a float32 (24 bits) is exact in float64, which gives us the FMA's exact product.
-_SPLIT = 134217729.0 * _INVLN2N
-_INV_HI = _SPLIT - (_SPLIT - _INVLN2N)
-_INV_LO = _INVLN2N - _INV_HI
-_OFLOW = np.float32(float.fromhex("0x1.62e42ep6"))  # above: +inf
-_MAY_UFLOW = np.float32(float.fromhex("-0x1.9d1d9ep6"))  # below: 2^-149
-_UFLOW = np.float32(float.fromhex("-0x1.9fe368p6"))  # below: 0
+_SPLIT = 134217729.0 * EXPF_INVLN2N
+_INV_HI = _SPLIT - (_SPLIT - EXPF_INVLN2N)
+_INV_LO = EXPF_INVLN2N - _INV_HI
 
 
 def expf_glibc(x: np.ndarray) -> np.ndarray:
@@ -167,22 +147,22 @@ def expf_glibc(x: np.ndarray) -> np.ndarray:
         half = (hi - np.floor(hi)) == 0.5
         if half.any():
             k = np.where(half & (lo > 0), hi + 0.5, np.where(half & (lo < 0), hi - 0.5, k))
-        ki = (k + _SHIFT).view(np.uint64)
+        ki = (k + EXPF_SHIFT).view(np.uint64)
         r = (hi - k) + lo  # hi - k is exact (Sterbenz), so one rounding: the FMA's
-        t = _EXP2F_T[ki & np.uint64(31)] + (ki << np.uint64(47))
+        t = EXP2F_TABLE[ki & np.uint64(31)] + (ki << np.uint64(47))
         s = t.view(np.float64)
-        z = _C0 * r + _C1
+        z = EXPF_C0 * r + EXPF_C1
         r2 = r * r
-        y = _C2 * r + 1.0
+        y = EXPF_C2 * r + 1.0
         y = z * r2 + y
         out = (y * s).astype(np.float32)
         # glibc's special cases: |x| >= 88 takes a slow path first.
         abstop = (x.view(np.uint32) >> np.uint32(20)) & np.uint32(0x7FF)
         special = abstop >= 0x42B
         if special.any():
-            out = np.where(special & (x > _OFLOW), np.float32(np.inf), out)
-            out = np.where(special & (x < _MAY_UFLOW), np.float32(2.0**-149), out)
-            out = np.where(special & (x < _UFLOW), np.float32(0.0), out)
+            out = np.where(special & (x > EXPF_OVERFLOW), np.float32(np.inf), out)
+            out = np.where(special & (x < EXPF_MAY_UNDERFLOW), np.float32(2.0**-149), out)
+            out = np.where(special & (x < EXPF_UNDERFLOW), np.float32(0.0), out)
             out = np.where(special & (abstop >= 0x7F8), x + x, out)  # nan, +inf
             out = np.where(x == np.float32(-np.inf), np.float32(0.0), out)
     return out
@@ -199,8 +179,6 @@ def softmax_f32(x: np.ndarray) -> np.ndarray:
     if m == -np.inf:
         raise ValueError("every logit is -inf: nothing to sample")
     if x.size >= _NATIVE_MIN:
-        from .native_softmax import native_softmax
-
         p = native_softmax(x)
         if p is not None:
             return p
@@ -276,15 +254,13 @@ class Sampler:
         ids: np.ndarray | None = None
         k = self.config.top_k
         if 0 < k < self.vocab_size:
-            ids = _top_k_ids(x, k)
+            ids = top_k_ids(x, k)
             x = x[ids]
         x = x / self._temperature
         coin = None
         if not (0.0 < self._top_p < 1.0 or self._min_p > 0.0) and x.size >= _NATIVE_MIN:
             # softmax and run.c's draw in one native call: the same floats, without
             # the probabilities' division pass and cumulative sum over the vocabulary
-            from .native_softmax import native_sample_mult
-
             if x.max() == -np.inf:
                 raise ValueError("every logit is -inf: nothing to sample")
             coin = self.rng.random_f32()
@@ -310,12 +286,12 @@ class Sampler:
         ids = np.arange(self.vocab_size)
         k = self.config.top_k
         if 0 < k < self.vocab_size:
-            ids = _top_k_ids(x, k)
+            ids = top_k_ids(x, k)
             x = x[ids]
         p = softmax_f32(x / self._temperature)
         keep = np.arange(p.shape[0])
         if 0.0 < self._top_p < 1.0:
-            keep = _top_p_nucleus(p, self._top_p)
+            keep = top_p_nucleus(p, self._top_p)
         if self._min_p > 0.0:
             kp = p[keep]
             keep = keep[kp >= self._min_p * kp.max()]
@@ -363,7 +339,7 @@ class Sampler:
         p = probs
         renormalise = False
         if 0.0 < self._top_p < 1.0:  # run.c: topp <= 0 || topp >= 1 -> sample_mult
-            idx = _top_p_nucleus(probs, self._top_p)
+            idx = top_p_nucleus(probs, self._top_p)
             p = probs[idx]
             renormalise = True
         if self._min_p > 0.0:
@@ -379,7 +355,7 @@ class Sampler:
         return j if idx is None else int(idx[j])
 
 
-def _top_p_nucleus(probs: np.ndarray, top_p: np.float32) -> np.ndarray:
+def top_p_nucleus(probs: np.ndarray, top_p: np.float32) -> np.ndarray:
     """run.c's sample_topp truncation: indices, most probable first.
 
     Candidates are those with p >= (1 - topp) / (n - 1), in id order, sorted
@@ -428,7 +404,7 @@ def _top_p_nucleus(probs: np.ndarray, top_p: np.float32) -> np.ndarray:
 _TOPK_CHUNK = 128
 
 
-def _top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
+def top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
     """Ids of the k largest logits, ascending; boundary ties go to lower ids."""
     n = x.shape[0]
     ids: np.ndarray | None = None

@@ -45,7 +45,7 @@ def map_weights(path: str) -> mmap.mmap:
         try:
             if share == UNCACHED:        # to be read anyway: front to back, not as the first step faults it
                 _read_through(f)
-            elif share is not None and share < MIN_SHARE and _file_huge_pages_seen():
+            elif share is not None and share < MIN_SHARE and file_huge_pages_seen():
                 m.close()
                 os.fsync(f.fileno())     # dirty pages (a file just written) are not dropped
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
@@ -103,7 +103,7 @@ def _cached(addr: int, length: int) -> bool | None:
     return bool((vec & 1).mean() > 0.9)
 
 
-def _file_huge_pages_seen() -> bool:
+def file_huge_pages_seen() -> bool:
     """Whether this kernel keeps any file pages on 2 MiB folios (FileHugePages
     in /proc/meminfo): where it never does, reading the file again would not
     help, and would cost a read at every start."""

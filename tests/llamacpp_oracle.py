@@ -215,11 +215,11 @@ def write_tensors_gguf(path: Path, arch: str, metadata: dict[str, Any], shapes: 
     (a tensor outside the family, one missing, an unknown architecture)."""
     import gguf
 
-    from frontends.gguf_writer import _add_value
+    from frontends.gguf_writer import add_value
 
     w = gguf.GGUFWriter(str(path), arch)
     for k, v in metadata.items():
-        _add_value(w, k, v)
+        add_value(w, k, v)
     toks, scores, types = printable_vocab(vocab_size)
     w.add_tokenizer_model("llama")
     w.add_token_list(toks)

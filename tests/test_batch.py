@@ -34,6 +34,7 @@ from ir.dot import to_dot
 from ir.printer import print_graph
 from llamacpp_oracle import printable_vocab, random_tensor
 from runtime.cli import DEFAULT_MODEL, DEFAULT_TOKENIZER
+from runtime.engine import load_batch_model
 from runtime.executor import InterpExecutor
 from runtime.native import NativeExecutor
 from runtime.paged import BatchError, BatchIndexError
@@ -576,18 +577,22 @@ def test_batch_graph_text_and_picture(paths):
     assert "kv_write_paged" in dot and "attention_paged" in dot and "sliding window 5" in dot
 
 
-def test_runtime_load_batch(paths):
+def test_load_batch_model(paths):
+    """The batch engine's model has its own loader (``runtime.load`` builds
+    one stream and takes no batch options): a paged pool, batch steps, and
+    none of the single-stream methods."""
     for backend in ("interp", "llvm"):
-        m = runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, backend=backend, ctx=CTX, threads=2,
-                         batch=runtime.BatchOptions(block_size=8, max_batch=2))
+        m = load_batch_model(DEFAULT_MODEL, DEFAULT_TOKENIZER, backend=backend, ctx=CTX, threads=2,
+                             batch=runtime.BatchOptions(block_size=8, max_batch=2))
         assert m.batch == BatchOptions(8, 2 * CTX // 8, 2)
         ex = m.executor
         assert (ex.block_size, ex.n_blocks, ex.max_blocks_per_seq) == (8, 16, 8)
         assert m.kv_bytes == 2 * m.config.n_layers * 16 * 8 * m.config.kv_dim * 4
         assert ex.batch([1, 1], [0, 0], [[0], [1]]).shape == (2, 512)
-        with pytest.raises(runtime.RunError, match="batched serving"):
-            list(m.generate([1, 2], 3))
-        with pytest.raises(runtime.RunError, match="batched serving"):
-            m.logits([1, 2])
+        assert not any(hasattr(m, name) for name in ("generate", "logits", "complete", "chat"))
+        with pytest.raises(BatchError, match="batched serving"):
+            ex.decode(1, 0)
+    with pytest.raises(TypeError):
+        runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, backend="interp", batch=BatchOptions(block_size=8))
     with pytest.raises(runtime.RunError, match="block_size"):
-        runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, backend="interp", batch=BatchOptions(block_size=0))
+        load_batch_model(DEFAULT_MODEL, DEFAULT_TOKENIZER, backend="interp", batch=BatchOptions(block_size=0))

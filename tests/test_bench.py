@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from compiler.codegen.probe import measure_read_bandwidth, probe_sum
-from runtime.cli.bench import _clip, add_parser, format_table, run, run_bench
+from runtime.cli.bench import add_parser, format_table, run
+from runtime.tools.bench import clip_lengths, run_bench
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = os.path.join(HERE, "..", "runtime", "default_model", "stories260K.bin")
@@ -80,9 +81,9 @@ def test_probe_bandwidth_positive(threads):
 
 
 def test_clip_to_context():
-    assert _clip(256, 128, 128) == (128, 128)
-    assert _clip(200, 128, 128) == (72, 128)
-    assert _clip(100, 128, 128) == (1, 99)
+    assert clip_lengths(256, 128, 128) == (128, 128)
+    assert clip_lengths(200, 128, 128) == (72, 128)
+    assert clip_lengths(100, 128, 128) == (1, 99)
 
 
 def test_bench_interp_backend():

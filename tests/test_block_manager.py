@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from runtime.block_manager import BlockManager, OutOfBlocks, common_run, prefix_hashes
+from runtime.engine.block_manager import BlockManager, OutOfBlocks, common_run, prefix_hashes
 
 
 def check_invariants(bm: BlockManager) -> None:

@@ -24,7 +24,7 @@ from ir.types import TensorType
 from kernel_checks import call_with_guard
 from test_fuse_residual import compiled_logits
 from test_int_gemm import act, weight
-from test_repack import CTX, MODELS, _prefill_logits, models, width_or_skip  # noqa: F401 (fixture)
+from test_repack import CTX, MODELS, prefill_logits, models, width_or_skip  # noqa: F401 (fixture)
 from test_repacked_kernels import kernel, repacked, width_or_skip as kernel_width
 
 PASSES = ("fuse_dequant", "fuse_elementwise", "int_dot", "repack", "fuse_residual")
@@ -55,7 +55,7 @@ def test_norms_move_into_the_matmuls_with_the_same_numbers(models, name):
             assert nw.kind == "weight" and nw.type.shape == (node.inputs[0].type.shape[-1],)
         assert len(normed(g)) == 5 * m.config.n_layers + 1, gname     # q, k, v, gate, up; the head
     ids = [1, 7, 42, 9, 300]
-    np.testing.assert_array_equal(_prefill_logits(fused, ids), _prefill_logits(plain, ids))
+    np.testing.assert_array_equal(prefill_logits(fused, ids), prefill_logits(plain, ids))
 
 
 def test_only_norms_whose_readers_all_take_it(models):

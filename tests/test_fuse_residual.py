@@ -22,7 +22,7 @@ from ir.types import TensorType
 from kernel_checks import call_with_guard
 from runtime.native import NativeExecutor
 from test_int_gemm import act, weight
-from test_repack import CTX, MODELS, VOCAB, _prefill_logits, models, width_or_skip  # noqa: F401 (fixture)
+from test_repack import CTX, MODELS, VOCAB, prefill_logits, models, width_or_skip  # noqa: F401 (fixture)
 from test_repacked_kernels import kernel, repacked, width_or_skip as kernel_width
 
 PASSES = ("fuse_dequant", "fuse_elementwise", "int_dot", "repack")
@@ -51,7 +51,7 @@ def test_residual_adds_become_epilogues_with_the_same_numbers(models, name):
                 r = node.inputs[2]
                 assert r.type == node.output.type or (r.kind == "weight" and r.type.rank == 1)
     ids = [1, 7, 42, 9, 300]
-    np.testing.assert_array_equal(_prefill_logits(fused, ids), _prefill_logits(plain, ids))
+    np.testing.assert_array_equal(prefill_logits(fused, ids), prefill_logits(plain, ids))
 
 
 def test_only_repacked_products_with_one_reader(models):

@@ -4,15 +4,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from frontends.gguf import _metadata_from_reader
+from frontends.gguf import metadata_from_reader
 from frontends.gguf_parse import parse_gguf
 from frontends.string_table import StringArray
 
 
-def _write(path, with_tensors: bool = True) -> None:
+def _write(path, with_tensors: bool = True, big_endian: bool = False) -> None:
     import gguf
 
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian.BIG if big_endian else gguf.GGUFEndian.LITTLE)
     w.add_uint8("t.u8", 200)
     w.add_int8("t.i8", -5)
     w.add_uint16("t.u16", 60000)
@@ -40,15 +40,15 @@ def _write(path, with_tensors: bool = True) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("with_tensors", [True, False])
-def test_parser_matches_the_package_reader(tmp_path, with_tensors):
+@pytest.mark.parametrize("with_tensors,big_endian", [(True, False), (False, False), (True, True)])
+def test_parser_matches_the_package_reader(tmp_path, with_tensors, big_endian):
     from gguf import GGUFReader
 
     path = tmp_path / "t.gguf"
-    _write(path, with_tensors)
+    _write(path, with_tensors, big_endian)
     meta, tensors = parse_gguf(str(path))
     reader = GGUFReader(str(path), "r")
-    want = _metadata_from_reader(reader)
+    want = metadata_from_reader(reader)
     assert list(meta) == list(want)
     for k, v in want.items():
         got = meta[k]

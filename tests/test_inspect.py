@@ -11,8 +11,9 @@ import pytest
 
 from frontends.arch import ModelConfig, ModelError
 from frontends.synth import synth_llama2c, write_synth_tokenizer
-from runtime.cli.inspect import human_size, inspect_file, render_text
+from runtime.cli.inspect import human_size, render_text
 from runtime.models import BUNDLED_MODEL, BUNDLED_TOKENIZER
+from runtime.tools.inspect_report import inspect_file
 from shared_data import MODELS, ROOT, needs_shared
 
 GGUFS = ["stories260K.gguf", "TinyStories-656K-Q8_0.gguf"]
@@ -204,6 +205,28 @@ def test_truncated_gguf_is_one_line(tmp_path, tiny_gguf, where, message):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"lmc: error: {path}: truncated"), r.stderr
     assert message in lines[0]
+
+
+def test_a_big_endian_gguf_is_reported_as_the_little_endian_one(tmp_path):
+    """The header walk reads either byte order (``frontends.gguf_parse.gguf_layout``)."""
+    import gguf
+
+    reports = []
+    for order in (gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG):
+        path = tmp_path / f"{order.name}.gguf"
+        w = gguf.GGUFWriter(str(path), "llama", endianess=order)
+        w.add_array("t.strs", ["a", "bc"])
+        w.add_tensor("a.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        reports.append(inspect_file(str(path)))
+    little, big = reports
+    assert big["header"]["version"] == little["header"]["version"] == 3
+    assert big["header"]["alignment"] == 32 and big["header"]["tensor_count"] == 1
+    assert big["sections"] == little["sections"] and big["tensors"] == little["tensors"]
+    assert_sections_tile(big)
 
 
 def test_gguf_magic_alone_raises(tmp_path):

@@ -243,7 +243,7 @@ def test_stats_count_kernels_and_barriers_per_step(capsys):
 
 
 def test_missing_dot_program_is_one_line_error(capsys, tmp_path, monkeypatch, q4k):
-    import runtime.cli.ir_render as ir_render
+    import runtime.tools.ir_render as ir_render
 
     monkeypatch.setattr(ir_render.shutil, "which", lambda name: None)
     out = tmp_path / "x.svg"

@@ -19,7 +19,7 @@ from compiler.codegen.kernels import emit_kernel
 from compiler.codegen.target import host_target
 from ir.ops import softmax_ref
 from ir.types import TensorType, f32
-from runtime.cli import kernel_lab
+from runtime.tools import kernel_lab
 from runtime.cli import main
 
 HOST_VW = host_target().vector_width

@@ -28,7 +28,7 @@ from ir.interp import new_state, state_array
 from ir.ops import ShapeError
 from ir.types import TensorType, f32, i32, kv_cache_type
 from runtime.cli import DEFAULT_MODEL, DEFAULT_TOKENIZER
-from runtime.model import RunError
+from runtime.errors import RunError
 from shared_data import ROOT, reference_cases
 from test_gguf_frontend import float_native, tiny
 from test_kernels_attention import WIDTHS, act, act_type, close, run
@@ -325,7 +325,7 @@ def test_cli_run_json_reports_kv(backend):
 
 
 def test_bench_reports_kv():
-    from runtime.cli.bench import run_bench
+    from runtime.tools.bench import run_bench
 
     r = run_bench(DEFAULT_MODEL, DEFAULT_TOKENIZER, threads=1, prompt_tokens=8, gen_tokens=4, runs=1,
                   backend="interp", probe_bytes=16 << 20, probe_repeats=1, kv_type="f16")

@@ -20,8 +20,8 @@ import pytest
 
 from llamacpp_oracle import have_llamacpp
 from runtime.cli import loadtest
-from runtime.cli.common import CliError, _Parser
-from runtime.cli.loadtest import run_load_test
+from runtime.cli.common import CliError, Parser
+from runtime.tools.loadtest import run_load_test
 from shared_data import MODELS
 
 MODEL = MODELS / "TinyStories-656K-Q8_0.gguf"
@@ -84,8 +84,8 @@ def keyed_server():
 
 def _cli(argv: list[str]):
     """``lmc loadtest ...`` through the command's own parser and run()."""
-    p = _Parser(prog="lmc")
-    loadtest.add_parser(p.add_subparsers(dest="cmd", parser_class=_Parser))
+    p = Parser(prog="lmc")
+    loadtest.add_parser(p.add_subparsers(dest="cmd", parser_class=Parser))
     return loadtest.run(p.parse_args(["loadtest", *argv]))
 
 

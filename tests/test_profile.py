@@ -19,7 +19,7 @@ from ir.graph import Graph, WeightRef
 from ir.types import TensorType, f32, i32
 from runtime.cli import DEFAULT_MODEL, DEFAULT_TOKENIZER
 from runtime.model import Model
-from runtime.cli.profile_report import node_cost, node_label, profile_model
+from runtime.tools.profile_report import node_cost, node_label, profile_model
 from shared_data import MODELS, ROOT, needs_shared
 
 STEPS = 8

@@ -334,7 +334,7 @@ def test_int_dot_marks_qsf_too():
 def test_lmc_kernel_accepts_qsf(capsys, kind, extra):
     """``lmc kernel qmatvec --qtype QSF_...``: the lab quantizes its random
     weight with the layout's own quantizer and checks the native kernel."""
-    from runtime.cli import kernel_lab
+    from runtime.tools import kernel_lab
     from runtime.cli import main
 
     assert set(LAYOUTS) <= set(kernel_lab.supported_layouts())

@@ -59,7 +59,7 @@ def models(tmp_path_factory):
     return out
 
 
-def _prefill_logits(graphs, ids):
+def prefill_logits(graphs, ids):
     g = graphs["prefill_all"]
     return run(g, {"tokens": np.asarray(ids, np.int32), "pos": np.int32(0)}, new_state(g))["logits"]
 
@@ -78,7 +78,7 @@ def test_repack_keeps_the_interpreters_numbers(models, name, width):
     assert widths == {width}
     assert not next(n for n in g.nodes if n.op == "embedding").inputs[0].type.repack
     ids = [1, 7, 42, 9, 300]
-    np.testing.assert_array_equal(_prefill_logits(packed, ids), _prefill_logits(plain, ids))
+    np.testing.assert_array_equal(prefill_logits(packed, ids), prefill_logits(plain, ids))
 
 
 def _native(m, **kw) -> NativeExecutor:

@@ -10,7 +10,7 @@ import pytest
 
 from ir.quant import get_layout
 from ir.quant.repack import REPACKABLE, WIDTHS, base_layout, can_repack, repacked_name, split_repacked
-from runtime.cli.kernel_lab import make_weight
+from runtime.tools.kernel_lab import make_weight
 
 SHAPES = [(16, 256), (48, 512), (32, 768)]
 

@@ -440,7 +440,7 @@ def test_validation_names_the_flag(kwargs, flag):
 def test_native_softmax_is_bit_identical_to_the_emulation():
     """The compiled softmax calls the C library's expf; on glibc x86-64 it
     must equal the numpy emulation bit for bit (including -inf entries)."""
-    from runtime.native_softmax import native_softmax
+    from compiler.codegen.k_sampler import native_softmax
     from runtime.sampling import expf_glibc
 
     rng = np.random.default_rng(5)
@@ -462,7 +462,7 @@ def test_native_draw_is_runc_sample_mult_over_the_native_softmax():
     """The fused softmax-and-draw lands where run.c's sample_mult lands on
     the native softmax's probabilities: the first running float32 sum above
     the coin, else the last token (coins at the very top of the sum)."""
-    from runtime.native_softmax import native_sample_mult, native_softmax
+    from compiler.codegen.k_sampler import native_sample_mult, native_softmax
 
     rng = np.random.default_rng(6)
     for n in (4096, 151936):
@@ -488,14 +488,14 @@ def test_top_k_narrowed_by_chunk_maxima_keeps_the_same_ids(k):
     """Large vocabularies first keep the logits >= the k-th largest chunk
     maximum: the ids are those of one partition over all, ties included
     (few distinct values), -inf included."""
-    from runtime.sampling import _top_k_ids
+    from runtime.sampling import top_k_ids
 
     rng = np.random.default_rng(k)
     for n in (151936, 32000, 50000):
         for x in ((rng.standard_normal(n) * 3).astype(np.float32),
                   rng.integers(0, 6, n).astype(np.float32),            # ties across the boundary
                   np.where(rng.random(n) < 0.999, -np.inf, 1.0).astype(np.float32)):
-            np.testing.assert_array_equal(_top_k_ids(x, k), _top_k_reference(x, k))
+            np.testing.assert_array_equal(top_k_ids(x, k), _top_k_reference(x, k))
 
 
 def test_large_vocabulary_paths_do_not_mutate_and_validate():
@@ -519,21 +519,22 @@ def test_large_vocabulary_paths_do_not_mutate_and_validate():
 
 def test_vector_expf_is_glibc_expf_over_a_sweep_of_floats():
     """Where glibc runs its FMA build the compiled softmax computes expf 8
-    lanes at a time (``native_softmax._vexp``): over every 97th float32
+    lanes at a time (``compiler.codegen.k_sampler.vector_expf``): over every 97th float32
     from -110 to 90 (the subnormal, underflow and overflow ranges), the
     thresholds and the infinities, it equals the emulation of the library's
     expf, and so the library's (``test_expf_glibc_matches_libm``)."""
-    from runtime.native_softmax import _vector_exp_here, native_exps
-    from runtime.sampling import _MAY_UFLOW, _OFLOW, _UFLOW, expf_glibc
+    from compiler.codegen.k_sampler import (EXPF_MAY_UNDERFLOW, EXPF_OVERFLOW, EXPF_UNDERFLOW, native_exps,
+                                            vector_exp_here)
+    from runtime.sampling import expf_glibc
 
     if not GLIBC_X86_64:
         pytest.skip("the vector expf reproduces glibc's x86-64 FMA build only")
     from compiler.codegen.target import host_target
-    assert _vector_exp_here() == host_target().has("fma")
+    assert vector_exp_here() == host_target().has("fma")
     neg = np.arange(0x80000000, 0xC2DC0000, 97, dtype=np.uint64)
     pos = np.arange(0, 0x42B40000, 97, dtype=np.uint64)
     x = np.concatenate([neg, pos]).astype(np.uint32).view(np.float32)
-    edges = [t + d for t in (_UFLOW, _MAY_UFLOW, _OFLOW) for d in (np.float32(0), np.float32(1e-5), np.float32(-1e-5))]
+    edges = [t + d for t in (EXPF_UNDERFLOW, EXPF_MAY_UNDERFLOW, EXPF_OVERFLOW) for d in (np.float32(0), np.float32(1e-5), np.float32(-1e-5))]
     x = np.concatenate([x, edges, [-np.inf, np.inf, np.uint32(0xC27C65D9).view(np.float32)]]).astype(np.float32)
     got = native_exps(x)
     np.testing.assert_array_equal(got.view(np.uint32), expf_glibc(x).view(np.uint32))
@@ -553,7 +554,7 @@ def test_top_p_from_the_most_probable_first_keeps_the_same_nucleus():
     """The nucleus is first sought among the most probable candidates (with
     every tie of the last): the same ids in the same order as one stable
     sort of all candidates, peaked or flat, with ties, small or large."""
-    from runtime.sampling import _top_p_nucleus
+    from runtime.sampling import top_p_nucleus
 
     rng = np.random.default_rng(30)
     for it in range(200):
@@ -563,4 +564,4 @@ def test_top_p_from_the_most_probable_first_keeps_the_same_nucleus():
             x = np.round(x)                      # many ties
         p = softmax_f32(x / np.float32(rng.choice([0.3, 1.0, 3.0])))
         top_p = np.float32(rng.choice([0.05, 0.5, 0.9, 0.95, 0.999]))
-        np.testing.assert_array_equal(_top_p_nucleus(p, top_p), _nucleus_reference(p, top_p))
+        np.testing.assert_array_equal(top_p_nucleus(p, top_p), _nucleus_reference(p, top_p))

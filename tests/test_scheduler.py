@@ -1,4 +1,4 @@
-"""The continuous-batching engine (runtime.scheduler), driven directly.
+"""The continuous-batching engine (runtime.engine), driven directly.
 
 stories260K built for batched serving (f32 weights, so the single-stream
 reference takes the same arithmetic): requests batched together give the
@@ -20,11 +20,11 @@ import pytest
 
 import runtime
 from runtime.cli import DEFAULT_MODEL, DEFAULT_TOKENIZER
-from runtime.draft_models import build_pool_drafter
+from runtime.engine import Engine, EngineBusy, EngineError, Event, Request, load_batch_model, share_rows
 from runtime.sampling import SamplerConfig
-from runtime.scheduler import Engine, EngineBusy, EngineError, Event, Request, share_rows
 from runtime.serve.metrics import ServerMetrics
 from runtime.speculative import Speculation
+from runtime.speculative.build import build_drafter
 from shared_data import MODELS, needs_shared
 
 CTX = 256
@@ -32,8 +32,8 @@ BS = 8
 
 
 def batch_model(n_blocks: int | None = None, max_batch: int = 8):
-    return runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, ctx=CTX, threads=2,
-                        batch=runtime.BatchOptions(block_size=BS, n_blocks=n_blocks, max_batch=max_batch))
+    return load_batch_model(DEFAULT_MODEL, DEFAULT_TOKENIZER, ctx=CTX, threads=2,
+                            batch=runtime.BatchOptions(block_size=BS, n_blocks=n_blocks, max_batch=max_batch))
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +47,7 @@ def pooled():
 
 
 def engine_for(model, max_batch: int = 8, chunk: int = 16, **kw) -> Engine:
-    return Engine(model.executor, model.tokenizer, model.config.stop_ids, model.config.vocab_size, max_batch,
-                  prefill_chunk=chunk, metrics=ServerMetrics(), **kw)
+    return Engine(model, max_batch, prefill_chunk=chunk, metrics=ServerMetrics(), **kw)
 
 
 class Collect:
@@ -378,7 +377,7 @@ DRAFTERS = {
 def drafting(name: str, n_blocks: int | None = None, max_batch: int = 8):
     """A model built for ``max_batch`` sequences plus 4 drafted rows, and its drafter."""
     model = batch_model(n_blocks, max_batch + 4)
-    return model, build_pool_drafter(model, DRAFTERS[name]())
+    return model, build_drafter(model, DRAFTERS[name]())
 
 
 def counts(eng: Engine) -> tuple[float, float]:
@@ -405,13 +404,13 @@ def test_model_drafters_keep_greedy_output_and_draft_in_batches(pooled, single, 
     run_all(engine_for(pooled), [r for r, _ in plain])
     model, drafter = drafting(name)
     calls: list[int] = []   # sequences of each call of the draft
-    batch = drafter.ex.batch
+    batch = drafter.executor.batch
 
     def counted(tokens, positions, tables, **kw):
         calls.append(len({tuple(t) for t in tables}))
         return batch(tokens, positions, tables, **kw)
 
-    drafter.ex.batch = counted
+    drafter.executor.batch = counted
     eng = engine_for(model, drafter=drafter)
     pairs = [request(p, n) for p, n in zip(ps, lengths)]
     run_all(eng, [r for r, _ in pairs])
@@ -436,7 +435,7 @@ def test_model_drafters_keep_greedy_output_and_draft_in_batches(pooled, single, 
 
 def _draft_rows(drafter, table: list[int], n: int) -> np.ndarray:
     """The draft pool's K and V rows of positions 0..n-1 of a sequence (native executor)."""
-    ex = drafter.ex
+    ex = drafter.executor
     bs = ex.block_size
     out = []
     for name, nb in ex.manifest["batch"]["block_bytes"].items():
@@ -525,15 +524,15 @@ def test_model_drafters_on_the_interpreter(name):
     """The interpreter's paged steps take the same drafters (the reference
     backend): the same greedy tokens as without them, drafts checked."""
     def interp(max_batch: int):
-        return runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, ctx=CTX, backend="interp",
-                            batch=runtime.BatchOptions(block_size=BS, max_batch=max_batch))
+        return load_batch_model(DEFAULT_MODEL, DEFAULT_TOKENIZER, ctx=CTX, backend="interp",
+                                batch=runtime.BatchOptions(block_size=BS, max_batch=max_batch))
 
     plain_model = interp(4)
     ps = prompts(plain_model, 3, seed=4)
     plain = [request(p, 20) for p in ps]
     run_all(engine_for(plain_model, max_batch=3), [r for r, _ in plain])
     model = interp(3 + 4)
-    eng = engine_for(model, max_batch=3, drafter=build_pool_drafter(model, DRAFTERS[name]()))
+    eng = engine_for(model, max_batch=3, drafter=build_drafter(model, DRAFTERS[name]()))
     pairs = [request(p, 20) for p in ps]
     run_all(eng, [r for r, _ in pairs])
     assert [c.ids for _, c in pairs] == [c.ids for _, c in plain]

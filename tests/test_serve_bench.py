@@ -17,9 +17,10 @@ import httpx
 import pytest
 
 from runtime.cli import DEFAULT_MODEL, DEFAULT_TOKENIZER, main
-from runtime.cli.bench_servers import llamacpp_server, llamacpp_version, lmc_server
-from runtime.cli.loadtest import synthetic_prompt
-from runtime.cli.serve_bench import request_context, stream_counts
+from runtime.cli.bench import stream_counts
+from runtime.tools.bench_servers import llamacpp_server, llamacpp_version, lmc_server
+from runtime.tools.loadtest import synthetic_prompt
+from runtime.tools.serve_bench import request_context
 from shared_data import MODELS
 
 GGUF = MODELS / "TinyStories-656K-Q8_0.gguf"

@@ -21,7 +21,8 @@ from runtime.cli import main as lmc
 from runtime.models import gemma_path
 from runtime.native import NativeExecutor
 from runtime.sampling import Sampler, SamplerConfig
-from runtime.speculative import Draft, LookupDrafter, Speculation, accept, lookup_continuation
+from runtime.speculative import (ONE_STREAM, Draft, LookupDrafter, Speculation, StreamSeq, accept,
+                                lookup_continuation)
 from shared_data import MODELS, QWEN, SMOLLM2, instruct_models, needs_shared
 
 STORIES = str(MODELS / "stories260K.bin")
@@ -41,7 +42,7 @@ def test_lookup_takes_the_longest_latest_match():
     assert lookup_continuation([1, 2, 3], 3, 4) == []          # nothing repeats
     assert lookup_continuation([4, 4], 2, 5) == [4]            # a run of one token
     assert lookup_continuation(h, 2, 0) == []
-    assert LookupDrafter(2).propose(h, 1).tokens == [3]
+    assert LookupDrafter(2).propose([StreamSeq(h)], [1], ONE_STREAM)[0].tokens == [3]
 
 
 # --- the acceptance rule --------------------------------------------------------------------
@@ -258,7 +259,8 @@ def test_run_json_reports_the_drafts(capsys):
 
 @needs_shared
 def test_bench_reports_the_speedup_and_identity(tmp_path):
-    from runtime.cli.bench import format_table, run_bench
+    from runtime.cli.bench import format_table
+    from runtime.tools.bench import run_bench
 
     r = run_bench(STORIES, TOK, 2, gen_tokens=40, runs=2, probe_bytes=16 << 20, probe_repeats=1,
                   speculation=Speculation(lookup=3), prompt_text=PROMPT)

@@ -10,9 +10,9 @@ import shutil
 import numpy as np
 import pytest
 
-from runtime.weight_map import MIN_SHARE, SAMPLE_BYTES, UNCACHED, _file_huge_pages_seen, huge_share, map_weights
+from runtime.weight_map import MIN_SHARE, SAMPLE_BYTES, UNCACHED, file_huge_pages_seen, huge_share, map_weights
 
-pytestmark = pytest.mark.skipif(not _file_huge_pages_seen(),
+pytestmark = pytest.mark.skipif(not file_huge_pages_seen(),
                                 reason="this kernel keeps no file pages on 2 MiB folios (FileHugePages is 0)")
 
 

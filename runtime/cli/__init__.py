@@ -22,8 +22,8 @@ from frontends.arch import ModelError
 from frontends.llama2c_tokenizer import TokenizerError
 from ir.verify import VerifyError
 
-from ..model import RunError
-from .common import CliError, _Parser
+from ..errors import RunError
+from .common import CliError, Parser
 
 #: Errors that are the user's input, not our bug: one line, exit 2.
 USER_ERRORS = (ModelError, TokenizerError, RunError, VerifyError, ArtifactError, OSError)
@@ -42,8 +42,8 @@ def _command(name: str):
 def build_parser(only: str | None = None):
     """The parser of every command, or of ``only`` that one (importing every
     command module, the server's among them, costs a warm start ~60 ms)."""
-    p = _Parser(prog="lmc", description="Compile transformer models to CPU code and run them.")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    p = Parser(prog="lmc", description="Compile transformer models to CPU code and run them.")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     for name in COMMAND_NAMES if only is None else (only,):
         _command(name).add_parser(sub)
     return p

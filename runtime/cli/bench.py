@@ -1,34 +1,21 @@
-"""``lmc bench``: compile time, prefill and decode speed, memory, and how close
-decoding comes to the memory-bandwidth roofline, measured side by side in one
-process. ``--serve`` measures serving instead: ``lmc serve`` under 1, 4, 8,
-16 concurrent streams (``serve_bench``).
-
-Decoding one token reads every weight of the decode graph once (the
-embedding table only one row, unless it is also the classifier), so
-``read bandwidth / weight bytes per token`` is the speed no decoder can beat
-on this machine; ``roofline_fraction`` says how much of it we reach.
-"""
+"""``lmc bench``: compile time, prefill and decode speed, memory and the
+roofline of one stream (``runtime.tools.bench``); ``--serve`` measures
+serving instead: ``lmc serve`` under 1, 4, 8, 16 concurrent streams
+(``runtime.tools.serve_bench``). Parsing and printing only."""
 from __future__ import annotations
 
 import argparse
 import json
 import math
 import os
-import resource
-import shutil
-import statistics
-import tempfile
-import time
+import sys
 from typing import Any
 
-import numpy as np
-
-from compiler.driver import LoadedModel, load_model, model_graph
 from ir.types import KV_TYPES
 
-from ..model import Model, RunError
-from .common import CliError, _threads, memory_args, speculation_args, speculation_of, whole_number
-from .serve_bench import stream_counts
+from ..tools import serve_bench
+from ..tools.bench import compare_with_llamacpp, run_bench
+from .common import CliError, memory_args, speculation_args, speculation_of, thread_count, whole_number
 
 #: fields in the order the table prints them, with their labels and formats
 _TABLE = [
@@ -59,173 +46,6 @@ _TABLE = [
 ]
 
 
-def weight_bytes_per_token(loaded: LoadedModel) -> int:
-    """Stored bytes of every weight the decode graph reads for one token. A
-    table read only through ``embedding`` costs one row; one that a matmul
-    also reads (a tied classifier) costs all of it."""
-    g = model_graph(loaded, "decode")
-    users = g.users()
-    total = 0
-    for v in g.weights.values():
-        ops = {n.op for n in users.get(id(v), [])}
-        if not ops:
-            continue
-        nbytes = int(v.ref.nbytes)
-        if ops == {"embedding"}:
-            nbytes //= int(v.type.shape[0])
-        total += nbytes
-    return total
-
-
-def _clip(ctx: int, prompt_tokens: int, gen_tokens: int) -> tuple[int, int]:
-    """Prompt and generation lengths that fit the context (generation first)."""
-    gen = max(1, min(gen_tokens, ctx - 1))
-    prompt = max(1, min(prompt_tokens, ctx - gen))
-    return prompt, gen
-
-
-def _median_time(fn, runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_tokens: int = 128,
-              gen_tokens: int = 128, runs: int = 5, backend: str = "llvm", probe_bytes: int = 1 << 30,
-              probe_repeats: int = 5, seed: int = 0, kv_type: str | None = None,
-              mem_budget: int | None = None, stream: str | None = None,
-              stream_io: str = "pread", speculation=None, prompt_text: str | None = None) -> dict[str, Any]:
-    """Measure one model; see the module docstring. Compilation uses a fresh
-    temporary cache (the user's cache is neither read nor written). With
-    ``backend="interp"`` there is nothing to compile and the compile fields
-    are None. ``speculation`` (``runtime.speculative.Speculation``): also
-    decode speculatively, each run right after a plain one on the same
-    model, and report the drafts, the acceptance and the speed-up (decode
-    and sampling time of both: a verify step's choice of tokens is
-    sampling). ``prompt_text``: the prompt (control tokens recognised)
-    instead of random ids; prompt lookup needs a real one."""
-    from compiler.codegen.probe import measure_read_bandwidth
-
-    if threads < 1:
-        raise RunError(f"--threads {threads}: must be >= 1")
-    if runs < 1:
-        raise RunError(f"--runs {runs}: must be >= 1")
-    if prompt_tokens < 1 or gen_tokens < 1:
-        raise RunError("the prompt and the generation need at least one token each")
-    loaded = load_model(model_path, tokenizer)
-    out: dict[str, Any] = {"model": os.path.basename(os.fspath(model_path)), "backend": backend,
-                           "threads": threads}
-
-    old_cache = os.environ.get("LMC_CACHE_DIR")
-    cache = tempfile.mkdtemp(prefix="lmc-bench-cache-")
-    os.environ["LMC_CACHE_DIR"] = cache
-    model = None
-    try:
-        if backend == "llvm":
-            from compiler.native import NativeOptions, compile_native
-
-            # cold: an empty cache, so LLVM runs (and the artifact is stored, as
-            # on a user's first run); warm: the same call, now a cache hit
-            opts = NativeOptions(kv_type=kv_type or "f32", mem_budget=mem_budget, stream=stream, threads=threads,
-                                 stream_io=stream_io, verify=speculation is not None,
-                                 auto_ctx=mem_budget is not None, auto_kv=mem_budget is not None and not kv_type)
-            cold = compile_native(loaded, opts)
-            if cold.cached:
-                raise RuntimeError("the bench's fresh compile cache was not empty")
-            warm = compile_native(loaded, opts)
-            if not warm.cached:
-                raise RuntimeError("the second compile missed the cache it had just filled")
-            out["compile_s_cold"] = cold.seconds
-            out["compile_s_warm"] = warm.seconds
-            model = Model(loaded, "llvm", threads=threads, artifact=warm.artifact, speculation=speculation)
-        else:
-            out["compile_s_cold"] = out["compile_s_warm"] = None
-            model = Model(loaded, backend, threads=threads, kv_type=kv_type, speculation=speculation)
-
-        out["kv_type"], out["kv_bytes"] = model.kv_type, model.kv_bytes
-        if prompt_text is not None:
-            ids = model.encode(prompt_text, bos=True, special=True)
-            if len(ids) + gen_tokens > model.ctx:
-                raise RunError(f"the prompt ({len(ids)} tokens) and {gen_tokens} new ones exceed the context "
-                               f"({model.ctx})")
-            prompt, gen = len(ids), gen_tokens
-        else:
-            prompt, gen = _clip(model.ctx, prompt_tokens, gen_tokens)
-            rng = np.random.default_rng(seed)
-            ids = [int(i) for i in rng.integers(3, loaded.config.vocab_size, prompt)]
-        out["prompt_tokens"], out["gen_tokens"], out["runs"] = prompt, gen, runs
-        ex = model.executor
-
-        def prefill() -> None:
-            ex.reset()
-            ex.prefill(ids, 0)
-
-        prefill()  # warm-up: first-touch of weights and arena
-        out["prefill_tok_s"] = prompt / _median_time(prefill, runs)
-
-        decode_s, io_split, plain_loop, spec_loop, spec_stats = [], [], [], [], []
-        identical = True
-        for _ in range(runs):
-            model.speculation = None
-            got = list(model.generate(ids, gen + 1, temperature=0.0, stop=False))
-            st = model.last_stats
-            if len(got) != gen + 1 or st.decode_s <= 0:
-                raise RuntimeError(f"generation stopped after {len(got)} of {gen + 1} tokens")
-            decode_s.append(st.decode_s)  # exactly `gen` decode steps, sampling excluded
-            plain_loop.append(st.decode_s + st.sample_s)
-            if "decode_io_wait_s" in st.extra:
-                io_split.append((st.extra["decode_io_wait_s"], st.extra["read_bytes"], st.extra["read_s"]))
-            if speculation is not None:
-                model.speculation = speculation
-                spec = list(model.generate(ids, gen + 1, temperature=0.0, stop=False))
-                identical = identical and spec == got
-                st = model.last_stats
-                spec_loop.append(st.decode_s + st.sample_s)
-                spec_stats.append(st.extra)
-        out["decode_tok_s"] = gen / statistics.median(decode_s)
-        if speculation is not None:
-            last = spec_stats[-1]
-            out["speculative"] = f"{speculation.kind} (draft-max {speculation.draft_max})"
-            out["plain_loop_tok_s"] = gen / statistics.median(plain_loop)
-            out["speculative_loop_tok_s"] = gen / statistics.median(spec_loop)
-            out["speculative_speedup"] = statistics.median(plain_loop) / statistics.median(spec_loop)
-            out["drafted"], out["accepted"] = last["drafted"], last["accepted"]
-            out["acceptance_rate"] = last["acceptance_rate"]
-            out["verify_steps"] = last["verify_steps"]
-            out["speculative_identical"] = identical
-        mem = (model.executor.manifest.get("memory") or {}) if hasattr(model.executor, "manifest") else {}
-        if mem:
-            out["memory_plan"] = {"describe": mem["describe"], "total": mem["total"], "budget": mem["budget"]}
-        if io_split:  # streaming: where the decode time went (medians over the runs)
-            wait = statistics.median(w for w, _, _ in io_split)
-            dmed = statistics.median(decode_s)
-            out["decode_io_wait_s"], out["decode_compute_s"] = wait, dmed - wait
-            out["io_wait_fraction"] = wait / dmed
-            out["disk_read_gb_s"] = statistics.median(b / r for _, b, r in io_split if r > 0) / 1e9
-        out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    finally:
-        if model is not None and hasattr(model.executor, "close"):
-            model.executor.close()  # idle workers must not compete with the probe
-        del model
-        if old_cache is None:
-            os.environ.pop("LMC_CACHE_DIR", None)
-        else:
-            os.environ["LMC_CACHE_DIR"] = old_cache
-        shutil.rmtree(cache, ignore_errors=True)
-
-    wbytes = weight_bytes_per_token(loaded)
-    bw = measure_read_bandwidth(threads, probe_bytes, probe_repeats)
-    out["weight_bytes_per_token"] = wbytes
-    out["vocab_size"] = loaded.config.vocab_size
-    out["read_bandwidth_gb_s"] = bw
-    out["roofline_tok_s"] = bw * 1e9 / wbytes
-    out["roofline_fraction"] = out["decode_tok_s"] / out["roofline_tok_s"]
-    return out
-
-
 def format_table(r: dict[str, Any]) -> str:
     rows = []
     spec_rows = {"speculative", "plain_loop_tok_s", "speculative_loop_tok_s", "speculative_speedup", "drafted",
@@ -239,12 +59,28 @@ def format_table(r: dict[str, Any]) -> str:
     return "\n".join(f"{label:<{w}}  {val}" for label, val in rows)
 
 
+def stream_counts(text: str) -> list[int]:
+    """argparse type of ``--streams``: ``1,4,8,16`` -> [1, 4, 8, 16] (distinct, in order)."""
+    out: list[int] = []
+    for part in text.split(","):
+        try:
+            n = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--streams takes whole numbers separated by commas, not {text!r}"
+                                             ) from None
+        if not 1 <= n <= 1024:
+            raise argparse.ArgumentTypeError(f"--streams: {n} is not between 1 and 1024")
+        if n not in out:
+            out.append(n)
+    return out
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``bench`` to the ``lmc`` sub-commands."""
     b = subparsers.add_parser("bench", help="measure compile time, prefill/decode speed and the roofline")
     b.add_argument("model", help="model file (.bin, .gguf)")
     b.add_argument("-z", "--tokenizer", default=None, help="tokenizer file (llama2.c tokenizer.bin)")
-    b.add_argument("-t", "--threads", type=_threads, default=os.cpu_count() or 1,
+    b.add_argument("-t", "--threads", type=thread_count, default=os.cpu_count() or 1,
                    help="threads (default: all cores)")
     b.add_argument("--prompt-tokens", type=whole_number("--prompt-tokens", 1), default=None,
                    help="random prompt length for prefill (default 128; clipped to the context); with --serve, "
@@ -285,9 +121,7 @@ def _jsonable(r: dict[str, Any]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     if args.serve:
-        from . import serve_bench
-
-        return serve_bench.run(args)
+        return _run_serve(args)
     for flag, value in (("--streams", args.streams), ("--parallel", args.parallel)):
         if value is not None:
             raise CliError(f"{flag} is a flag of lmc bench --serve")
@@ -301,16 +135,33 @@ def run(args: argparse.Namespace) -> int:
                   probe_bytes=args.probe_mb << 20, kv_type=args.kv_type, mem_budget=args.mem_budget,
                   stream=args.stream, stream_io=args.stream_io, speculation=spec, prompt_text=prompt_text)
     if args.compare_llamacpp:
-        from .llamacpp_bench import bench_llamacpp
-
-        lc = bench_llamacpp(args.model, args.threads, r["prompt_tokens"], r["gen_tokens"], args.runs,
-                            int(r.get("vocab_size") or 32000))
-        r["llamacpp"] = lc
-        if "error" not in lc:
-            r["decode_vs_llamacpp"] = r["decode_tok_s"] / lc["decode_tok_s"]
-            r["prefill_vs_llamacpp"] = r["prefill_tok_s"] / lc["prefill_tok_s"]
+        compare_with_llamacpp(r, args.model, args.threads, args.runs)
     if args.json:
         print(json.dumps(_jsonable(r)))
     else:
         print(format_table(r))
+    return 0
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    """``lmc bench --serve``, from the bench's parsed flags."""
+    if args.stream is not None:
+        raise CliError("--stream: lmc serve keeps its weights in memory; not with --serve")
+    extra = ["--backend", args.backend]
+    if args.kv_type:
+        extra += ["--kv-type", args.kv_type]
+    if args.mem_budget is not None:
+        extra += ["--mem-budget", str(args.mem_budget)]
+    try:
+        r = serve_bench.run_serve_bench(args.model, args.tokenizer, args.threads, args.streams or list(serve_bench.DEFAULT_STREAMS),
+                            parallel=args.parallel, gen_tokens=args.gen_tokens or serve_bench.DEFAULT_TOKENS,
+                            prompt_tokens=args.prompt_tokens or serve_bench.DEFAULT_TOKENS,
+                            compare_llamacpp=args.compare_llamacpp, serve_args=extra,
+                            say=lambda s: print(f"lmc bench: {s}", file=sys.stderr, flush=True))
+    except serve_bench.BenchServerError as e:
+        raise CliError(str(e)) from None
+    print(json.dumps(serve_bench.rounded(r)), flush=True)
+    if not args.json:
+        print()
+        print(serve_bench.format_table(r))
     return 0

@@ -15,10 +15,11 @@ import os
 import sys
 
 from ..chat import ChatSession, ChatSettings, read_messages
-from ..model import RunError, load
+from ..api import load
+from ..errors import RunError
 from ..sampling import SamplerConfig
 from ..status import StatusLine
-from .common import (CliError, _exec_args, _model_args, _positive_or_zero, _resolve_model, kv_type_arg, sampling_args,
+from .common import (CliError, exec_args, kv_type_arg, model_args, positive_or_zero, resolve_model, sampling_args,
                      sampling_of, speculation_args, speculation_of)
 
 HELP = """commands:
@@ -34,21 +35,21 @@ Ctrl-C stops the reply being written and keeps what was said."""
 
 def add_parser(sub) -> None:
     c = sub.add_parser("chat", help="chat with an instruct model (its own chat template)")
-    _model_args(c, optional=True)
+    model_args(c, optional=True)
     c.add_argument("--system", default=None, metavar="TEXT", help="system message")
     c.add_argument("--chat-template", default=None, metavar="FILE|NAME",
                    help="a jinja template file, or chatml, llama2, llama3, gemma, phi3, plain (default: the "
                         "model's own template, else plain)")
     c.add_argument("--messages", default=None, metavar="FILE.json",
                    help="answer this conversation (a JSON list of {role, content}) once and exit")
-    c.add_argument("-n", "--max-new-tokens", type=_positive_or_zero("-n"), default=1024,
+    c.add_argument("-n", "--max-new-tokens", type=positive_or_zero("-n"), default=1024,
                    help="longest reply in tokens (default 1024; a reply also ends at the end of the context)")
     sampling_args(c, temp=0.8, top_p=0.95, top_k=40, min_p=0.05)   # llama.cpp's defaults
     c.add_argument("--stop", action="append", default=None, metavar="STR",
                    help="end a reply at STR (not shown); repeatable")
     c.add_argument("-c", "--ctx", type=int, default=None, help="context length (default: the model's, at most 4096)")
     kv_type_arg(c)
-    _exec_args(c)
+    exec_args(c)
     c.add_argument("--json", action="store_true", help="with --messages: print one JSON object")
     speculation_args(c)
 
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 def _session(args: argparse.Namespace, status: StatusLine) -> ChatSession:
     from frontends.chat_template import resolve_chat_template
 
-    model_path, tok_path = _resolve_model(args)
+    model_path, tok_path = resolve_model(args)
     messages = read_messages(args.messages) if args.messages is not None else None
     model = load(model_path, tok_path, backend=args.backend, ctx=args.ctx, threads=args.threads,
                  use_cache=not args.no_cache, kv_type=args.kv_type, status=status, speculation=speculation_of(args))

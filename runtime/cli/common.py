@@ -14,7 +14,7 @@ class CliError(Exception):
     pass
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse's own errors also exit 2, one line
         raise CliError(message)
 
@@ -35,11 +35,11 @@ def whole_number(flag: str, minimum: int = 0):
     return conv
 
 
-def _positive_or_zero(flag: str):
+def positive_or_zero(flag: str):
     return whole_number(flag, 0)
 
 
-def _model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
+def model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     if optional:
         p.add_argument("model", nargs="?", default=None,
                        help="model file (.bin, .gguf) or compiled artifact; default: Gemma 3 270M with the demo "
@@ -49,7 +49,7 @@ def _model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     p.add_argument("-z", "--tokenizer", default=None, help="tokenizer file (llama2.c tokenizer.bin)")
 
 
-def _size(text: str) -> int:
+def size_arg(text: str) -> int:
     try:
         return parse_size(text)
     except BudgetError as e:
@@ -57,7 +57,7 @@ def _size(text: str) -> int:
 
 
 def memory_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mem-budget", type=_size, default=None, metavar="SIZE",
+    p.add_argument("--mem-budget", type=size_arg, default=None, metavar="SIZE",
                    help="peak resident memory for the whole process (200M, 1.5G ...): weights that do not fit "
                         "stream from disk, the KV cache shrinks to fit")
     p.add_argument("--stream", choices=["layers", "all"], default=None,
@@ -68,7 +68,7 @@ def memory_args(p: argparse.ArgumentParser) -> None:
                         "(default); mmap maps its pages in place and unmaps them after use (no copy)")
 
 
-def _threads(s: str) -> int:
+def thread_count(s: str) -> int:
     try:
         v = int(s)
     except ValueError:
@@ -85,14 +85,14 @@ def kv_type_arg(p: argparse.ArgumentParser) -> None:
                         "an f16 scale, 34/128 of f32; needs head_dim a multiple of 32)")
 
 
-def _exec_args(p: argparse.ArgumentParser) -> None:
+def exec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["llvm", "interp"], default="llvm",
                    help="llvm: compiled native code (default); interp: the numpy reference interpreter")
-    p.add_argument("-t", "--threads", type=_threads, default=None, help="threads (default: the number of cores)")
+    p.add_argument("-t", "--threads", type=thread_count, default=None, help="threads (default: the number of cores)")
     p.add_argument("--no-cache", action="store_true", help="do not use the compile cache")
 
 
-def _resolve_model(args: argparse.Namespace) -> tuple[str, str | None]:
+def resolve_model(args: argparse.Namespace) -> tuple[str, str | None]:
     if args.model is None:
         from ..models import default_model
 
@@ -101,7 +101,7 @@ def _resolve_model(args: argparse.Namespace) -> tuple[str, str | None]:
     return args.model, args.tokenizer
 
 
-def _native_options(args: argparse.Namespace, m, default_ctx: int):
+def native_options(args: argparse.Namespace, m, default_ctx: int):
     """NativeOptions from the flags of ``compile`` and ``plan``."""
     from compiler.native import NativeOptions
 

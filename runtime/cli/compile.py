@@ -5,18 +5,18 @@ import argparse
 import json
 import os
 
-from ..model import RunError
-from .common import CliError, _model_args, _native_options, _threads, kv_type_arg, memory_args
+from ..errors import RunError
+from .common import CliError, kv_type_arg, memory_args, model_args, native_options, thread_count
 
 
 def add_parser(sub) -> None:
     c = sub.add_parser("compile", help="compile a model to a native artifact")
-    _model_args(c)
+    model_args(c)
     c.add_argument("-o", "--output", required=True, help="artifact file to write")
     kv_type_arg(c)
     memory_args(c)
     c.add_argument("-c", "--ctx", type=int, default=None, help="context length (default: the model's, at most 4096)")
-    c.add_argument("-t", "--threads", type=_threads, default=None,
+    c.add_argument("-t", "--threads", type=thread_count, default=None,
                    help="threads its runs will use (a budget's plan counts scratch per thread; default: the cores)")
     c.add_argument("--dump-after", default=None, metavar="PASS|all",
                    help="write the text IR after this pass (and before it, to diff) or after every pass (all)")
@@ -32,13 +32,13 @@ def run(args: argparse.Namespace) -> int:
     m = load_model(args.model, args.tokenizer)
     if args.ctx is not None and not 0 < args.ctx <= m.config.seq_len:
         raise RunError(f"--ctx {args.ctx}: must be between 1 and the model's context {m.config.seq_len}")
-    from ..model import DEFAULT_CTX
+    from ..loading import DEFAULT_CTX
 
-    o = _native_options(args, m, DEFAULT_CTX)
+    o = native_options(args, m, DEFAULT_CTX)
     o.dump_dir, o.dump_after = dump_dir, (args.dump_after or "all") if dump_dir else None
     res = compile_native(m, o)
     res.artifact.write(args.output)
-    from ..native_softmax import prepare
+    from compiler.codegen.k_sampler import prepare
 
     prepare()   # what sampling compiles on first use, so the artifact's runs start no LLVM
     man = res.artifact.manifest

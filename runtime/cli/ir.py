@@ -1,11 +1,12 @@
-"""``lmc ir``: print or draw a model's IR graph (pictures: ``ir_render``)."""
+"""``lmc ir``: print or draw a model's IR graph (pictures: ``runtime.tools.ir_render``; ``--stats``:
+``runtime.tools.graph_stats``)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from ..model import RunError
-from .common import CliError, _model_args, kv_type_arg
+from ..errors import RunError
+from .common import CliError, kv_type_arg, model_args
 
 
 def _layer_arg(s: str) -> int | str:
@@ -19,7 +20,7 @@ def _layer_arg(s: str) -> int | str:
 
 def add_parser(sub) -> None:
     i = sub.add_parser("ir", help="print or draw a model's IR graph")
-    _model_args(i)
+    model_args(i)
     i.add_argument("--format", choices=["text", "dot", "svg", "png"], default="text",
                    help="text: the stable one-line-a-node form; dot: Graphviz text; svg/png: the picture "
                         "(needs Graphviz's dot program)")
@@ -50,8 +51,9 @@ def run(args: argparse.Namespace) -> int:
     from ir.dot import to_dot
     from ir.printer import print_graph
 
-    from ..model import DEFAULT_CTX
-    from . import ir_render
+    from ..loading import DEFAULT_CTX
+    from ..tools import ir_render
+    from ..tools.graph_stats import graph_stats
 
     if args.stats and (args.format != "text" or args.layer is not None or args.overview):
         raise CliError("--stats prints a text summary: it takes no --format, --layer or --overview")
@@ -95,26 +97,3 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(data.decode())
     return 0
-
-
-def graph_stats(g, title: str) -> str:
-    """What one step of ``g`` costs in calls: a kernel per op, a barrier
-    before each op that touches what the ops since the last one touched
-    (``passes.barriers``) and one at the end; ops by kind; the arena (a
-    prefill chunk at the native default length)."""
-    from collections import Counter
-
-    from compiler.native import DEFAULT_PREFILL_CHUNK
-    from passes.barriers import barrier_count
-    from ir.printer import layout_label
-    from passes.plan_arena import plan_arena
-
-    symbols = {"T": DEFAULT_PREFILL_CHUNK}
-    plan = plan_arena(g, symbols)
-    kinds = Counter(n.op + (f"[{layout_label(n)}]" if n.attrs.get("layout") else "") for n in g.nodes)
-    lines = [title,
-             f"kernel calls per step  {len(g.nodes)}",
-             f"barriers per step      {barrier_count(g, plan)}  (one after every op: {len(g.nodes)})",
-             f"arena                  {plan.size / 2**20:.2f} MiB" + (" (T = %d)" % symbols["T"] if g.meta.get("mode") != "decode" else ""),
-             "ops by kind            " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))]
-    return "\n".join(lines) + "\n"

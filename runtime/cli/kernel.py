@@ -1,5 +1,5 @@
 """``lmc kernel``: compile one kernel on its own, check it, time it, try
-variants (the lab itself: ``kernel_lab``). Exit status 0, or 1 when a kernel
+variants (the lab itself: ``runtime.tools.kernel_lab``). Exit status 0, or 1 when a kernel
 gave wrong numbers; bad input is one line on stderr and 2."""
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import json
 import re
 import sys
 
-from .common import _threads, whole_number
-from .kernel_lab import (DEFAULT_REPEATS, KINDS, SWEEP_REPEATS, KernelLabError, Params, Problem, format_sweep,
+from .common import thread_count, whole_number
+from ..tools.kernel_lab import (DEFAULT_REPEATS, KINDS, SWEEP_REPEATS, KernelLabError, Params, Problem, format_sweep,
                          format_text, lab, parse_tile, show, sweep)
 
 
 def add_parser(sub) -> None:
     kn = sub.add_parser("kernel", help="compile one kernel on its own: check it, time it, try variants")
     add_arguments(kn)
-    kn.add_argument("-t", "--threads", type=_threads, default=None, help="threads (default: the number of cores)")
+    kn.add_argument("-t", "--threads", type=thread_count, default=None, help="threads (default: the number of cores)")
 
 
 def add_arguments(k: argparse.ArgumentParser) -> None:

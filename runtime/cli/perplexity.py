@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import sys
 
-from ..model import RunError
+from ..errors import RunError
 from ..perplexity import perplexity
-from .common import _exec_args, _model_args, _resolve_model
+from .common import exec_args, model_args, resolve_model
 
 
 def add_parser(subparsers) -> None:
     """Add ``perplexity`` to the ``lmc`` sub-commands."""
     p = subparsers.add_parser("perplexity", help="sliding-window perplexity of a text file")
-    _model_args(p, optional=True)
+    model_args(p, optional=True)
     p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text file to score")
     p.add_argument("-c", "--ctx", type=int, default=None,
                    help="window length in tokens (default: the model's context, at most 4096)")
     p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: ctx/2)")
-    _exec_args(p)
+    exec_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -26,7 +26,7 @@ def run(args) -> int:
     import json
     import os
 
-    from ..model import load
+    from ..api import load
 
     if args.ctx is not None and args.ctx < 2:
         raise RunError(f"-c/--ctx {args.ctx}: a window needs at least 2 tokens")
@@ -40,7 +40,7 @@ def run(args) -> int:
             raise RunError(f"{args.text}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     if not text.strip():
         raise RunError(f"{args.text}: the text file is empty")
-    model_path, tok_path = _resolve_model(args)
+    model_path, tok_path = resolve_model(args)
     model = load(model_path, tok_path, backend=args.backend, ctx=args.ctx, threads=args.threads,
                  use_cache=not args.no_cache)
     res = perplexity(model, text, args.ctx, args.stride, progress=sys.stderr.isatty())

@@ -1,18 +1,18 @@
-"""``lmc plan``: the memory map of a model under a budget (the report: ``plan_report``)."""
+"""``lmc plan``: the memory map of a model under a budget (the report: ``runtime.tools.plan_report``)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from ..model import RunError
-from .common import _model_args, _native_options, _threads, kv_type_arg, memory_args
+from ..errors import RunError
+from .common import kv_type_arg, memory_args, model_args, native_options, thread_count
 
 
 def add_parser(sub) -> None:
     pl = sub.add_parser("plan", help="the memory map of a model under a budget")
-    _model_args(pl)
+    model_args(pl)
     pl.add_argument("-c", "--ctx", type=int, default=None, help="context length (default: the model's, at most 4096)")
-    pl.add_argument("-t", "--threads", type=_threads, default=None, help="threads (scratch is per thread)")
+    pl.add_argument("-t", "--threads", type=thread_count, default=None, help="threads (scratch is per thread)")
     kv_type_arg(pl)
     memory_args(pl)
     pl.add_argument("--format", choices=["text", "json", "svg"], default="text",
@@ -23,13 +23,13 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from compiler.driver import load_model
 
-    from ..model import DEFAULT_CTX
-    from . import plan_report
+    from ..loading import DEFAULT_CTX
+    from ..tools import plan_report
 
     m = load_model(args.model, args.tokenizer)
     if args.ctx is not None and not 0 < args.ctx <= m.config.seq_len:
         raise RunError(f"--ctx {args.ctx}: must be between 1 and the model's context {m.config.seq_len}")
-    r = plan_report.memory_report(m, _native_options(args, m, DEFAULT_CTX))
+    r = plan_report.memory_report(m, native_options(args, m, DEFAULT_CTX))
     text = {"text": plan_report.format_text, "json": plan_report.format_json,
             "svg": plan_report.format_svg}[args.format](r)
     if args.output:

@@ -6,23 +6,23 @@ import json
 import os
 import sys
 
-from ..model import load
+from ..api import load
 from ..status import StatusLine
-from .common import (_exec_args, _model_args, _positive_or_zero, _resolve_model, kv_type_arg, memory_args,
+from .common import (exec_args, kv_type_arg, memory_args, model_args, positive_or_zero, resolve_model,
                      sampling_args, sampling_of, speculation_args, speculation_of)
 
 
 def add_parser(sub) -> None:
     r = sub.add_parser("run", help="generate text from a prompt")
-    _model_args(r, optional=True)
+    model_args(r, optional=True)
     r.add_argument("-p", "--prompt", default="", help="prompt text")
-    r.add_argument("-n", "--max-new-tokens", type=_positive_or_zero("-n"), default=256,
+    r.add_argument("-n", "--max-new-tokens", type=positive_or_zero("-n"), default=256,
                    help="new tokens to generate at most (default 256)")
     sampling_args(r, temp=1.0, top_p=0.9, top_k=0, min_p=0.0)   # run.c's defaults
     r.add_argument("-c", "--ctx", type=int, default=None, help="context length (default: the model's, at most 4096)")
     kv_type_arg(r)
     memory_args(r)
-    _exec_args(r)
+    exec_args(r)
     r.add_argument("--stop", action="append", default=None, metavar="STR",
                    help="stop when the text contains STR (not printed); repeatable")
     r.add_argument("--special", action="store_true",
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, status: StatusLine) -> int:
-    model_path, tok_path = _resolve_model(args)
+    model_path, tok_path = resolve_model(args)
     spec = speculation_of(args)
     model = load(model_path, tok_path, backend=args.backend, ctx=args.ctx, threads=args.threads,
                  use_cache=not args.no_cache, kv_type=args.kv_type, mem_budget=args.mem_budget,

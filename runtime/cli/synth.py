@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from ..model import RunError
+from ..errors import RunError
 
 
 def add_parser(sub) -> None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from .common import _model_args
+from .common import model_args
 
 
 def add_parser(sub) -> None:
     t = sub.add_parser("tokenize", help="print the token ids of a text as JSON")
-    _model_args(t)
+    model_args(t)
     t.add_argument("text")
     t.add_argument("--no-bos", action="store_true", help="do not prepend BOS")
 

@@ -1,3 +1,3 @@
 """``lmc serve``: an OpenAI-compatible HTTP server (``app``) over the
-continuous-batching engine (``runtime.scheduler``), with Prometheus metrics
+continuous-batching engine (``runtime.engine``), with Prometheus metrics
 (``metrics``) and the KV pool sized for the machine (``pool``)."""

@@ -1,15 +1,17 @@
 """The server's Prometheus metrics (prometheus_client, text format on /metrics).
 
-The engine thread updates them as it works (``Engine(metrics=...)``):
-counters as events happen, gauges after every step.
+The engine thread updates them (``Engine(metrics=...)``): requests as they
+come in; after every step, the counters by what the step counted
+(``record``) and the gauges by the engine's load (``observe``).
 """
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..engine.plan import EngineLoad, StepStats
 
 #: generated tokens per second are averaged over this many seconds
 RATE_WINDOW_S = 10.0
@@ -44,14 +46,23 @@ class ServerMetrics:
                                        f"Tokens generated per second over the last {RATE_WINDOW_S:g} s", registry=r)
         self._recent: deque[tuple[float, float]] = deque()
 
-    def observe(self, engine: Any) -> None:
+    def record(self, st: StepStats) -> None:
+        """What an engine step counted."""
+        for counter, n in ((self.prompt_tokens, st.prompt_tokens), (self.cached_prompt_tokens, st.cached_prompt_tokens),
+                           (self.generated_tokens, st.generated_tokens), (self.draft_tokens, st.draft_tokens),
+                           (self.accepted_tokens, st.accepted_tokens), (self.preemptions, st.preemptions)):
+            if n:
+                counter.inc(n)
+        if st.batch_size is not None:
+            self.batch_size.observe(st.batch_size)
+
+    def observe(self, load: EngineLoad) -> None:
         """After an engine step: the gauges."""
-        bm = engine.blocks
-        self.queue_depth.set(len(engine.waiting))
-        self.running.set(len(engine.running))
-        self.kv_blocks_total.set(bm.n_blocks)
-        self.kv_blocks_cached.set(len(bm.evictable))
-        self.kv_blocks_used.set(bm.n_blocks - len(bm.free) - len(bm.evictable))
+        self.queue_depth.set(load.waiting)
+        self.running.set(load.running)
+        self.kv_blocks_total.set(load.kv_blocks_total)
+        self.kv_blocks_cached.set(load.kv_blocks_cached)
+        self.kv_blocks_used.set(load.kv_blocks_used)
         now = time.monotonic()
         total = self.registry.get_sample_value("lmc_generated_tokens_total") or 0.0
         self._recent.append((now, total))

@@ -37,11 +37,11 @@ def pool_blocks(loaded: LoadedModel, ctx: int, parallel: int, block_size: int, k
     per_seq = max_blocks_per_seq(ctx, block_size)
     if mem_budget is None:
         return parallel * per_seq
-    from compiler.native import NativeOptions, _scratch_floats, plan_native
+    from compiler.native import NativeOptions, scratch_floats, plan_native
 
     plan = plan_native(loaded, NativeOptions(ctx=ctx, kv_type=kv_type, batch=BatchOptions(block_size, 1, parallel)))
     arena = max(p.size for p in plan.plans.values())
-    scratch = 4 * _scratch_floats(plan.graphs, ctx) * threads
+    scratch = 4 * scratch_floats(plan.graphs, ctx) * threads
     weights = sum(int(w.ref.nbytes) for w in loaded.weights.values())
     fixed = runtime_floor(loaded.config.vocab_size, 2 << 20) + SERVER_BASE + weights + arena + scratch
     block = kv_bytes_per_position(loaded, kv_type) * block_size

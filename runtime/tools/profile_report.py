@@ -30,7 +30,9 @@ from compiler.driver import load_model
 from ir.graph import Graph, Node
 from ir.printer import layout_label
 
-from ..model import DEFAULT_CTX, Model, RunError
+from ..errors import RunError
+from ..loading import DEFAULT_CTX
+from ..model import Model
 
 DEFAULT_STEPS = 32
 DEFAULT_PROMPT_TOKENS = 64

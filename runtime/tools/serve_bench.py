@@ -1,5 +1,6 @@
-"""``lmc bench MODEL --serve``: serving throughput under concurrent streams,
-ours and (``--compare-llamacpp``) llama.cpp's server on the same file.
+"""The serve benchmark (``lmc bench MODEL --serve``): serving throughput under
+concurrent streams, ours and (``--compare-llamacpp``) llama.cpp's server on
+the same file.
 
 The one-stream bench measures the decoder; a server earns its keep by
 batching: N users at once should cost far less than N times one user. So
@@ -23,40 +24,20 @@ tokens each) that the figures leave out.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..model import RunError
+from ..errors import RunError
 from .bench_servers import BenchServerError, llamacpp_server, llamacpp_version, lmc_server
-from .common import CliError
-from .loadtest import ServerUnreachable, run_load_test, synthetic_prompt
+from .loadtest import WORDS, ServerUnreachable, run_load_test, synthetic_prompt
 
 DEFAULT_STREAMS = (1, 4, 8, 16)
 DEFAULT_TOKENS = 64        # --gen-tokens and --prompt-tokens with --serve
 WARMUP_TOKENS = 8
 #: bound on each load test: a run that long has gone wrong
 ROW_TIMEOUT_S = 3600.0
-
-
-def stream_counts(text: str) -> list[int]:
-    """argparse type of ``--streams``: ``1,4,8,16`` -> [1, 4, 8, 16] (distinct, in order)."""
-    out: list[int] = []
-    for part in text.split(","):
-        try:
-            n = int(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--streams takes whole numbers separated by commas, not {text!r}"
-                                             ) from None
-        if not 1 <= n <= 1024:
-            raise argparse.ArgumentTypeError(f"--streams: {n} is not between 1 and 1024")
-        if n not in out:
-            out.append(n)
-    return out
 
 
 class _Always:
@@ -77,10 +58,8 @@ def request_context(tokenizer: Any, seq_len: int, prompt_words: int, gen_tokens:
     most the model's context. The longest prompt is the one repeating the
     word that takes the most tokens. ``RunError`` when even the prompt and
     the reply do not fit the model's context."""
-    from .loadtest import _WORDS
-
     longest = max(len(tokenizer.chat_ids([{"role": "user", "content": synthetic_prompt(prompt_words, _Always(w))}],
-                                         True)) for w in _WORDS)
+                                         True)) for w in WORDS)
     need = longest + prompt_words // 4 + 8 + gen_tokens
     if need > seq_len:
         raise RunError(f"--prompt-tokens {prompt_words} (up to {longest} tokens with the chat template) and "
@@ -224,38 +203,14 @@ def format_table(r: dict[str, Any]) -> str:
     return "\n".join(notes[:1] + [text] + notes[1:])
 
 
-def _rounded(v: Any) -> Any:
+def rounded(v: Any) -> Any:
     """Floats to 6 significant digits, all the way down: the JSON stays
     readable, and a time per output token of a few microseconds (a tiny
     model) keeps its digits, which 6 decimals would not."""
     if isinstance(v, float):
         return float(f"{v:.6g}") if math.isfinite(v) else None
     if isinstance(v, dict):
-        return {k: _rounded(x) for k, x in v.items()}
+        return {k: rounded(x) for k, x in v.items()}
     if isinstance(v, list):
-        return [_rounded(x) for x in v]
+        return [rounded(x) for x in v]
     return v
-
-
-def run(args: argparse.Namespace) -> int:
-    """``lmc bench --serve``, from the bench's parsed flags."""
-    if args.stream is not None:
-        raise CliError("--stream: lmc serve keeps its weights in memory; not with --serve")
-    extra = ["--backend", args.backend]
-    if args.kv_type:
-        extra += ["--kv-type", args.kv_type]
-    if args.mem_budget is not None:
-        extra += ["--mem-budget", str(args.mem_budget)]
-    try:
-        r = run_serve_bench(args.model, args.tokenizer, args.threads, args.streams or list(DEFAULT_STREAMS),
-                            parallel=args.parallel, gen_tokens=args.gen_tokens or DEFAULT_TOKENS,
-                            prompt_tokens=args.prompt_tokens or DEFAULT_TOKENS,
-                            compare_llamacpp=args.compare_llamacpp, serve_args=extra,
-                            say=lambda s: print(f"lmc bench: {s}", file=sys.stderr, flush=True))
-    except BenchServerError as e:
-        raise CliError(str(e)) from None
-    print(json.dumps(_rounded(r)), flush=True)
-    if not args.json:
-        print()
-        print(format_table(r))
-    return 0

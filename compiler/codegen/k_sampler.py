@@ -1,29 +1,62 @@
-"""run.c's softmax (and its draw, ``sample_mult``) in native code, calling
-the C library's own ``expf``.
+"""The sampler's kernels: run.c's softmax (and its draw, ``sample_mult``)
+in native code, calling the C library's own ``expf``; and the constants of
+glibc's expf, which the runtime's numpy emulation (``runtime.sampling.
+expf_glibc``) computes with too.
 
-The numpy emulation of glibc's expf in ``sampling`` is exact but costs
-milliseconds per token at a 32000-token vocabulary; this calls the real
-``expf`` in a compiled loop (no fast-math: the same operations in the same
-order as run.c: max, expf(x - max), sequential float sum, divide), so it is
-exact and fast. Where glibc runs its x86-64 FMA build, ``_vexp`` computes
-that expf 8 lanes at a time instead of a call per value (the same bits).
-Compiled once per process, on first use.
+The numpy emulation is exact but costs milliseconds per token at a
+32000-token vocabulary; this calls the real ``expf`` in a compiled loop (no
+fast-math: the same operations in the same order as run.c: max, expf(x -
+max), sequential float sum, divide), so it is exact and fast. Where glibc
+runs its x86-64 FMA build, ``vector_expf`` computes that expf 8 lanes at a
+time instead of a call per value (the same bits). Compiled once per
+process, on first use, and kept in the compile cache (a warm start does not
+load LLVM); the runtime only calls ``sampler_kernels()``.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+from decimal import Decimal, localcontext
 
 import numpy as np
+
+
+# --- glibc's expf: its table and constants (x86-64 FMA build) ------------------------------------
+def _exp2_table() -> np.ndarray:
+    # 2^(i/32) rounded to double, with i << 47 subtracted from the bits so that
+    # adding the whole reduction integer k << 47 later installs 2^(k/32)'s
+    # exponent. Equal to glibc's __exp2f_data.tab (checked).
+    with localcontext() as ctx:
+        ctx.prec = 60
+        vals = [float(Decimal(2) ** (Decimal(i) / Decimal(32))) for i in range(32)]
+    bits = np.array(vals, dtype=np.float64).view(np.uint64)
+    return bits - (np.arange(32, dtype=np.uint64) << np.uint64(47))
+
+
+#: glibc's ``__exp2f_data.tab`` (as uint64 bits, pre-shifted)
+EXP2F_TABLE = _exp2_table()
+# glibc's polynomial for 2^(r/32) on |r| <= 1/2 and its scaled 32/ln2.
+# Dividing by 32 is exact, as in glibc's own definitions.
+EXPF_C0 = float.fromhex("0x1.c6af84b912394p-5") / 32 / 32 / 32
+EXPF_C1 = float.fromhex("0x1.ebfce50fac4f3p-3") / 32 / 32
+EXPF_C2 = float.fromhex("0x1.62e42ff0c52d6p-1") / 32
+EXPF_INVLN2N = float.fromhex("0x1.71547652b82fep+0") * 32
+EXPF_SHIFT = float.fromhex("0x1.8p+52")
+#: above: +inf
+EXPF_OVERFLOW = np.float32(float.fromhex("0x1.62e42ep6"))
+#: below: 2^-149
+EXPF_MAY_UNDERFLOW = np.float32(float.fromhex("-0x1.9d1d9ep6"))
+#: below: 0
+EXPF_UNDERFLOW = np.float32(float.fromhex("-0x1.9fe368p6"))
 
 _FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 _DRAW = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float)
 _EXPS = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float)
 
 
-def _module(vector_exp: bool):
+def build_module(vector_exp: bool):
     """The softmax loop and the fused softmax-and-draw as an LLVM module;
-    ``vector_exp``: glibc's expf computed 8 lanes at a time (``_vexp``)."""
+    ``vector_exp``: glibc's expf computed 8 lanes at a time (``vector_expf``)."""
     import llvmlite.ir as ir
 
     f32, i64 = ir.FloatType(), ir.IntType(64)
@@ -60,7 +93,7 @@ def _module(vector_exp: bool):
         return b.load(b.gep(p, [i]))
 
     # lmc_exps(x, out, n, m): out[i] = expf(x[i] - m); with ``vector_exp`` 8 lanes
-    # at a time (``_vexp``), the tail by the library's expf
+    # at a time (``vector_expf``), the tail by the library's expf
     fn, b, loop = build("lmc_exps", ir.VoidType(), [fp, fp, i64, f32])
     x, out, n, mx = fn.args
     start = ir.Constant(i64, 0)
@@ -70,7 +103,7 @@ def _module(vector_exp: bool):
         def vex(i, a):
             at = b.mul(i, ir.Constant(i64, 8))
             xv = b.load(b.bitcast(b.gep(x, [at]), ir.PointerType(v8)), align=4)
-            b.store(_vexp(m, b, b.fsub(xv, _splat(b, mx, 8))), b.bitcast(b.gep(out, [at]), ir.PointerType(v8)),
+            b.store(vector_expf(m, b, b.fsub(xv, splat(b, mx, 8))), b.bitcast(b.gep(out, [at]), ir.PointerType(v8)),
                     align=4)
             return a
 
@@ -101,7 +134,7 @@ def _module(vector_exp: bool):
             return b.load(b.bitcast(b.gep(x, [b.mul(i, ir.Constant(i64, 8))]), ir.PointerType(v8)), align=4)
 
         vmax = loop(b.lshr(n, ir.Constant(i64, 3)), lambda i, a: larger(vload(i), a),
-                    _splat(b, load(b, x, ir.Constant(i64, 0)), 8))
+                    splat(b, load(b, x, ir.Constant(i64, 0)), 8))
         mx = b.extract_element(vmax, ir.Constant(ir.IntType(32), 0))
         for lane in range(1, 8):
             mx = larger(b.extract_element(vmax, ir.Constant(ir.IntType(32), lane)), mx)
@@ -148,7 +181,7 @@ def _module(vector_exp: bool):
     return m
 
 
-def _splat(b, v, n: int):
+def splat(b, v, n: int):
     """v in each of n lanes."""
     import llvmlite.ir as ir
 
@@ -157,15 +190,13 @@ def _splat(b, v, n: int):
     return b.shuffle_vector(one, ir.Constant(t, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
 
 
-def _vexp(m, b, x):
-    """glibc's expf (its x86-64 FMA build, as ``sampling.expf_glibc``
+def vector_expf(m, b, x):
+    """glibc's expf (its x86-64 FMA build, as ``runtime.sampling.expf_glibc``
     reproduces it) on <8 x float>: the reduction k + r = x 32/ln2 by FMAs,
     2^(k/32) from the table, the cubic in double with FMAs, one rounding
     to float; then the special cases by the same thresholds. Bit for bit
     the library's result, 8 lanes at once instead of a call per value."""
     import llvmlite.ir as ir
-
-    from . import sampling as S
 
     f32, f64, i64 = ir.FloatType(), ir.DoubleType(), ir.IntType(64)
     vd, vi, vf = ir.VectorType(f64, 8), ir.VectorType(i64, 8), ir.VectorType(f32, 8)
@@ -176,7 +207,7 @@ def _vexp(m, b, x):
         table = ir.GlobalVariable(m, tt, "lmc_exp2f_table")
         table.global_constant = True
         table.linkage = "internal"
-        table.initializer = ir.Constant(tt, [int(v) for v in S._EXP2F_T])
+        table.initializer = ir.Constant(tt, [int(v) for v in EXP2F_TABLE])
 
     def cd(v: float):
         return ir.Constant(vd, [v] * 8)
@@ -185,37 +216,37 @@ def _vexp(m, b, x):
         return ir.Constant(vi, [v] * 8)
 
     xd = b.fpext(x, vd)
-    kd0 = b.call(fma, [cd(S._INVLN2N), xd, cd(S._SHIFT)])
+    kd0 = b.call(fma, [cd(EXPF_INVLN2N), xd, cd(EXPF_SHIFT)])
     ki = b.bitcast(kd0, vi)
-    kd = b.fsub(kd0, cd(S._SHIFT))
-    r = b.call(fma, [cd(S._INVLN2N), xd, b.fsub(cd(-0.0), kd)])
+    kd = b.fsub(kd0, cd(EXPF_SHIFT))
+    r = b.call(fma, [cd(EXPF_INVLN2N), xd, b.fsub(cd(-0.0), kd)])
     idx = b.and_(ki, ci(31))
     t = ir.Constant(vi, ir.Undefined)
     for lane in range(8):
         at = b.extract_element(idx, ir.Constant(ir.IntType(32), lane))
         t = b.insert_element(t, b.load(b.gep(table, [ir.Constant(i64, 0), at])), ir.Constant(ir.IntType(32), lane))
     sc = b.bitcast(b.add(t, b.shl(ki, ci(47))), vd)
-    z = b.call(fma, [cd(S._C0), r, cd(S._C1)])
+    z = b.call(fma, [cd(EXPF_C0), r, cd(EXPF_C1)])
     r2 = b.fmul(r, r)
-    y = b.call(fma, [cd(S._C2), r, cd(1.0)])
+    y = b.call(fma, [cd(EXPF_C2), r, cd(1.0)])
     y = b.call(fma, [z, r2, y])
     out = b.fptrunc(b.fmul(y, sc), vf)
 
     def cf(v: float):
         return ir.Constant(vf, [float(v)] * 8)
 
-    out = b.select(b.fcmp_ordered(">", x, cf(S._OFLOW)), cf(float("inf")), out)
-    out = b.select(b.fcmp_ordered("<", x, cf(S._MAY_UFLOW)), cf(2.0 ** -149), out)
-    return b.select(b.fcmp_ordered("<", x, cf(S._UFLOW)), cf(0.0), out)
+    out = b.select(b.fcmp_ordered(">", x, cf(EXPF_OVERFLOW)), cf(float("inf")), out)
+    out = b.select(b.fcmp_ordered("<", x, cf(EXPF_MAY_UNDERFLOW)), cf(2.0 ** -149), out)
+    return b.select(b.fcmp_ordered("<", x, cf(EXPF_UNDERFLOW)), cf(0.0), out)
 
 
-def _vector_exp_here() -> bool:
-    """``_vexp`` is glibc's expf only where glibc runs its FMA build: x86-64
+def vector_exp_here() -> bool:
+    """``vector_expf`` is glibc's expf only where glibc runs its FMA build: x86-64
     Linux with glibc, on a CPU with FMA. Elsewhere each value calls the
     library's own expf."""
     import platform
 
-    from compiler.codegen.target import host_target
+    from .target import host_target
 
     return (platform.system() == "Linux" and platform.machine() == "x86_64"
             and platform.libc_ver()[0] == "glibc" and host_target().has("fma"))
@@ -223,9 +254,9 @@ def _vector_exp_here() -> bool:
 
 @functools.cache
 def _compiled():
-    from compiler.codegen.jit import LoadedCode
+    from .jit import LoadedCode
 
-    code = LoadedCode(_object_code(_module(_vector_exp_here())), shared=True)
+    code = LoadedCode(object_code(build_module(vector_exp_here())), shared=True)
     return (code, _FN(code.address("lmc_softmax")), _DRAW(code.address("lmc_sample_mult")),
             _EXPS(code.address("lmc_exps")))
 
@@ -235,12 +266,12 @@ def prepare() -> None:
     compile child of a memory budget), so that a run under a budget never
     starts LLVM to sample: LLVM alone takes ~75 MB."""
     try:
-        _object_code(_module(_vector_exp_here()))
+        object_code(build_module(vector_exp_here()))
     except Exception:  # no LLVM target for this machine: sampling falls back to numpy
         pass
 
 
-def _object_code(m) -> bytes:
+def object_code(m) -> bytes:
     """The module's object code, from the compile cache when this IR was
     compiled for this CPU with this llvmlite before (so sampling does not
     load LLVM on a warm start)."""
@@ -249,9 +280,9 @@ def _object_code(m) -> bytes:
 
     import llvmlite
 
-    from compiler.cache import cache_dir
-    from compiler.codegen.jit import emit_object
-    from compiler.codegen.target import host_target
+    from ..cache import cache_dir
+    from .jit import emit_object
+    from .target import host_target
 
     t = host_target()
     m.triple = t.triple
@@ -311,7 +342,7 @@ def native_sample_mult(x: np.ndarray, coin: np.float32) -> int | None:
 
 def native_exps(x: np.ndarray, m: float = 0.0) -> np.ndarray | None:
     """expf(x - m) per value as the softmax computes it (the library's
-    expf, or ``_vexp`` where that is the same), or None if native code is
+    expf, or ``vector_expf`` where that is the same), or None if native code is
     not available here."""
     fn = _native(3)
     if fn is None:

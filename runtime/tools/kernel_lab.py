@@ -1,4 +1,4 @@
-"""``lmc kernel``: one kernel compiled on its own, checked, timed and tuned.
+"""The kernel lab (``lmc kernel``): one kernel compiled on its own, checked, timed and tuned.
 
 A kind names a problem in the IR's ops: ``matvec`` / ``matmul`` are
 ``matmul`` with an F32 weight on one token / ``--batch`` tokens, ``qmatvec``

@@ -13,7 +13,7 @@ from typing import Any
 from compiler.compile_memory import compile_peak_estimate, resident_bytes
 from compiler.driver import LoadedModel
 from compiler.memory import model_sizes, plan_manifest
-from compiler.native import NativeOptions, _scratch_floats, plan_native
+from compiler.native import NativeOptions, scratch_floats, plan_native
 from passes.memory_budget import fmt_size, plan_memory
 
 
@@ -21,7 +21,7 @@ def memory_report(model: LoadedModel, opts: NativeOptions) -> dict[str, Any]:
     planned = plan_native(model, opts)
     mp = planned.memory
     if mp is None:  # no budget: everything resident, described by the same arithmetic
-        sizes = model_sizes(model, planned.graphs, planned.plans, _scratch_floats(planned.graphs, 0), 2 << 20,
+        sizes = model_sizes(model, planned.graphs, planned.plans, scratch_floats(planned.graphs, 0), 2 << 20,
                             planned.ctx)
         mp = plan_memory(sizes, None, opts.threads or 1, ctx=planned.ctx, kv_type=opts.kv_type)
     out = plan_manifest(mp, planned.schedule)

@@ -11,7 +11,7 @@ import os
 import shutil
 import subprocess
 
-from ..model import RunError
+from ..errors import RunError
 
 #: formats that need Graphviz; text and dot are written as they are
 RENDERED = ("svg", "png")

@@ -1,0 +1,123 @@
+"""What the two generation routes share: a request body becomes an engine
+``Request``, its events come back through an asyncio queue (``start``,
+``events_of``: a reader that leaves cancels it), and events become the
+API's pieces (log-probabilities, usage, server-sent events)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Request as HttpRequest
+
+from ..engine import EngineBusy, EngineError, Event, Request
+from ..sampling import SamplerConfig
+from ..stop_strings import StopStringError, check_stops
+from . import schemas as S
+from .backend import ServingBackend
+from .errors import ApiError
+
+
+def backend_of(request: HttpRequest) -> ServingBackend:
+    """The backend the app was assembled with (a route's dependency)."""
+    return request.app.state.backend
+
+
+def sampling_of(body: S.Sampling) -> SamplerConfig:
+    return SamplerConfig(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                         repeat_penalty=body.repeat_penalty, presence_penalty=body.presence_penalty,
+                         frequency_penalty=body.frequency_penalty, seed=body.seed)
+
+
+def stops_of(body: S.Sampling) -> list[str]:
+    try:
+        return check_stops(body.stop)
+    except StopStringError as e:
+        raise ApiError(400, str(e), "stop") from None
+
+
+def check_model(backend: ServingBackend, body: S.Sampling) -> None:
+    model_id = backend.info.model_id
+    if body.model is not None and body.model not in (model_id, ""):
+        raise ApiError(404, f"the model {body.model!r} does not exist; this server has {model_id!r}", "model",
+                       kind="invalid_request_error", code="model_not_found")
+
+
+async def start(backend: ServingBackend, ids: list[int], body: S.Sampling, max_tokens: int | None,
+                logprobs: int | None) -> tuple[str, asyncio.Queue]:
+    """Submit a request; its id and the queue its events arrive on. A
+    request the backend refuses is an ApiError (400, or 503 when busy)."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    rid = uuid.uuid4().hex
+    info = backend.info
+    # without max_tokens a reply may run to the end of the context
+    n = max_tokens if max_tokens is not None else max(1, info.ctx - len(ids))
+    req = Request(ids, n, sampling_of(body), lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                  stops_of(body), logprobs, rid, ignore_eos=body.ignore_eos,
+                  lookup=info.lookup if body.lookup is None else body.lookup,
+                  draft_max=info.draft_max if body.draft_max is None else body.draft_max)
+    try:
+        backend.submit(req)
+    except EngineBusy as e:
+        raise ApiError(503, f"{e}; try again shortly", kind="server_busy") from None
+    except EngineError as e:
+        raise ApiError(400, str(e), "max_tokens" if "max_tokens" in str(e) else "messages",
+                       code="context_length_exceeded" if "context" in str(e) else None) from None
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    return rid, events
+
+
+async def events_of(backend: ServingBackend, rid: str, events: asyncio.Queue) -> AsyncIterator[Event]:
+    """The request's events until its finish; cancels it if the reader leaves."""
+    done = False
+    try:
+        while not done:
+            ev = await events.get()
+            done = ev.finish_reason is not None
+            yield ev
+    finally:
+        if not done:
+            backend.cancel(rid)
+
+
+async def whole(backend: ServingBackend, rid: str, events: asyncio.Queue) -> tuple[str, list, Event]:
+    """A request's text, log-probabilities and last event, for an answer in one piece."""
+    text, lps, last = "", [], None
+    async for ev in events_of(backend, rid, events):
+        text += ev.text
+        lps += ev.logprobs or []
+        last = ev
+    return text, lps, last
+
+
+def piece(tokenizer: Any, tok: int) -> tuple[str, list[int]]:
+    """A token's text and bytes (control tokens spelled out)."""
+    raw = tokenizer.token_to_piece(tok, special=True) if hasattr(tokenizer, "token_to_piece") else \
+        tokenizer.decode([tok]).encode()
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def usage_of(ev: Event) -> S.Usage:
+    u = ev.usage or {}
+    return S.Usage(prompt_tokens=u.get("prompt_tokens", 0), completion_tokens=u.get("completion_tokens", 0),
+                   total_tokens=u.get("total_tokens", 0),
+                   prompt_tokens_details={"cached_tokens": u.get("cached_tokens", 0)})
+
+
+def finished(ev: Event) -> str:
+    """The finish reason of a whole answer; an engine failure is a 500."""
+    if ev.finish_reason == "error":
+        raise ApiError(500, ev.error or "the engine failed", kind="server_error")
+    return ev.finish_reason
+
+
+def sse(model: S.BaseModel) -> str:
+    return f"data: {model.model_dump_json(exclude_none=True)}\n\n"
+
+
+def sse_error(ev: Event) -> str:
+    """An engine failure in the middle of a stream: an error event."""
+    return f"data: {json.dumps({'error': {'message': ev.error, 'type': 'server_error'}})}\n\n"

@@ -1,0 +1,92 @@
+"""``POST /v1/chat/completions``: the model's chat template over the
+messages, answered whole or streamed as server-sent events."""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from frontends.chat_template import ChatTemplateError
+
+from . import schemas as S
+from .backend import ServingBackend
+from .errors import ApiError
+from .generation import backend_of, check_model, events_of, finished, piece, sse, sse_error, start, usage_of, whole
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def chat(body: S.ChatRequest, backend: ServingBackend = Depends(backend_of)) -> Any:
+    check_model(backend, body)
+    if body.response_format is not None and body.response_format.get("type", "text") != "text":
+        raise ApiError(400, "response_format other than text is not supported", "response_format")
+    messages = [plain_message(m.model_dump(exclude_none=True)) for m in body.messages]
+    kw = {"tools": body.tools} if body.tools else {}
+    try:
+        ids = await run_in_threadpool(backend.tokenizer.chat_ids, messages, True, **kw)
+    except (ChatTemplateError, ValueError) as e:
+        raise ApiError(400, str(e), "messages") from None
+    k = (body.top_logprobs or 0) if body.logprobs else None
+    rid, events = await start(backend, ids, body, body.max_completion_tokens or body.max_tokens, k)
+    info = backend.info
+    cid, model, created = f"chatcmpl-{rid}", body.model or info.model_id, info.created
+
+    def logprobs(items: list) -> S.ChatLogprobs:
+        out = []
+        for lp in items:
+            text, raw = piece(backend.tokenizer, lp.token)
+            top = []
+            for t, v in lp.top:
+                tt, tb = piece(backend.tokenizer, t)
+                top.append(S.TopLogprob(token=tt, logprob=v, bytes=tb))
+            out.append(S.TokenLogprobOut(token=text, logprob=lp.logprob, bytes=raw, top_logprobs=top))
+        return S.ChatLogprobs(content=out)
+
+    if body.stream:
+        usage_chunk = bool((body.stream_options or {}).get("include_usage"))
+
+        async def stream() -> AsyncIterator[str]:
+            yield sse(S.ChatCompletionChunk(id=cid, created=created, model=model,
+                                            choices=[S.ChatChunkChoice(delta=S.ChatDelta(role="assistant",
+                                                                                         content=""))]))
+            async for ev in events_of(backend, rid, events):
+                if ev.finish_reason == "error":
+                    yield sse_error(ev)
+                    break
+                if ev.text or ev.finish_reason or ev.logprobs:
+                    yield sse(S.ChatCompletionChunk(
+                        id=cid, created=created, model=model,
+                        choices=[S.ChatChunkChoice(delta=S.ChatDelta(content=ev.text or None),
+                                                   logprobs=logprobs(ev.logprobs) if ev.logprobs else None,
+                                                   finish_reason=ev.finish_reason)]))
+                if ev.finish_reason and usage_chunk:
+                    yield sse(S.ChatCompletionChunk(id=cid, created=created, model=model, choices=[],
+                                                    usage=usage_of(ev)))
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+    text, lps, last = await whole(backend, rid, events)
+    reason = finished(last)
+    return S.ChatCompletion(id=cid, created=created, model=model, usage=usage_of(last), choices=[S.ChatChoice(
+        message=S.AssistantMessage(content=text), finish_reason=reason,
+        logprobs=logprobs(lps) if k is not None else None)]).model_dump(exclude_none=True)
+
+
+def plain_message(m: dict) -> dict:
+    """A message whose content is a list of parts (OpenAI's newer form) with
+    its text parts joined: templates expect a string. Other parts (images,
+    audio) are refused."""
+    content = m.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ApiError(400, f"message content part of type {kind!r}: only text parts are supported",
+                               "messages")
+            texts.append(part["text"])
+        m = dict(m, content="".join(texts))
+    return m
