@@ -29,6 +29,20 @@ def resident_bytes() -> int | None:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
+def peak_resident_bytes() -> int | None:
+    """This process's peak resident set since it started its program
+    (Linux ``VmHWM``: unlike ``getrusage``'s maximum, it does not carry the
+    parent's size from before a fork-and-exec), else None."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def compile_peak_estimate(loaded_bytes: int) -> int:
     """The compile child's peak: a process with the model loaded
     (``loaded_bytes``, e.g. this one's resident set) plus LLVM."""

@@ -167,19 +167,34 @@ def separate_tokenizer(model_path: str, tokenizer: str | None) -> str | None:
     return tokenizer
 
 
-def compile_child(path: str, tokenizer: str | None, opts: Any, said: Any = None) -> None:
+def compile_child(path: str, tokenizer: str | None, opts: Any, said: Any = None, result: Any = None) -> None:
     """The compile child of ``compile_within_budget`` (a spawned process).
-    ``said``: a queue the child's progress lines go to (the parent's status line)."""
+    ``said``: a queue the child's progress lines go to (the parent's status
+    line). It loads the model as a fresh ``lmc run`` would, and where that
+    plus LLVM would pass the budget it compiles nothing and puts
+    ("refuse", its need) on ``result`` (the parent refuses with it): the
+    parent's own resident set says nothing of the child's (a long-running
+    caller's may be gigabytes). Else it compiles and puts ("peak", its peak
+    resident bytes)."""
     from compiler.codegen.k_sampler import prepare
+    from compiler.compile_memory import compile_peak_estimate, peak_resident_bytes, resident_bytes
     from compiler.native import compile_native
 
+    loaded = load_model(path, tokenizer)
+    here = resident_bytes()
+    need = compile_peak_estimate(here) if here is not None else None
+    if result is not None and need is not None and need > opts.mem_budget:
+        result.put(("refuse", need))
+        return
     if said is not None:
         import dataclasses
 
         opts = dataclasses.replace(opts, progress=lambda text: said.put(f"{text} (in a child process, to stay "
                                                                         f"within the budget)"))
-    compile_native(load_model(path, tokenizer), opts)
+    compile_native(loaded, opts)
     prepare()   # sampling's own native code, so the parent starts no LLVM either
+    if result is not None:
+        result.put(("peak", peak_resident_bytes()))
 
 
 def check_artifact_budget(artifact: Artifact, budget: int, model_path: str) -> None:
@@ -208,7 +223,6 @@ def compile_within_budget(loaded: LoadedModel, opts: Any) -> Any:
     import dataclasses
     import multiprocessing
 
-    from compiler.compile_memory import compile_peak_estimate, resident_bytes
     from compiler.native import compile_native
     from passes.memory_budget import fmt_size
 
@@ -216,27 +230,16 @@ def compile_within_budget(loaded: LoadedModel, opts: Any) -> Any:
     res = compile_native(loaded, dataclasses.replace(opts, lookup_only=True))  # plans; BudgetError here
     if res is not None:
         return res
-    here = resident_bytes()
-    need = compile_peak_estimate(here) if here is not None else None
-    if need is not None and need > opts.mem_budget:
-        name = os.path.basename(loaded.path)
-        flags = f" -t {opts.threads}" if opts.threads else ""   # the plan's scratch is per thread
-        tok = separate_tokenizer(loaded.path, getattr(loaded.tokenizer, "path", None))
-        flags += f" -z {tok}" if tok else ""
-        raise RunError(f"--mem-budget {fmt_size(opts.mem_budget)}: compiling {name} for this CPU needs about "
-                       f"{fmt_size(need)} once (LLVM), more than the budget; compile it once where that fits "
-                       f"(`lmc compile {loaded.path} --mem-budget {size_arg(opts.mem_budget)}{flags} -o "
-                       f"{os.path.splitext(name)[0]}.lmc`, on this machine or one with the same CPU), "
-                       f"then its runs stay within the budget")
     if opts.progress is not None:
         opts.progress("compiling for this CPU, once (in a child process, to stay within the budget)")
     mp = multiprocessing.get_context("spawn")
     said = mp.SimpleQueue() if opts.progress is not None else None
+    result = mp.SimpleQueue()
     child = mp.Process(
         target=compile_child, args=(loaded.path, separate_tokenizer(loaded.path, getattr(loaded.tokenizer, "path",
                                                                                          None)),
                                     # a callback does not pickle; one kernel module in memory at a time
-                                    dataclasses.replace(opts, progress=None, jobs=1), said),
+                                    dataclasses.replace(opts, progress=None, jobs=1), said, result),
         name="lmc-compile")
     child.start()
     while True:
@@ -246,11 +249,22 @@ def compile_within_budget(loaded: LoadedModel, opts: Any) -> Any:
             (getattr(opts.progress, "update", None) or opts.progress)(text)
         if child.exitcode is not None:
             break
+    what, figure = result.get() if not result.empty() else (None, None)
+    if what == "refuse":   # the child found that LLVM would not fit: nothing was compiled
+        name = os.path.basename(loaded.path)
+        flags = f" -t {opts.threads}" if opts.threads else ""   # the plan's scratch is per thread
+        tok = separate_tokenizer(loaded.path, getattr(loaded.tokenizer, "path", None))
+        flags += f" -z {tok}" if tok else ""
+        raise RunError(f"--mem-budget {fmt_size(opts.mem_budget)}: compiling {name} for this CPU needs about "
+                       f"{fmt_size(figure)} once (LLVM), more than the budget; compile it once where that fits "
+                       f"(`lmc compile {loaded.path} --mem-budget {size_arg(opts.mem_budget)}{flags} -o "
+                       f"{os.path.splitext(name)[0]}.lmc`, on this machine or one with the same CPU), "
+                       f"then its runs stay within the budget")
     res = compile_native(loaded, dataclasses.replace(opts, lookup_only=True))
     if res is None:  # the child failed: compile here after all, and say so in the stats
         res = compile_native(loaded, opts)
     res.cached, res.seconds = False, time.perf_counter() - t0
-    res.child_peak = largest_child_rss()
+    res.child_peak = figure if what == "peak" and figure else largest_child_rss()
     return res
 
 

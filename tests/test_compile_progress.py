@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import numpy as np
+
 from compiler.codegen.kernels import KernelSig
 from compiler.codegen.target import host_target
 from compiler.compile_memory import LLVM_COMPILE_BYTES
@@ -67,6 +69,21 @@ def test_budget_compile_reports_the_childs_kernels(tmp_path, monkeypatch):
     n = kernels[-1].split("kernel ")[1].split("/")[1].split()[0]
     assert kernels[-1].split("kernel ")[1].startswith(f"{n}/{n}")
     assert not m.compile_info["cache_hit"] and m.compile_info["compile_child_peak_bytes"] > 0
+
+
+def test_the_callers_memory_is_not_the_compile_childs(tmp_path, monkeypatch):
+    """The compile child's need is its own (a process with the model loaded,
+    plus LLVM), not the caller's resident set: a caller holding 2 GiB still
+    compiles under a 600M budget. (Judged by the caller's resident set,
+    this test's neighbour failed whenever it ran in a pytest worker that
+    earlier tests had grown to 3 GiB.)"""
+    import runtime
+
+    monkeypatch.setenv("LMC_CACHE_DIR", str(tmp_path))
+    ballast = np.ones((2 << 30) // 8)      # 2 GiB, resident
+    m = runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, mem_budget=600 << 20)
+    assert not m.compile_info["cache_hit"] and 0 < m.compile_info["compile_child_peak_bytes"] < 600 << 20
+    assert ballast[-1] == 1.0
 
 
 def test_a_budget_the_compile_cannot_fit_is_refused_then_compile_once(tmp_path):
