@@ -32,6 +32,7 @@ from ir.types import TensorType, f32, i32, kv_cache_type
 from test_gguf_layouts import gguf_weight
 from test_int_qsf import qsf_weight
 from test_kquants import kquant_weight
+from test_lut_types import LUT, lut_weight
 from test_repacked_kernels import repacked
 
 X86 = host_target().triple.startswith(("x86_64", "i386", "i686"))
@@ -98,6 +99,8 @@ def float_weight(rng, layout: str, n: int, k: int) -> WeightData:
         return kquant_weight(rng, layout, n, k)
     if layout.startswith("QSF"):
         return qsf_weight(rng, layout, n, k)
+    if layout in LUT:
+        return lut_weight(rng, layout, n, k)
     return gguf_weight(rng, layout, n, k)
 
 
@@ -129,7 +132,7 @@ def rows_against_one(target: Target, w: WeightData, T: int, seed: int, **attrs) 
 
 # --- float matmuls: decode rows (passes/int_dot marks them) -------------------------------------
 FLOAT_LAYOUTS = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "QSF_Q8", "QSF_Q4", "QSF_Q2", "QSF_TERNARY"]
+                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "QSF_Q8", "QSF_Q4", "QSF_Q2", "QSF_TERNARY", *LUT]
 
 
 @pytest.mark.parametrize("label", LABELS)
@@ -143,7 +146,7 @@ def test_float_decode_rows(label: str, layout: str) -> None:
 
 # --- the integer path: decode rows -----------------------------------------------------------------
 INT_LAYOUTS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
-               "QSF_Q8", "QSF_Q4", "QSF_Q2", "QSF_Q2S", "QSF_TERNARY"]
+               "QSF_Q8", "QSF_Q4", "QSF_Q2", "QSF_Q2S", "QSF_TERNARY", *LUT]
 
 
 @pytest.mark.parametrize("label", LABELS)

@@ -17,6 +17,7 @@ from typing import Any
 from .base import Layout
 from .gguf import BF16Layout, NibbleLayout, Q8_0Layout
 from .kquants import Q2KLayout, Q3KLayout, Q4KLayout, Q5KLayout, Q6KLayout
+from .lut import IQ4NLLayout
 from .qsf import Q2Layout, Q2SLayout, Q4Layout, Q8Layout, TernaryLayout
 
 #: activation formats of the integer path: values per activation block
@@ -30,7 +31,7 @@ class QuantType:
     name: str
     block: int                 # values per block (1: a plain element type)
     block_bytes: int           # bytes per block
-    family: str                # "float", "gguf", "kquant", "qsf": where its layout and kernels live
+    family: str                # "float", "gguf", "kquant", "lut", "qsf": where its layout and kernels live
     #: byte offset of each field of a block: d (scale), m (offset), dmin, z (zero point),
     #: qs (quants), qh (high bits), scales, hmask, sign, zero ...
     fields: tuple[tuple[str, int], ...] = ()
@@ -97,6 +98,9 @@ _ROWS = [
               ggml_type=13, dequantizer=Q5KLayout),
     QuantType("Q6_K", 256, 210, "kquant", _f(ql=0, qh=128, scales=192, d=208), zero=32, sub_block=16, act="q8k",
               tile_bytes=212, ggml_type=14, dequantizer=Q6KLayout),
+    # GGUF's table types: 4-bit indices into 16 int8 values (ir/quant/lut.py); the integer
+    # path's quants are the table's values, unsigned as value + zero
+    QuantType("IQ4_NL", 32, 18, "lut", _f(d=0, qs=2), zero=128, act="q8", ggml_type=20, dequantizer=IQ4NLLayout),
     # QSF's 64-value blocks (docs/qsf.md)
     QuantType("QSF_Q8", 64, 66, "qsf", _f(d=0, qs=2), zero=128, act="q8", dequantizer=Q8Layout),
     QuantType("QSF_Q4", 64, 36, "qsf", _f(d=0, z=2, qs=4), offset=True, act="q8", dequantizer=Q4Layout),

@@ -1,0 +1,56 @@
+"""Decoders for GGUF's table types (IQ4_NL): 4-bit indices
+into a 16-entry table of int8 values (the layout's ``kvalues``, read from
+``ir/quant/lut.py``), for the matmul, qmatmul and embedding loops of
+``matmul/float_tiles``. Byte layouts and the float32 order: ``ir/quant/lut.py``.
+
+A block has only 16 possible weights, so where the target has 16-lane float
+permutes (AVX-512, vector width 16) the decoder builds them once per
+block with one vector multiply (``table * d``, the reference's
+float32 product per entry) and picks each lane's with ``vpermps``, which
+reads only the low 4 bits of its index: the block's 16 quant bytes,
+widened once, are the indices of its low nibbles and, shifted right by 4,
+of its high ones. Elsewhere a piece's nibbles become table values with one
+byte lookup (``simd.lookup16``: ``vpshufb``, or a select tree), are
+converted and multiplied by the scale.
+
+* IQ4_NL: ``GGUFBlockDecoder``'s loop (32-value blocks, float16 d); the
+  portable path returns ``K[i]`` and the loop multiplies by d (or defers d
+  to the block's partial dot product, as Q4_0 does).
+
+No fast-math flags (``EXACT``): decoded weights equal the numpy reference
+bit for bit.
+"""
+from __future__ import annotations
+
+import llvmlite.ir as ir
+
+from ..emit import F32, I32
+from ..simd import call, lookup16, vconst
+from .decode_gguf import EXACT, NibbleDecoder
+
+_PERMUTE = "llvm.x86.avx512.permvar.sf.512"
+
+
+class LUTDecoder(NibbleDecoder):
+    """IQ4_NL: 32-value blocks, float16 d, value d * K[i]."""
+
+    def __init__(self, kb, raw, n, k, qt):
+        super().__init__(kb, raw, n, k, qt)
+        self.kvalues = qt.layout.kvalues
+
+    def quants(self, blk, o, w):
+        kv = lookup16(self.kb, self.kvalues, self._nibbles(blk, o, w))
+        return self.kb.b.sitofp(kv, self.kb.vtype(w))
+
+    def values(self, blk, o, w):
+        if not self.lut or w != 16:
+            return None
+        kb, b = self.kb, self.kb.b
+        if "table" not in blk.cache:
+            blk.cache["table"] = b.fmul(vconst(F32, [float(v) for v in self.kvalues]), kb.splat(blk.d, 16),
+                                        flags=EXACT)
+            blk.cache["bytes"] = b.zext(kb.vload(blk.bp, self.qs_at, 16), ir.VectorType(I32, 16))
+        idx = blk.cache["bytes"]
+        if o:
+            idx = b.lshr(idx, vconst(I32, [4] * 16))
+        return call(kb, _PERMUTE, kb.vtype(16), [blk.cache["table"], idx])
