@@ -15,7 +15,7 @@ import numpy as np
 from .arch import ModelConfig, file_shapes, optional_shapes
 from .quantize import quantize
 
-QTYPES = ("F32", "Q8_0", "Q4_0", "Q2_K", "Q3_K", "Q4_K", "IQ4_NL")
+QTYPES = ("F32", "Q8_0", "Q4_0", "Q2_K", "Q3_K", "Q4_K", "IQ4_NL", "MXFP4")
 #: as llama.cpp's quantizer does: a K-quant needs rows of a multiple of 256
 #: values; other rows fall back to this type (Q2_K / Q3_K: Q4_0, as before
 #: llama.cpp had IQ4_NL)

@@ -1,4 +1,4 @@
-"""GGUF's table type IQ4_NL (4-bit indices into a
+"""GGUF's table types IQ4_NL and MXFP4 (4-bit indices into a
 16-entry table): the numpy layouts (``ir/quant/lut.py``) bit for bit
 against the ``gguf`` package (random bytes, extreme and special scales,
 hand-made blocks, our quantizers' output), the integer reference
@@ -27,24 +27,35 @@ from compiler.codegen.target import host_target, vnni_width
 from ir.int_dot import int_act, int_blocks, quantize_q8_rows
 from ir.ops import ShapeError, WeightData, embedding_ref, get_op, qmatmul_ref
 from ir.quant import get_layout, quant_type
-from ir.quant.lut import KVALUES_IQ4NL
+from ir.quant.lut import KVALUES_IQ4NL, KVALUES_MXFP4
 from ir.types import TensorType
 from kernel_checks import activations, call_with_guard, check_dot, portable_target, run_embedding, run_qmatmul
 from test_gguf_layouts import EXTREME_F16, SPECIAL_F16
 from test_int_qsf import check_both
 from test_int_dot import check_close
 
-LUT = ["IQ4_NL"]
+LUT = ["IQ4_NL", "MXFP4"]
+#: MXFP4 exponent bytes: "normal" scales 2^-13 .. 2^7; "extreme" the subnormal
+#: ones (e < 2), 1 and far from it but with finite dot products; "special"
+#: also those whose largest values overflow float32 (e >= 253)
+MXFP4_EXTREME = np.array([0, 1, 2, 3, 20, 100, 127, 128, 150, 160], np.uint8)
+MXFP4_SPECIAL = np.array([253, 254, 255], np.uint8)
 _KERNELS: dict = {}
 
 
 # --- operands -----------------------------------------------------------------------------------------
 def random_blocks(rng: np.random.Generator, name: str, nblocks: int, scales: str) -> np.ndarray:
-    """uint8 [nblocks, block_bytes]: random indices; the block scale
-    ``normal``, ``extreme``, ``special`` or random ``bytes``."""
+    """uint8 [nblocks, block_bytes]: random indices; the block scale ``normal``, ``extreme``, ``special`` (above) or
+    random ``bytes``."""
     lay = get_layout(name)
     raw = rng.integers(0, 256, size=(nblocks, lay.block_bytes), dtype=np.uint8)
     if scales == "bytes":
+        return raw
+    if name == "MXFP4":
+        e = {"normal": rng.integers(115, 136, nblocks),
+             "extreme": rng.choice(MXFP4_EXTREME, nblocks),
+             "special": rng.choice(np.concatenate([MXFP4_EXTREME, MXFP4_SPECIAL]), nblocks)}[scales]
+        raw[:, 0] = e
         return raw
     if scales == "normal":
         f = rng.uniform(1e-3, 0.1, nblocks) * rng.choice([-1.0, 1.0], nblocks)
@@ -98,6 +109,7 @@ def test_rows_match_gguf(name):
 def test_tables_are_ggmls():
     """The one definition of each table (``ir/quant/lut.py``) is ggml's, as gguf-py has it."""
     assert KVALUES_IQ4NL == tuple(gq.IQ4_NL.kvalues) and get_layout("IQ4_NL").kvalues == KVALUES_IQ4NL
+    assert KVALUES_MXFP4 == tuple(gq.MXFP4.kvalues) and get_layout("MXFP4").kvalues == KVALUES_MXFP4
 
 
 @pytest.mark.parametrize("scales", ["bytes", "normal", "extreme", "special"])
@@ -135,6 +147,17 @@ def test_iq4_nl_block_fields():
     np.testing.assert_array_equal(gguf_dequant(blk, "IQ4_NL", 1)[0], want)
 
 
+def test_mxfp4_block_fields():
+    """Hand-made blocks: e = 130 is 2^2 (the table's doubled values halved);
+    e = 0 and 1 are the subnormal 2^-128, 2^-127."""
+    idx = IDX
+    for e, scale in ((130, 4.0), (0, 2.0 ** -128), (1, 2.0 ** -127), (128, 1.0)):
+        blk = np.concatenate([np.array([e], np.uint8), _pairs(idx)])
+        want = (np.float32(scale) * np.array(KVALUES_MXFP4, np.float32)[idx]).astype(np.float32)
+        np.testing.assert_array_equal(get_layout("MXFP4").dequantize(blk, (1, 32))[0], want)
+        np.testing.assert_array_equal(gguf_dequant(blk, "MXFP4", 1)[0], want)
+
+
 def _rel_rms(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.sqrt(((a.astype(np.float64) - b) ** 2).mean() / (b.astype(np.float64) ** 2).mean()))
 
@@ -144,7 +167,7 @@ def test_quantize_round_trip(name):
     """Our quantizers' bytes read by gguf as by us; zero and constant blocks
     come back (to float16 rounding of the scale); the error on Gaussian rows
     of wide-ranging scales is below Q4_0's (4.5 bits a value too, gguf's
-    quantizer)."""
+    quantizer) for IQ4_NL; MXFP4's bytes are gguf's."""
     rng = np.random.default_rng(11)
     n, k = 24, 512
     data = rng.standard_normal((n, k)).astype(np.float32) * (10.0 ** rng.uniform(-2, 3, (n, 1))).astype(np.float32)
@@ -157,6 +180,10 @@ def test_quantize_round_trip(name):
     got = lay.dequantize(raw, (n, k))
     np.testing.assert_array_equal(got, gguf_dequant(raw, name, n))
     assert np.all(got[0] == 0)
+    if name == "MXFP4":
+        np.testing.assert_array_equal(raw, gq.quantize(data, GGMLQuantizationType.MXFP4).reshape(-1))
+        assert np.all(got[1] == 3.0)            # 3.25 is between 3 and 4: the nearest of the doubled E2M1 grid
+        return
     np.testing.assert_allclose(got[1], 3.25, rtol=2.0 ** -10)
     q4 = gq.dequantize(gq.quantize(data[3:], GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0)
     assert _rel_rms(got[3:], data[3:]) < 0.95 * _rel_rms(q4, data[3:]), (_rel_rms(got[3:], data[3:]),
@@ -190,8 +217,9 @@ def slow_block(name: str, blk: bytes) -> list[tuple[float, list[int]]]:
     def quants(qs: bytes, table) -> list[int]:
         return [table[qs[j] & 15] for j in range(16)] + [table[qs[j] >> 4] for j in range(16)]
 
-    assert name == "IQ4_NL", name
-    return [(f16(blk[0:2]), quants(blk[2:18], KVALUES_IQ4NL))]
+    if name == "IQ4_NL":
+        return [(f16(blk[0:2]), quants(blk[2:18], KVALUES_IQ4NL))]
+    return [(2.0 ** (blk[0] - 128), quants(blk[1:17], KVALUES_MXFP4))]
 
 
 @pytest.mark.parametrize("name", LUT)

@@ -1,27 +1,36 @@
-"""GGUF's table types: 4-bit indices into a 16-entry table of int8 values,
-as llama.cpp stores them.
+"""GGUF's table types: 4-bit indices into a 16-entry table of int8 values
+(IQ4_NL, MXFP4), as llama.cpp stores them.
 
     type     bytes  block                                           value j
     IQ4_NL   18     [d f16][16 x nibble pairs]                      d * K[i_j]
+    MXFP4    17     [e u8][16 x nibble pairs]                       K[i_j] * 2^(e - 128)
 
 ``K`` is the type's table: ``KVALUES_IQ4NL`` (a non-linear 4-bit code, dense
-near zero). Nibbles come as in Q4_0: the low nibbles of 16 bytes are values
-0..15 of a 32-value block, the high nibbles values 16..31.
+near zero) for IQ4_NL, ``KVALUES_MXFP4`` (the E2M1 values of OCP's
+microscaling format, doubled so they are integers) for MXFP4. Nibbles come
+as in Q4_0: the low nibbles of 16 bytes are values 0..15 of a 32-value
+block, the high nibbles values 16..31. MXFP4's scale is E8M0, a bare
+exponent byte; ggml reads it halved (``GGML_E8M0_TO_FP32_HALF``: 2^(e-128),
+float32 subnormal for e < 2), because the table holds doubled values.
 
-The dequantizer computes in float32 in ggml's order, ``d * K``, so it
-agrees with it bit for bit.
+The dequantizers compute in float32 in ggml's order, so they agree with it
+bit for bit: ``d * K`` (IQ4_NL); ``2^(e-128) * K`` (MXFP4; exact unless it
+overflows to inf).
 
 The integer path (``ir.int_dot``, ``act="q8"``, ``int_blocks``): the
 weight's integer quants are the table values ``K[i]`` themselves (int8) and
-its block scale d_w is ``d``; no offset. The kernels make them unsigned as
-``K[i] + zero`` (the type's row) with one byte lookup of the table plus
-``zero``.
+its block scale d_w is ``d`` or ``2^(e-128)``; no offset. The kernels make
+them unsigned as ``K[i] + zero`` (the type's row) with one byte lookup of
+the table plus ``zero``.
 
-``quantize`` (float32 [rows, cols] -> stored bytes) searches the scale that
-minimises the squared error of the stored block (llama.cpp's
+``quantize`` (float32 [rows, cols] -> stored bytes): IQ4_NL searches the
+scale that minimises the squared error of the stored block (llama.cpp's
 ``quantize_row_iq4_nl`` idea: the largest value placed on each end of the
 table with a few stretches, then a least-squares refit; written here for
-numpy, errors measured with the rounded, stored scale).
+numpy, errors measured with the rounded, stored scale); MXFP4 picks ggml's
+exponent (``floor(log2 max|x|) - 2``, so 12 * 2^(e-128) covers max|x| to
+within 25%) and the nearest table value per element, which is what
+``gguf.quants.quantize`` writes, byte for byte.
 """
 from __future__ import annotations
 
@@ -34,6 +43,8 @@ from .gguf import f16_at, nibbles
 
 #: IQ4_NL's table (ggml's ``kvalues_iq4nl``), ascending
 KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+#: MXFP4's table (ggml's ``kvalues_mxfp4``): E2M1 code c -> twice its value
+KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 #: values per nibble block
 _QB = 32
@@ -44,6 +55,13 @@ _STRETCH = tuple(range(-7, 8))
 
 
 # --- helpers ---------------------------------------------------------------------------------------
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """E8M0 exponent bytes -> 2^(e - 128) as float32 (subnormal for e < 2), by its bits."""
+    e = np.asarray(e, np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
 def _to_f16(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):
         return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
@@ -121,7 +139,7 @@ def _fit_scales(x: np.ndarray, table: np.ndarray, store) -> tuple[np.ndarray, np
 # --- layouts ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LUTLayout(BlockLayout):
-    """A table type: 32-value blocks of nibble indices into ``kvalues``
+    """A table type: 32-value (sub-)blocks of nibble indices into ``kvalues``
     with one float scale each. Subclasses give ``scales`` and the quantizer."""
 
     kvalues: tuple[int, ...] = KVALUES_IQ4NL
@@ -177,3 +195,24 @@ class IQ4NLLayout(LUTLayout):
         x = _checked(self.name, values, self.block, 65504.0 * 100)
         d, idx, _ = _fit_scales(x, self.table.astype(np.float64), _to_f16)
         return np.concatenate([_f16_bytes(d), _pack_nibbles(idx)], axis=1)
+
+
+@dataclass(frozen=True)
+class MXFP4Layout(LUTLayout):
+    kvalues: tuple[int, ...] = KVALUES_MXFP4
+
+    def scales(self, blocks):
+        return e8m0_half(blocks[:, self.at("e")])[:, None]
+
+    def quantize_blocks(self, values):
+        """ggml's rule: e = floor(log2 max|x|) - 2 + 127 (0 for a zero block),
+        then per value the first nearest table entry (in float32)."""
+        x = _checked(self.name, values, self.block, 2.0 ** 127)
+        amax = np.abs(x).max(axis=1)
+        with np.errstate(divide="ignore"):
+            e = np.where(amax > 0, np.floor(np.log2(amax)) - 2 + 127, 0)
+        e = np.clip(e, 0, 254).astype(np.uint8)
+        d = e8m0_half(e)[:, None, None]
+        err = np.abs(d * self.table.astype(np.float32)[None, None, :] - x[:, :, None])
+        idx = err.argmin(axis=2)
+        return np.concatenate([e[:, None], _pack_nibbles(idx)], axis=1)

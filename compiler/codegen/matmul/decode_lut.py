@@ -1,4 +1,4 @@
-"""Decoders for GGUF's table types (IQ4_NL): 4-bit indices
+"""Decoders for GGUF's table types (IQ4_NL, MXFP4): 4-bit indices
 into a 16-entry table of int8 values (the layout's ``kvalues``, read from
 ``ir/quant/lut.py``), for the matmul, qmatmul and embedding loops of
 ``matmul/float_tiles``. Byte layouts and the float32 order: ``ir/quant/lut.py``.
@@ -16,6 +16,8 @@ converted and multiplied by the scale.
 * IQ4_NL: ``GGUFBlockDecoder``'s loop (32-value blocks, float16 d); the
   portable path returns ``K[i]`` and the loop multiplies by d (or defers d
   to the block's partial dot product, as Q4_0 does).
+* MXFP4: the same with the scale 2^(e - 128) made from the exponent byte by
+  its bits (``block_scale``), as ggml's ``GGML_E8M0_TO_FP32_HALF``.
 
 No fast-math flags (``EXACT``): decoded weights equal the numpy reference
 bit for bit.
@@ -54,3 +56,15 @@ class LUTDecoder(NibbleDecoder):
         if o:
             idx = b.lshr(idx, vconst(I32, [4] * 16))
         return call(kb, _PERMUTE, kb.vtype(16), [blk.cache["table"], idx])
+
+
+class MXFP4Decoder(LUTDecoder):
+    """MXFP4: the scale is 2^(e - 128) from the exponent byte e."""
+
+    def block_scale(self, bp):
+        b = self.kb.b
+        e = b.zext(b.load(self.kb.gep(bp, self.qt.at("e"))), I32)
+        small = b.shl(ir.Constant(I32, 0x00200000), b.and_(e, ir.Constant(I32, 1)))     # e < 2: subnormal
+        normal = b.shl(b.sub(e, ir.Constant(I32, 1)), ir.Constant(I32, 23))
+        bits = b.select(b.icmp_unsigned("<", e, ir.Constant(I32, 2)), small, normal)
+        return b.bitcast(bits, F32)

@@ -1,9 +1,10 @@
 """The integer path of ``qmatmul`` (``act="q8"``) on GGUF's table types
-(IQ4_NL; bytes: ``ir/quant/lut.py``), as llama.cpp's
-``ggml_vec_dot_iq4_nl_q8_0``.
+(IQ4_NL, MXFP4; bytes: ``ir/quant/lut.py``), as llama.cpp's
+``ggml_vec_dot_iq4_nl_q8_0`` and ``ggml_vec_dot_mxfp4_q8_0``.
 
 The numbers are ``ir.int_dot``'s: the weight's integer quants are the
-table values K[i] (int8), its scale d_w per 32 values is d. So this is
+table values K[i] (int8), its scale d_w per 32 values is d (IQ4_NL) or
+2^(e - 128) (MXFP4). So this is
 ``int_q8``'s kernel (quantization, slots, tiles, ``decode_rows`` batches,
 the prompt-chunk GEMM and its fallback) with hooks that turn a block's
 nibbles into unsigned bytes for ``vpdpbusd``: one byte lookup
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import llvmlite.ir as ir
 
-from ..emit import KernelBuilder, i64
+from ..emit import F32, I32, KernelBuilder, i64
 from ..kernels import KernelSig
 from ..simd import I8, lookup16, shuffle, vconst
 from .int_q8 import IntKernel
@@ -25,7 +26,7 @@ _BLOCK = list(range(32))
 
 
 class LUTIntKernel(IntKernel):
-    """IQ4_NL: one 32-value block per stored block, float16 d."""
+    """IQ4_NL (MXFP4 below): one 32-value block per stored block, float16 d."""
 
     def __init__(self, kb: KernelBuilder, sig: KernelSig, qt) -> None:
         super().__init__(kb, sig, qt)
@@ -48,3 +49,18 @@ class LUTIntKernel(IntKernel):
         idx = [self.indices(self.kb.vload(bp, self.qt.at("qs"), 16), _BLOCK) for bp in bps]
         both = idx[0] if g == 1 else shuffle(b, idx[0], idx[1], list(range(64)))
         return lookup16(self.kb, self.table, both), bps
+
+
+class MXFP4IntKernel(LUTIntKernel):
+    """d_w = 2^(e - 128) from each block's exponent byte."""
+
+    def block_scales(self, bps, js):
+        b, n = self.b, len(bps)
+        v = ir.VectorType(I32, n)
+        e = ir.Constant(v, ir.Undefined)
+        for i, bp in enumerate(bps):
+            e = b.insert_element(e, b.zext(b.load(self.kb.gep(bp, self.qt.at("e"))), I32), i64(i))
+        c = lambda x: vconst(I32, [x] * n)  # noqa: E731
+        small = b.shl(c(0x00200000), b.and_(e, c(1)))              # e < 2: a subnormal
+        bits = b.select(b.icmp_unsigned("<", e, c(2)), small, b.shl(b.sub(e, c(1)), c(23)))
+        return b.bitcast(bits, ir.VectorType(F32, n)), None
