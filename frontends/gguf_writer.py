@@ -15,11 +15,11 @@ import numpy as np
 from .arch import ModelConfig, file_shapes, optional_shapes
 from .quantize import quantize
 
-QTYPES = ("F32", "Q8_0", "Q4_0", "Q2_K", "Q3_K", "Q4_K", "IQ4_NL", "MXFP4")
-#: as llama.cpp's quantizer does: a K-quant needs rows of a multiple of 256
-#: values; other rows fall back to this type (Q2_K / Q3_K: Q4_0, as before
-#: llama.cpp had IQ4_NL)
-K_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0"}
+QTYPES = ("F32", "Q8_0", "Q4_0", "Q2_K", "Q3_K", "Q4_K", "IQ4_NL", "IQ4_XS", "MXFP4")
+#: as llama.cpp's quantizer does: a K-quant (and IQ4_XS) needs rows of a
+#: multiple of 256 values; other rows fall back to this type (Q2_K / Q3_K:
+#: Q4_0, as before llama.cpp had IQ4_NL)
+K_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "IQ4_XS": "IQ4_NL"}
 
 
 def tensor_qtype(shape: tuple[int, ...], qtype: str) -> str:

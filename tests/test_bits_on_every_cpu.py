@@ -107,7 +107,7 @@ def float_weight(rng, layout: str, n: int, k: int) -> WeightData:
 def shapes(layout: str) -> tuple[tuple[int, int], ...]:
     """(rows, K): short rows (one at a time) with a tail after the unrolled
     steps, and long ones (4-row tiles), in whole blocks of the layout."""
-    if layout.endswith("_K"):
+    if layout.endswith("_K") or layout == "IQ4_XS":     # 256-value blocks
         return (33, 1280), (9, 8448)
     if layout.startswith("QSF"):
         return (33, 576), (9, 8256)

@@ -10,8 +10,8 @@ tokens, is compared row by row (centred, ``llamacpp_oracle.compare``):
 * F32 weights: the argmax equal at all 64 positions and the largest centred
   top-20 difference <= 1e-2, through the native prefill, the native decode
   steps and the IR interpreter;
-* Q8_0, Q2_K, Q3_K and Q4_K weights (and, in the llama family, IQ4_NL
-  and MXFP4): the argmax equal at every decisive position (where
+* Q8_0, Q2_K, Q3_K and Q4_K weights (and, in the llama family, IQ4_NL,
+  IQ4_XS and MXFP4): the argmax equal at every decisive position (where
   llama.cpp's top-1 leads by >= 0.5), native prefill and decode (the
   default pipeline: the integer path where the host has VNNI).
 
@@ -115,9 +115,9 @@ def test_f32_agrees_with_llama_cpp(family, tmp_path_factory):
 
 
 #: (family, quant type): the four types in every family; the table types (IQ4_NL,
-#: MXFP4) in llama's
+#: IQ4_XS, MXFP4) in llama's
 QUANTIZED = [(f, q) for q in ("Q8_0", "Q2_K", "Q3_K", "Q4_K") for f in FAMILIES] + \
-    [("llama", q) for q in ("IQ4_NL", "MXFP4")]
+    [("llama", q) for q in ("IQ4_NL", "IQ4_XS", "MXFP4")]
 
 
 @pytest.mark.parametrize("family,qtype", QUANTIZED)

@@ -1,4 +1,4 @@
-"""GGUF's table types IQ4_NL and MXFP4 (4-bit indices into a
+"""GGUF's table types IQ4_NL, IQ4_XS and MXFP4 (4-bit indices into a
 16-entry table): the numpy layouts (``ir/quant/lut.py``) bit for bit
 against the ``gguf`` package (random bytes, extreme and special scales,
 hand-made blocks, our quantizers' output), the integer reference
@@ -34,7 +34,7 @@ from test_gguf_layouts import EXTREME_F16, SPECIAL_F16
 from test_int_qsf import check_both
 from test_int_dot import check_close
 
-LUT = ["IQ4_NL", "MXFP4"]
+LUT = ["IQ4_NL", "IQ4_XS", "MXFP4"]
 #: MXFP4 exponent bytes: "normal" scales 2^-13 .. 2^7; "extreme" the subnormal
 #: ones (e < 2), 1 and far from it but with finite dot products; "special"
 #: also those whose largest values overflow float32 (e >= 253)
@@ -45,7 +45,8 @@ _KERNELS: dict = {}
 
 # --- operands -----------------------------------------------------------------------------------------
 def random_blocks(rng: np.random.Generator, name: str, nblocks: int, scales: str) -> np.ndarray:
-    """uint8 [nblocks, block_bytes]: random indices; the block scale ``normal``, ``extreme``, ``special`` (above) or
+    """uint8 [nblocks, block_bytes]: random indices (and IQ4_XS sub-block
+    scales); the block scale ``normal``, ``extreme``, ``special`` (above) or
     random ``bytes``."""
     lay = get_layout(name)
     raw = rng.integers(0, 256, size=(nblocks, lay.block_bytes), dtype=np.uint8)
@@ -91,6 +92,8 @@ def gguf_dequant(raw: np.ndarray, name: str, n: int) -> np.ndarray:
 
 def shapes(name: str) -> tuple[tuple[int, int], ...]:
     """(rows, K): odd rows; K with a tail after the unrolled steps, and without."""
+    if get_layout(name).block == 256:
+        return (7, 256), (13, 768), (5, 2048)
     return (7, 96), (13, 640), (5, 2048)
 
 
@@ -110,6 +113,7 @@ def test_tables_are_ggmls():
     """The one definition of each table (``ir/quant/lut.py``) is ggml's, as gguf-py has it."""
     assert KVALUES_IQ4NL == tuple(gq.IQ4_NL.kvalues) and get_layout("IQ4_NL").kvalues == KVALUES_IQ4NL
     assert KVALUES_MXFP4 == tuple(gq.MXFP4.kvalues) and get_layout("MXFP4").kvalues == KVALUES_MXFP4
+    assert get_layout("IQ4_XS").kvalues == KVALUES_IQ4NL
 
 
 @pytest.mark.parametrize("scales", ["bytes", "normal", "extreme", "special"])
@@ -147,6 +151,24 @@ def test_iq4_nl_block_fields():
     np.testing.assert_array_equal(gguf_dequant(blk, "IQ4_NL", 1)[0], want)
 
 
+def test_iq4_xs_block_fields():
+    """A hand-made block: d = 0.25, sub-block s has scale ls[s] (low 4 bits:
+    nibble s % 2 of scales_l[s // 2]; high 2: bits 2s, 2s+1 of scales_h) and
+    the indices rolled by s."""
+    idx = IDX
+    ls = [0, 1, 17, 31, 32, 45, 62, 63]
+    scales_h = sum((v >> 4) << (2 * s) for s, v in enumerate(ls))
+    scales_l = [(ls[2 * i] & 15) | ((ls[2 * i + 1] & 15) << 4) for i in range(4)]
+    qs = np.concatenate([_pairs(np.roll(idx, s)) for s in range(8)])
+    blk = np.concatenate([np.frombuffer(np.float16(0.25).tobytes(), np.uint8),
+                          np.frombuffer(np.uint16(scales_h).tobytes(), np.uint8), np.array(scales_l, np.uint8), qs])
+    assert blk.size == 136
+    want = np.concatenate([0.25 * (ls[s] - 32) * np.array(KVALUES_IQ4NL, np.float32)[np.roll(idx, s)]
+                           for s in range(8)])
+    np.testing.assert_array_equal(get_layout("IQ4_XS").dequantize(blk, (1, 256))[0], want)
+    np.testing.assert_array_equal(gguf_dequant(blk, "IQ4_XS", 1)[0], want)
+
+
 def test_mxfp4_block_fields():
     """Hand-made blocks: e = 130 is 2^2 (the table's doubled values halved);
     e = 0 and 1 are the subnormal 2^-128, 2^-127."""
@@ -167,7 +189,7 @@ def test_quantize_round_trip(name):
     """Our quantizers' bytes read by gguf as by us; zero and constant blocks
     come back (to float16 rounding of the scale); the error on Gaussian rows
     of wide-ranging scales is below Q4_0's (4.5 bits a value too, gguf's
-    quantizer) for IQ4_NL; MXFP4's bytes are gguf's."""
+    quantizer) for the IQ4 types; MXFP4's bytes are gguf's."""
     rng = np.random.default_rng(11)
     n, k = 24, 512
     data = rng.standard_normal((n, k)).astype(np.float32) * (10.0 ** rng.uniform(-2, 3, (n, 1))).astype(np.float32)
@@ -219,7 +241,11 @@ def slow_block(name: str, blk: bytes) -> list[tuple[float, list[int]]]:
 
     if name == "IQ4_NL":
         return [(f16(blk[0:2]), quants(blk[2:18], KVALUES_IQ4NL))]
-    return [(2.0 ** (blk[0] - 128), quants(blk[1:17], KVALUES_MXFP4))]
+    if name == "MXFP4":
+        return [(2.0 ** (blk[0] - 128), quants(blk[1:17], KVALUES_MXFP4))]
+    d, sh, sl = f16(blk[0:2]), int.from_bytes(blk[2:4], "little"), int.from_bytes(blk[4:8], "little")
+    return [(d * ((((sl >> 4 * s) & 15) | (((sh >> 2 * s) & 3) << 4)) - 32),
+             quants(blk[8 + 16 * s:24 + 16 * s], KVALUES_IQ4NL)) for s in range(8)]
 
 
 @pytest.mark.parametrize("name", LUT)
@@ -475,3 +501,12 @@ def test_synthetic_gguf_native_and_interpreter_agree(tmp_path, qtype):
     got = list(runtime.load(p, backend="llvm", threads=2, use_cache=False, passes=passes_).generate(ids, 8,
                                                                                                     temperature=0.0))
     assert got == want
+
+
+def test_writer_falls_back_to_iq4_nl_for_short_rows():
+    """As llama.cpp's quantizer: IQ4_XS needs rows of a multiple of 256 values, IQ4_NL takes the others."""
+    from frontends.gguf_writer import tensor_qtype
+
+    assert tensor_qtype((300, 512), "IQ4_XS") == "IQ4_XS"
+    assert tensor_qtype((300, 96), "IQ4_XS") == "IQ4_NL"
+    assert tensor_qtype((96,), "IQ4_XS") == "F32"

@@ -1,36 +1,43 @@
 """GGUF's table types: 4-bit indices into a 16-entry table of int8 values
-(IQ4_NL, MXFP4), as llama.cpp stores them.
+(IQ4_NL, IQ4_XS, MXFP4), as llama.cpp stores them.
 
     type     bytes  block                                           value j
     IQ4_NL   18     [d f16][16 x nibble pairs]                      d * K[i_j]
+    IQ4_XS   136    [d f16][scales_h u16][scales_l 4 x u8][128 x nibble pairs]
+                    8 sub-blocks of 32, each with a 6-bit scale ls   d * (ls - 32) * K[i_j]
     MXFP4    17     [e u8][16 x nibble pairs]                       K[i_j] * 2^(e - 128)
 
 ``K`` is the type's table: ``KVALUES_IQ4NL`` (a non-linear 4-bit code, dense
-near zero) for IQ4_NL, ``KVALUES_MXFP4`` (the E2M1 values of OCP's
+near zero) for both IQ4 types, ``KVALUES_MXFP4`` (the E2M1 values of OCP's
 microscaling format, doubled so they are integers) for MXFP4. Nibbles come
 as in Q4_0: the low nibbles of 16 bytes are values 0..15 of a 32-value
-block, the high nibbles values 16..31. MXFP4's scale is E8M0, a bare
+(sub-)block, the high nibbles values 16..31. IQ4_XS's sub-block s has its
+16 bytes at ``qs + 16 s``; its scale's low 4 bits are nibble s % 2 of
+``scales_l[s // 2]`` (bits 4s..4s+3 of the little-endian u32), its high 2
+bits are bits 2s, 2s+1 of ``scales_h``. MXFP4's scale is E8M0, a bare
 exponent byte; ggml reads it halved (``GGML_E8M0_TO_FP32_HALF``: 2^(e-128),
 float32 subnormal for e < 2), because the table holds doubled values.
 
 The dequantizers compute in float32 in ggml's order, so they agree with it
-bit for bit: ``d * K`` (IQ4_NL); ``2^(e-128) * K`` (MXFP4; exact unless it
-overflows to inf).
+bit for bit: ``d * K`` (IQ4_NL); ``dl = d * (ls - 32)``, then ``dl * K``
+(IQ4_XS; ``dl`` is exact: an 11-bit significand times a 6-bit integer);
+``2^(e-128) * K`` (MXFP4; exact unless it overflows to inf).
 
 The integer path (``ir.int_dot``, ``act="q8"``, ``int_blocks``): the
 weight's integer quants are the table values ``K[i]`` themselves (int8) and
-its block scale d_w is ``d`` or ``2^(e-128)``; no offset. The kernels make
-them unsigned as ``K[i] + zero`` (the type's row) with one byte lookup of
-the table plus ``zero``.
+its block scale d_w is ``d``, ``d * (ls - 32)`` per 32-value sub-block
+(IQ4_XS: each sub-block one integer block), or ``2^(e-128)``; no offset.
+The kernels make them unsigned as ``K[i] + zero`` (the type's row) with one
+byte lookup of the table plus ``zero``.
 
-``quantize`` (float32 [rows, cols] -> stored bytes): IQ4_NL searches the
-scale that minimises the squared error of the stored block (llama.cpp's
-``quantize_row_iq4_nl`` idea: the largest value placed on each end of the
-table with a few stretches, then a least-squares refit; written here for
-numpy, errors measured with the rounded, stored scale); MXFP4 picks ggml's
-exponent (``floor(log2 max|x|) - 2``, so 12 * 2^(e-128) covers max|x| to
-within 25%) and the nearest table value per element, which is what
-``gguf.quants.quantize`` writes, byte for byte.
+``quantize`` (float32 [rows, cols] -> stored bytes): IQ4_NL and IQ4_XS
+search the scale that minimises the squared error of the stored block
+(llama.cpp's ``quantize_row_iq4_nl`` idea: the largest value placed on
+each end of the table with a few stretches, then a least-squares refit;
+written here for numpy, errors measured with the rounded, stored scales);
+MXFP4 picks ggml's exponent (``floor(log2 max|x|) - 2``, so 12 * 2^(e-128)
+covers max|x| to within 25%) and the nearest table value per element,
+which is what ``gguf.quants.quantize`` writes, byte for byte.
 """
 from __future__ import annotations
 
@@ -41,12 +48,12 @@ import numpy as np
 from .base import BlockLayout
 from .gguf import f16_at, nibbles
 
-#: IQ4_NL's table (ggml's ``kvalues_iq4nl``), ascending
+#: IQ4_NL's and IQ4_XS's table (ggml's ``kvalues_iq4nl``), ascending
 KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 #: MXFP4's table (ggml's ``kvalues_mxfp4``): E2M1 code c -> twice its value
 KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
-#: values per nibble block
+#: values per nibble block (and per IQ4_XS sub-block)
 _QB = 32
 #: blocks quantized per numpy call: bounds the candidate searches' memory
 _CHUNK = 1024
@@ -195,6 +202,70 @@ class IQ4NLLayout(LUTLayout):
         x = _checked(self.name, values, self.block, 65504.0 * 100)
         d, idx, _ = _fit_scales(x, self.table.astype(np.float64), _to_f16)
         return np.concatenate([_f16_bytes(d), _pack_nibbles(idx)], axis=1)
+
+
+@dataclass(frozen=True)
+class IQ4XSLayout(LUTLayout):
+    def sub_scales(self, blocks: np.ndarray) -> np.ndarray:
+        """The 8 sub-block scales ls - 32, int8 [nblocks, 8]."""
+        lo = blocks[:, self.at("scales_l"):self.at("scales_l") + 4]
+        lo = np.stack([lo & np.uint8(15), lo >> np.uint8(4)], axis=2).reshape(-1, 8)   # nibble s % 2 of byte s // 2
+        at = self.at("scales_h")
+        h = blocks[:, at].astype(np.uint16) | (blocks[:, at + 1].astype(np.uint16) << np.uint16(8))
+        hi = (h[:, None] >> (2 * np.arange(8, dtype=np.uint16))) & np.uint16(3)          # bits 2s, 2s + 1
+        return (lo.astype(np.int8) | (hi.astype(np.int8) << 4)) - np.int8(32)
+
+    def scales(self, blocks):
+        return f16_at(blocks, self.at("d")) * self.sub_scales(blocks).astype(np.float32)
+
+    def quantize_blocks(self, values):
+        """Each sub-block's best real scale (``_fit_scales``, unrounded), then
+        the super-block scale d: candidates put the sub-scale of largest
+        magnitude on -32 or +31 (stretched a little); per candidate, each
+        sub-block takes the integer ls - 32 nearest its wish or one either
+        side, whichever (with its re-picked indices) errs least."""
+        x = _checked(self.name, values, self.block, 65504.0 * 32 * 100)
+        nb, ns = x.shape[0], self.block // _QB
+        table = self.table.astype(np.float64)
+        xs = x.reshape(nb, ns, _QB)
+        wish, _, _ = _fit_scales(x.reshape(-1, _QB), table, lambda d: d)
+        wish = wish.reshape(nb, ns).astype(np.float64)
+        top = wish[np.arange(nb), np.abs(wish).argmax(axis=1)][:, None]             # [nb, 1]
+        best = (np.full((nb, 1), np.inf), None, None, None)
+        for end in (-32.0, -31.5, -31.0, 31.0, 30.5):
+            with np.errstate(all="ignore"):
+                d16 = _to_f16(top / end)                                              # [nb, 1]
+                l0 = np.where(d16 != 0, np.rint(wish / d16), 0)
+            errs, ls, ids = [], [], []
+            for step in (-1, 0, 1):
+                lv = np.clip(l0 + step, -32, 31)                                      # [nb, ns]
+                dl = (d16 * lv.astype(np.float32))[:, :, None]                         # exact, as the dequantizer
+                with np.errstate(all="ignore"):
+                    idx = _nearest(xs / dl, table)
+                errs.append(_sse(dl * table[idx].astype(np.float32), xs))
+                ls.append(lv)
+                ids.append(idx)
+            errs, ls, ids = np.stack(errs), np.stack(ls), np.stack(ids)               # [3, nb, ns(, 32)]
+            pick = errs.argmin(axis=0)
+            sel = (pick, np.arange(nb)[:, None], np.arange(ns)[None, :])
+            tot = errs[sel].sum(axis=1, keepdims=True)
+            tot = np.where(np.isfinite(d16), tot, np.inf)
+            take = tot < best[0]
+            if best[1] is None:
+                best = (tot, d16, ls[sel], ids[sel])
+            else:
+                best = (np.where(take, tot, best[0]), np.where(take, d16, best[1]),
+                        np.where(take, ls[sel], best[2]), np.where(take[:, :, None], ids[sel], best[3]))
+        _, d16, lv, idx = best
+        zero = top[:, 0] == 0
+        d16 = np.where(zero[:, None], 0.0, d16)
+        u = (np.where(zero[:, None], 0, lv) + 32).astype(np.uint16)                   # 0..63
+        scales_h = (((u >> 4) & 3) << (2 * np.arange(ns, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
+        lo = (u & 15).astype(np.uint8)
+        scales_l = lo[:, 0::2] | (lo[:, 1::2] << np.uint8(4))
+        qs = _pack_nibbles(idx.reshape(-1, _QB)).reshape(nb, -1)
+        return np.concatenate([_f16_bytes(d16), scales_h.astype("<u2").view(np.uint8).reshape(nb, 2), scales_l, qs],
+                              axis=1)
 
 
 @dataclass(frozen=True)

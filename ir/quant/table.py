@@ -17,7 +17,7 @@ from typing import Any
 from .base import Layout
 from .gguf import BF16Layout, NibbleLayout, Q8_0Layout
 from .kquants import Q2KLayout, Q3KLayout, Q4KLayout, Q5KLayout, Q6KLayout
-from .lut import IQ4NLLayout, MXFP4Layout
+from .lut import IQ4NLLayout, IQ4XSLayout, MXFP4Layout
 from .qsf import Q2Layout, Q2SLayout, Q4Layout, Q8Layout, TernaryLayout
 
 #: activation formats of the integer path: values per activation block
@@ -101,6 +101,8 @@ _ROWS = [
     # GGUF's table types: 4-bit indices into 16 int8 values (ir/quant/lut.py); the integer
     # path's quants are the table's values, unsigned as value + zero
     QuantType("IQ4_NL", 32, 18, "lut", _f(d=0, qs=2), zero=128, act="q8", ggml_type=20, dequantizer=IQ4NLLayout),
+    QuantType("IQ4_XS", 256, 136, "lut", _f(d=0, scales_h=2, scales_l=4, qs=8), zero=128, sub_block=32, act="q8",
+              ggml_type=23, dequantizer=IQ4XSLayout),
     QuantType("MXFP4", 32, 17, "lut", _f(e=0, qs=1), zero=128, act="q8", ggml_type=39, dequantizer=MXFP4Layout),
     # QSF's 64-value blocks (docs/qsf.md)
     QuantType("QSF_Q8", 64, 66, "qsf", _f(d=0, qs=2), zero=128, act="q8", dequantizer=Q8Layout),
