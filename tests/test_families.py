@@ -116,7 +116,7 @@ def test_f32_agrees_with_llama_cpp(family, tmp_path_factory):
 
 #: (family, quant type): the four types in every family; the table types (IQ4_NL,
 #: IQ4_XS, MXFP4) in llama's
-QUANTIZED = [(f, q) for q in ("Q8_0", "Q2_K", "Q3_K", "Q4_K") for f in FAMILIES] + \
+QUANTIZED = [(f, q) for f in FAMILIES for q in ("Q8_0", "Q2_K", "Q3_K", "Q4_K")] + \
     [("llama", q) for q in ("IQ4_NL", "IQ4_XS", "MXFP4")]
 
 
