@@ -15,12 +15,12 @@ import numpy as np
 from .arch import ModelConfig, file_shapes, optional_shapes
 from .quantize import quantize
 
-QTYPES = ("F32", "Q8_0", "Q4_0", "Q2_K", "Q3_K", "Q4_K", "TQ1_0", "TQ2_0")
-#: as llama.cpp's quantizer does: a K-quant (or ternary type) needs rows of a
+QTYPES = ("F32", "Q8_0", "Q4_0", "Q2_K", "Q3_K", "Q4_K", "TQ1_0", "TQ2_0", "IQ4_NL", "IQ4_XS", "MXFP4")
+#: as llama.cpp's quantizer does: a K-quant (ternary type, IQ4_XS) needs rows of a
 #: multiple of 256 values; other rows fall back to this type (Q2_K / Q3_K:
-#: Q4_0, as before llama.cpp had IQ4_NL, which lmc does not read; TQ1_0 /
-#: TQ2_0: Q4_0, as llama.cpp does)
-K_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "TQ1_0": "Q4_0", "TQ2_0": "Q4_0"}
+#: Q4_0, as before llama.cpp had IQ4_NL; TQ1_0 / TQ2_0: Q4_0, as llama.cpp does)
+K_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "TQ1_0": "Q4_0", "TQ2_0": "Q4_0",
+              "IQ4_XS": "IQ4_NL"}
 
 
 def tensor_qtype(shape: tuple[int, ...], qtype: str) -> str:

@@ -8,7 +8,9 @@ affine 2-bit code per 16 values, 4-bit scale and min codes) and Q3_K (a
 symmetric 3-bit code per 16 values, signed 6-bit scale codes) likewise,
 for synthetic models of those types. These are plain min/max quantizers,
 not llama.cpp's error-minimising searches: good enough for models whose
-numbers only need to be the same through every path.
+numbers only need to be the same through every path. IQ4_NL and IQ4_XS,
+which the ``gguf`` package reads but does not write, come from their numpy
+layouts' quantizers (``ir/quant/lut.py``); MXFP4 from ``gguf``.
 """
 from __future__ import annotations
 
@@ -120,6 +122,9 @@ def quantize_q3_k(x: np.ndarray) -> np.ndarray:
 
 #: GGUF types written here rather than by the ``gguf`` package
 K_QUANTIZERS = {"Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k, "Q4_K": quantize_q4_k}
+#: GGUF types the ``gguf`` package cannot quantize, written by their numpy
+#: layout's ``quantize`` (``ir/quant/lut.py``)
+LAYOUT_QUANTIZED = ("IQ4_NL", "IQ4_XS")
 
 
 def quantize(x: np.ndarray, qtype: str) -> np.ndarray:
@@ -131,4 +136,11 @@ def quantize(x: np.ndarray, qtype: str) -> np.ndarray:
         return np.asarray(x, np.float32)
     if qtype in K_QUANTIZERS:
         return K_QUANTIZERS[qtype](x)
+    if qtype in LAYOUT_QUANTIZED:
+        from ir.quant import get_layout
+
+        x = np.asarray(x, np.float32)
+        lay = get_layout(qtype)
+        return lay.quantize(x.reshape(-1, x.shape[-1])).reshape(x.shape[:-1] + (x.shape[-1] // lay.block
+                                                                                 * lay.block_bytes,))
     return gguf.quants.quantize(np.asarray(x, np.float32), gguf.GGMLQuantizationType[qtype])

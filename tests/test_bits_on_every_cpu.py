@@ -33,6 +33,7 @@ from ir.types import TensorType, f32, i32, kv_cache_type
 from test_gguf_layouts import gguf_weight
 from test_int_qsf import qsf_weight
 from test_kquants import kquant_weight
+from test_lut_types import LUT, lut_weight
 from test_repacked_kernels import repacked
 from test_ternary import tq_weight
 
@@ -102,13 +103,15 @@ def float_weight(rng, layout: str, n: int, k: int) -> WeightData:
         return qsf_weight(rng, layout, n, k)
     if layout.startswith("TQ"):
         return tq_weight(rng, layout, n, k)
+    if layout in LUT:
+        return lut_weight(rng, layout, n, k)
     return gguf_weight(rng, layout, n, k)
 
 
 def shapes(layout: str) -> tuple[tuple[int, int], ...]:
     """(rows, K): short rows (one at a time) with a tail after the unrolled
     steps, and long ones (4-row tiles), in whole blocks of the layout."""
-    if layout.endswith("_K") or layout.startswith("TQ"):
+    if layout.endswith("_K") or layout.startswith("TQ") or layout == "IQ4_XS":     # 256-value blocks
         return (33, 1280), (9, 8448)
     if layout.startswith("QSF"):
         return (33, 576), (9, 8256)
@@ -133,7 +136,8 @@ def rows_against_one(target: Target, w: WeightData, T: int, seed: int, **attrs) 
 
 # --- float matmuls: decode rows (passes/int_dot marks them) -------------------------------------
 FLOAT_LAYOUTS = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "QSF_Q8", "QSF_Q4", "QSF_Q2", "QSF_TERNARY", "TQ1_0", "TQ2_0"]
+                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "QSF_Q8", "QSF_Q4", "QSF_Q2", "QSF_TERNARY", "TQ1_0", "TQ2_0",
+                 *LUT]
 
 
 @pytest.mark.parametrize("label", LABELS)
@@ -147,7 +151,7 @@ def test_float_decode_rows(label: str, layout: str) -> None:
 
 # --- the integer path: decode rows -----------------------------------------------------------------
 INT_LAYOUTS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
-               "QSF_Q8", "QSF_Q4", "QSF_Q2", "QSF_Q2S", "QSF_TERNARY", "TQ1_0", "TQ2_0"]
+               "QSF_Q8", "QSF_Q4", "QSF_Q2", "QSF_Q2S", "QSF_TERNARY", "TQ1_0", "TQ2_0", *LUT]
 
 
 @pytest.mark.parametrize("label", LABELS)

@@ -10,10 +10,10 @@ tokens, is compared row by row (centred, ``llamacpp_oracle.compare``):
 * F32 weights: the argmax equal at all 64 positions and the largest centred
   top-20 difference <= 1e-2, through the native prefill, the native decode
   steps and the IR interpreter;
-* Q8_0, Q2_K, Q3_K and Q4_K weights (and TQ1_0, TQ2_0 on the llama row):
-  the argmax equal at every decisive position (where llama.cpp's top-1
-  leads by >= 0.5), native prefill and decode (the default pipeline: the
-  integer path where the host has VNNI).
+* Q8_0, Q2_K, Q3_K and Q4_K weights (and, in the llama family, TQ1_0,
+  TQ2_0, IQ4_NL, IQ4_XS and MXFP4): the argmax equal at every decisive
+  position (where llama.cpp's top-1 leads by >= 0.5), native prefill and
+  decode (the default pipeline: the integer path where the host has VNNI).
 
 Each family also has a control: the same file read as a neighbouring family
 (what lmc computed before the row existed) disagrees, so the comparison can
@@ -114,13 +114,15 @@ def test_f32_agrees_with_llama_cpp(family, tmp_path_factory):
     assert_agrees_f32(path, PROMPT, ref, f"{family} F32", N)
 
 
-#: the ternary types (BitNet b1.58 files) on the llama family: Gaussian weights
-#: rounded to -d, 0, +d are a different model, but the one both read
-TERNARY = [("llama", "TQ1_0"), ("llama", "TQ2_0")]
+#: (family, quant type): the four types in every family; the ternary types
+#: (BitNet b1.58 files: Gaussian weights rounded to -d, 0, +d are a different
+#: model, but the one both read) and the table types (IQ4_NL, IQ4_XS, MXFP4)
+#: in llama's
+QUANTIZED = [(f, q) for f in FAMILIES for q in ("Q8_0", "Q2_K", "Q3_K", "Q4_K")] + \
+    [("llama", q) for q in ("TQ1_0", "TQ2_0", "IQ4_NL", "IQ4_XS", "MXFP4")]
 
 
-@pytest.mark.parametrize("family,qtype", [(f, q) for q in ("Q8_0", "Q2_K", "Q3_K", "Q4_K") for f in FAMILIES]
-                         + TERNARY)
+@pytest.mark.parametrize("family,qtype", QUANTIZED)
 def test_quantized_agrees_at_decisive_positions(family, qtype, tmp_path_factory):
     path, ref = reference(family, qtype, tmp_path_factory)
     native = runtime.load(path, threads=2, ctx=128)

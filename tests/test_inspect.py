@@ -141,18 +141,18 @@ def test_failed_checks_are_reported_not_raised(tmp_path):
 
     path = tmp_path / "odd.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_tensor_info("token_embd.weight", [4, 18], np.dtype(np.uint8), 72, raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+    w.add_tensor_info("token_embd.weight", [4, 66], np.dtype(np.uint8), 264, raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    w.write_tensor_data(np.zeros((4, 18), np.uint8))
+    w.write_tensor_data(np.zeros((4, 66), np.uint8))
     w.close()
     r = inspect_file(str(path))
     failed = {c["what"] for c in r["checks"] if not c["ok"]}
     assert failed == {"tensor sizes match their types (lmc's layouts)", "lmc can load the model"}
     assert "config" not in r
     res = lmc("inspect", str(path))
-    assert res.returncode == 1 and "FAIL" in res.stdout and "IQ4_NL" in res.stdout
+    assert res.returncode == 1 and "FAIL" in res.stdout and "IQ2_XXS" in res.stdout
 
 
 # --- CLI -------------------------------------------------------------------------

@@ -110,3 +110,46 @@ def psadbw(t: "Target", groups: int) -> str | None:
 def permutes(t: "Target", vw: int) -> bool:
     """Whether 16-lane float permutes (``vpermps``, ``vpermi2ps``) exist: AVX-512 at width 16."""
     return vw == 16 and _x86(t) and t.has("avx512f")
+
+
+def pshufb(t: "Target", nbytes: int) -> str | None:
+    """The byte shuffle ``vpshufb`` intrinsic for ``nbytes``-byte operands (a
+    16-byte table per 128-bit lane), if the target has it."""
+    if not _x86(t):
+        return None
+    if nbytes == 64 and t.has("avx512bw"):
+        return "llvm.x86.avx512.pshuf.b.512"
+    if nbytes == 32 and t.has("avx2"):
+        return "llvm.x86.avx2.pshuf.b"
+    if nbytes == 16 and t.has("ssse3"):
+        return "llvm.x86.ssse3.pshuf.b.128"
+    return None
+
+
+def lookup16(kb, table: Sequence[int], idx: ir.Value) -> ir.Value:
+    """<n x i8>: ``table[idx]`` in each lane, for a 16-entry table of byte
+    values and indices 0..15 (<n x i8>). A ``vpshufb`` per 16, 32 or 64
+    bytes where the target has it (the widest it has; narrower vectors are
+    padded to 16 lanes); else portable: a tree of 15 selects on the 4 index
+    bits, which LLVM turns into blends."""
+    b, n = kb.b, idx.type.count
+    values = [v & 0xFF for v in table]
+    assert len(values) == 16, table
+    for width in (64, 32, 16):
+        name = pshufb(kb.target, width)
+        if name is None or (n < width and width > 16):
+            continue
+        if n < 16:   # pad to 16 lanes, look up, take the first n back
+            wide = shuffle(b, idx, None, list(range(n)) + [0] * (16 - n))
+            return shuffle(b, lookup16(kb, table, wide), None, list(range(n)))
+        parts = [shuffle(b, idx, None, list(range(i, i + width))) for i in range(0, n, width)] if n > width else [idx]
+        tab = vconst(I8, values * (width // 16))
+        out = [call(kb, name, ir.VectorType(I8, width), [tab, p]) for p in parts]
+        return concat(b, out) if len(out) > 1 else out[0]
+    one = ir.Constant(idx.type, [1] * n)
+    level = [vconst(I8, [v] * n) for v in values]
+    for bit in range(4):      # pairs (2i, 2i + 1) picked by bit 0, then pairs of those by bit 1 ...
+        set_ = b.icmp_unsigned("!=", b.and_(b.lshr(idx, ir.Constant(idx.type, [bit] * n)) if bit else idx, one),
+                               ir.Constant(idx.type, [0] * n))
+        level = [b.select(set_, level[i + 1], level[i]) for i in range(0, len(level), 2)]
+    return level[0]

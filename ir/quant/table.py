@@ -17,6 +17,7 @@ from typing import Any
 from .base import Layout
 from .gguf import BF16Layout, NibbleLayout, Q8_0Layout
 from .kquants import Q2KLayout, Q3KLayout, Q4KLayout, Q5KLayout, Q6KLayout
+from .lut import IQ4NLLayout, IQ4XSLayout, MXFP4Layout
 from .qsf import Q2Layout, Q2SLayout, Q4Layout, Q8Layout, TernaryLayout
 from .ternary import TQ1Layout, TQ2Layout
 
@@ -31,7 +32,7 @@ class QuantType:
     name: str
     block: int                 # values per block (1: a plain element type)
     block_bytes: int           # bytes per block
-    family: str                # "float", "gguf", "kquant", "ternary", "qsf": where its layout and kernels live
+    family: str                # "float", "gguf", "kquant", "ternary", "lut", "qsf": where its layout and kernels live
     #: byte offset of each field of a block: d (scale), m (offset), dmin, z (zero point),
     #: qs (quants), qh (high bits), scales, hmask, sign, zero ...
     fields: tuple[tuple[str, int], ...] = ()
@@ -104,6 +105,12 @@ _ROWS = [
               dequantizer=TQ1Layout),
     QuantType("TQ2_0", 256, 66, "ternary", _f(qs=0, d=64), zero=1, sub_block=256, act="q8k", ggml_type=35,
               dequantizer=TQ2Layout),
+    # GGUF's table types: 4-bit indices into 16 int8 values (ir/quant/lut.py); the integer
+    # path's quants are the table's values, unsigned as value + zero
+    QuantType("IQ4_NL", 32, 18, "lut", _f(d=0, qs=2), zero=128, act="q8", ggml_type=20, dequantizer=IQ4NLLayout),
+    QuantType("IQ4_XS", 256, 136, "lut", _f(d=0, scales_h=2, scales_l=4, qs=8), zero=128, sub_block=32, act="q8",
+              ggml_type=23, dequantizer=IQ4XSLayout),
+    QuantType("MXFP4", 32, 17, "lut", _f(e=0, qs=1), zero=128, act="q8", ggml_type=39, dequantizer=MXFP4Layout),
     # QSF's 64-value blocks (docs/qsf.md)
     QuantType("QSF_Q8", 64, 66, "qsf", _f(d=0, qs=2), zero=128, act="q8", dequantizer=Q8Layout),
     QuantType("QSF_Q4", 64, 36, "qsf", _f(d=0, z=2, qs=4), offset=True, act="q8", dequantizer=Q4Layout),

@@ -85,8 +85,9 @@ class GGUFBlockDecoder(Decoder):
         super().__init__(kb, raw, n, k, qt)
         #: bytes and values per block (a power of two: 32, QSF's 64)
         self.block_bytes, self.qk = qt.block_bytes, qt.block
-        #: byte offset of the float16 scale ``d`` and offset ``m`` (None: symmetric, value = q * d)
-        self.d_at = qt.at("d")
+        #: byte offset of the float16 scale ``d`` (None: the type reads its scale otherwise,
+        #: ``block_scale``) and offset ``m`` (None: symmetric, value = q * d)
+        self.d_at = qt.at("d") if qt.has("d") else None
         self.m_at = qt.at("m") if qt.has("m") else None
         if k % self.qk:
             raise ValueError(f"row length {k} is not a multiple of the block size {self.qk}")
@@ -102,6 +103,10 @@ class GGUFBlockDecoder(Decoder):
 
     def values(self, blk: Block, o: int, w: int) -> ir.Value | None:
         return None
+
+    def block_scale(self, bp: ir.Value) -> ir.Value:
+        """The float32 scale d of the block at ``bp``: its float16 field ``d``."""
+        return self._f16(bp, self.d_at)
 
     # --- loads ----------------------------------------------------------------------------
     def _f16(self, bp: ir.Value, at: int) -> ir.Value:
@@ -129,7 +134,7 @@ class GGUFBlockDecoder(Decoder):
             assert o + w <= qk, (off, w)
             if j not in blocks:
                 bp = kb.gep(self.raw, b.add(base, i64(j * self.block_bytes)))
-                blocks[j] = Block(bp, self._f16(bp, self.d_at), None if self.m_at is None else self._f16(bp, self.m_at))
+                blocks[j] = Block(bp, self.block_scale(bp), None if self.m_at is None else self._f16(bp, self.m_at))
             v = self.values(blocks[j], o, w)
             scaled.append(v is not None)
             vecs.append(v if v is not None else self.quants(blocks[j], o, w))

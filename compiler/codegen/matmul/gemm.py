@@ -265,7 +265,7 @@ class Q8Gemm(GemmBase):
         for i, v in enumerate(vecs):
             kb.vstore(v, dst, 4 * W * i)
         f = ir.PointerType(F32)
-        dw, mw = kern.block_scales(ptrs)
+        dw, mw = kern.block_scales(ptrs, [j] * W)
         kb.vstore(dw, b.bitcast(kb.gep(dst, 32 * W), f), 0)
         if mw is not None:
             kb.vstore(mw, b.bitcast(kb.gep(dst, 36 * W), f), 0)

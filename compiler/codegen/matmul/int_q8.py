@@ -234,7 +234,8 @@ class IntKernel:
         operations on its own accumulator."""
         kb, b = self.kb, self.b
         u, bps = self.group_quants(row, j, g)
-        dw, mw = (None if v is None else self.spread(v) for v in self.block_scales(bps))
+        js = [b.add(j, i64(i)) for i in range(g)]
+        dw, mw = (None if v is None else self.spread(v) for v in self.block_scales(bps, js))
         zero = vconst(I32, [0] * (8 * g))
         out = []
         for sl, acc in zip(slots, accs):
@@ -256,9 +257,11 @@ class IntKernel:
         us = [self.unsigned_block(bp, b.add(j, i64(i))) for i, bp in enumerate(bps)]
         return (us[0] if g == 1 else shuffle(self.kb.b, us[0], us[1], list(range(64)))), bps
 
-    def block_scales(self, bps: list[ir.Value]) -> tuple[ir.Value, ir.Value | None]:
-        """<n x float> d_w of the n blocks at bps, and their m_w (offset
-        layouts; else None): the float16 fields d and m."""
+    def block_scales(self, bps: list[ir.Value], js: list[ir.Value]) -> tuple[ir.Value, ir.Value | None]:
+        """<n x float> d_w of the n blocks at bps (32-value blocks js of
+        their rows: a stored block may hold several, with scales of their
+        own), and their m_w (offset layouts; else None): here the float16
+        fields d and m."""
         return (gather_f16(self.kb, bps, self.qt.at("d")),
                 gather_f16(self.kb, bps, self.qt.at("m")) if self.offset else None)
 

@@ -143,7 +143,7 @@ class QSFIntKernel(IntKernel):
         nonzero = b.not_(zero)
         return (b.and_(nonzero, b.not_(sign)), b.and_(nonzero, sign)), [bp] * g
 
-    def block_scales(self, bps: list[ir.Value]) -> tuple[ir.Value, ir.Value | None]:
+    def block_scales(self, bps: list[ir.Value], js: list[ir.Value]) -> tuple[ir.Value, ir.Value | None]:
         """d_w of each block and, for the offset types, m_w computed from its fields."""
         kb, b = self.kb, self.b
         d = gather_f16(kb, bps, self.qt.at("d"))

@@ -23,11 +23,13 @@ from ..emit import KernelBuilder
 from .common import as_int
 from .decode_gguf import BF16Decoder, NibbleDecoder, Q8_0Decoder
 from .decode_kquants import Q2KDecoder, Q3KDecoder, Q4KDecoder, Q5KDecoder, Q6KDecoder
+from .decode_lut import IQ4XSDecoder, LUTDecoder, MXFP4Decoder
 from .decode_qsf import QSFQ2Decoder, QSFQ2SDecoder, QSFQ4Decoder, QSFQ8Decoder, QSFTernaryDecoder
 from .float_tiles import Decoder, F16Decoder, F32Decoder, planar_decoder
 from .gemm import Q8Gemm
 from .gemm_kquants import KQGemm
 from .int_kquants import Q2KInt, Q3KInt, Q4KInt, Q5KInt, Q6KInt
+from .int_lut import IQ4XSIntKernel, LUTIntKernel, MXFP4IntKernel
 from .int_q8 import IntKernel
 from .int_qsf import QSFIntKernel
 from .ternary import TQ1Decoder, TQ1Int, TQ2Decoder, TQ2Int
@@ -62,6 +64,9 @@ TRAITS: dict[str, MatmulTraits] = {
     "Q6_K": MatmulTraits(Q6KDecoder, Q6KInt, repacked=True, **_kq),
     "TQ1_0": MatmulTraits(TQ1Decoder, TQ1Int, **_kq),
     "TQ2_0": MatmulTraits(TQ2Decoder, TQ2Int, **_kq),
+    "IQ4_NL": MatmulTraits(LUTDecoder, LUTIntKernel, Q8Gemm),
+    "IQ4_XS": MatmulTraits(IQ4XSDecoder, IQ4XSIntKernel, Q8Gemm),
+    "MXFP4": MatmulTraits(MXFP4Decoder, MXFP4IntKernel, Q8Gemm),
     "QSF_Q8": MatmulTraits(QSFQ8Decoder, QSFIntKernel, Q8Gemm),
     "QSF_Q4": MatmulTraits(QSFQ4Decoder, QSFIntKernel, Q8Gemm),
     "QSF_Q2": MatmulTraits(QSFQ2Decoder, QSFIntKernel, Q8Gemm),
