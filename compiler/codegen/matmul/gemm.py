@@ -250,7 +250,7 @@ class Q8Gemm(GemmBase):
         v4w = ir.VectorType(I8, 4 * W)
         # nibble types: the tile comes from transposed nibble bytes (fewer shuffles than
         # transposing each row's 32 unpacked bytes, as Q8_0 and QSF's do)
-        if qt.family != "gguf" or qt.name == "Q8_0":   # Q8_0, QSF: the decode kernel's unsigned bytes, transposed
+        if not kern.nibble_tiles:   # Q8_0, QSF, table types: the decode kernel's unsigned bytes, transposed
             rows = [b.bitcast(kern.unsigned_block(p, j), ir.VectorType(I32, 8)) for p in ptrs]
             vecs = [b.bitcast(v, v4w) for v in transpose(b, rows)]
         else:

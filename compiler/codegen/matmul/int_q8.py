@@ -149,6 +149,10 @@ class IntKernel:
     unpacking), ``group_quants``, ``block_scales`` and ``dot``;
     ``bytes_per_block`` is the weight bytes per 32 values (the prefetch span)."""
 
+    #: the GEMM builds its tiles from the stored nibble bytes (``NibbleIntKernel``)
+    #: rather than transposing ``unsigned_block``
+    nibble_tiles = False
+
     def __init__(self, kb: KernelBuilder, sig: KernelSig, qt) -> None:
         xt, wt = sig.in_types[:2]
         self.qt = qt
@@ -199,16 +203,7 @@ class IntKernel:
 
     def unsigned_block(self, bp: ir.Value, j: ir.Value) -> ir.Value:
         """<32 x i8>: the quants of block j (stored at bp) plus the bias (0..255 as unsigned)."""
-        kb, b = self.kb, self.b
-        if self.layout == "Q8_0":
-            return b.xor(kb.vload(bp, self.qt.at("qs"), QK), vconst(I8, [0x80] * QK))
-        qs = kb.vload(bp, self.qt.at("qs"), 16)
-        nib = shuffle(kb.b, b.and_(qs, vconst(I8, [0x0F] * 16)), b.lshr(qs, vconst(I8, [4] * 16)), list(range(32)))
-        if not self.qt.has("qh"):
-            return nib
-        qh = b.load(b.bitcast(kb.gep(bp, self.qt.at("qh")), ir.PointerType(I32)), align=1)
-        hb = b.bitcast(qh, ir.VectorType(I1, QK))
-        return b.or_(nib, b.select(hb, vconst(I8, [16] * QK), vconst(I8, [0] * QK)))
+        return self.b.xor(self.kb.vload(bp, self.qt.at("qs"), QK), vconst(I8, [0x80] * QK))
 
     def dot(self, u: ir.Value, xq: ir.Value, init: ir.Value, g: int) -> ir.Value:
         """<8g x i32>: per block, 8 lanes summing to init + sum(u * xq)."""
@@ -321,6 +316,23 @@ class IntKernel:
                 if tails[i] is not None:
                     s = b.fadd(s, kb.hsum(tails[i][p]))
                 kb.store(s, out, b.add(b.mul(ts[p], i64(n_out)), rows[i]))
+
+
+class NibbleIntKernel(IntKernel):
+    """Q4_0, Q4_1, Q5_0, Q5_1: 32 nibbles in 16 bytes (low halves first),
+    Q5's fifth bits in a 32-bit ``qh``."""
+
+    nibble_tiles = True
+
+    def unsigned_block(self, bp: ir.Value, j: ir.Value) -> ir.Value:
+        kb, b = self.kb, self.b
+        qs = kb.vload(bp, self.qt.at("qs"), 16)
+        nib = shuffle(kb.b, b.and_(qs, vconst(I8, [0x0F] * 16)), b.lshr(qs, vconst(I8, [4] * 16)), list(range(32)))
+        if not self.qt.has("qh"):
+            return nib
+        qh = b.load(b.bitcast(kb.gep(bp, self.qt.at("qh")), ir.PointerType(I32)), align=1)
+        hb = b.bitcast(qh, ir.VectorType(I1, QK))
+        return b.or_(nib, b.select(hb, vconst(I8, [16] * QK), vconst(I8, [0] * QK)))
 
 
 def emit_int_matvec(kb: KernelBuilder, sig: KernelSig, kern) -> None:

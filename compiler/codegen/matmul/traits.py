@@ -30,7 +30,7 @@ from .gemm import Q8Gemm
 from .gemm_kquants import KQGemm
 from .int_kquants import Q2KInt, Q3KInt, Q4KInt, Q5KInt, Q6KInt
 from .int_lut import IQ4XSIntKernel, LUTIntKernel, MXFP4IntKernel
-from .int_q8 import IntKernel
+from .int_q8 import IntKernel, NibbleIntKernel
 from .int_qsf import QSFIntKernel
 from .ternary import TQ1Decoder, TQ1Int, TQ2Decoder, TQ2Int
 
@@ -45,18 +45,18 @@ class MatmulTraits:
     repacked: bool = False           # the repacked kernel reads its tiles (``matmul.repacked``)
 
 
-_q8 = dict(int_kernel=IntKernel, gemm=Q8Gemm, repacked=True)
+_q8 = dict(gemm=Q8Gemm, repacked=True)
 _kq = dict(gemm=KQGemm)
 
 TRAITS: dict[str, MatmulTraits] = {
     "F32": MatmulTraits(F32Decoder),
     "F16": MatmulTraits(F16Decoder),
     "BF16": MatmulTraits(BF16Decoder),
-    "Q8_0": MatmulTraits(Q8_0Decoder, **_q8),
-    "Q4_0": MatmulTraits(NibbleDecoder, **_q8),
-    "Q4_1": MatmulTraits(NibbleDecoder, **_q8),
-    "Q5_0": MatmulTraits(NibbleDecoder, **_q8),
-    "Q5_1": MatmulTraits(NibbleDecoder, **_q8),
+    "Q8_0": MatmulTraits(Q8_0Decoder, IntKernel, **_q8),
+    "Q4_0": MatmulTraits(NibbleDecoder, NibbleIntKernel, **_q8),
+    "Q4_1": MatmulTraits(NibbleDecoder, NibbleIntKernel, **_q8),
+    "Q5_0": MatmulTraits(NibbleDecoder, NibbleIntKernel, **_q8),
+    "Q5_1": MatmulTraits(NibbleDecoder, NibbleIntKernel, **_q8),
     "Q2_K": MatmulTraits(Q2KDecoder, Q2KInt, **_kq),
     "Q3_K": MatmulTraits(Q3KDecoder, Q3KInt, **_kq),
     "Q4_K": MatmulTraits(Q4KDecoder, Q4KInt, repacked=True, **_kq),
