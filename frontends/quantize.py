@@ -127,6 +127,23 @@ K_QUANTIZERS = {"Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k, "Q4_K": quantize_q
 LAYOUT_QUANTIZED = ("IQ4_NL", "IQ4_XS")
 
 
+def quantizable(qtype: str) -> bool:
+    """Whether ``quantize`` can write ``qtype`` (Q5_K and Q6_K it cannot:
+    neither lmc nor the ``gguf`` package has their quantizer)."""
+    import gguf
+    import gguf.quants
+
+    if qtype == "F32" or qtype in K_QUANTIZERS or qtype in LAYOUT_QUANTIZED:
+        return True
+    if qtype not in gguf.GGMLQuantizationType.__members__:
+        return False
+    try:
+        gguf.quants.quantize(np.zeros((1, 256), np.float32), gguf.GGMLQuantizationType[qtype])
+    except NotImplementedError:
+        return False
+    return True
+
+
 def quantize(x: np.ndarray, qtype: str) -> np.ndarray:
     """Stored bytes of ``x`` in GGUF quant type ``qtype`` (F32 stays float)."""
     import gguf

@@ -10,12 +10,14 @@ from ..errors import RunError
 
 
 def add_parser(sub) -> None:
+    from frontends.gguf_writer import K_FALLBACK, QTYPES
+
     y = sub.add_parser("synth", help="write a model with random weights and a real model's shapes")
     y.add_argument("--shape", required=True, choices=["stories15M", "stories42M", "stories110M", "llama2-7b"])
     y.add_argument("--format", choices=["llama2c", "gguf"], default="llama2c")
-    y.add_argument("--qtype", choices=["F32", "Q8_0", "Q4_0", "Q2_K", "Q3_K", "Q4_K"], default=None,
-                   help="GGUF quant type of the matrices (default Q8_0; K-quant rows that are not a multiple "
-                        "of 256 fall back to Q5_0 (Q4_K) or Q4_0 (Q2_K, Q3_K), as llama.cpp does)")
+    y.add_argument("--qtype", choices=QTYPES, default=None,
+                   help="GGUF quant type of the matrices (default Q8_0; rows a type cannot hold fall back as "
+                        "llama.cpp's quantizer does: " + ", ".join(f"{a} to {b}" for a, b in K_FALLBACK.items()) + ")")
     y.add_argument("--version", type=int, choices=[0, 1, 2], default=0,
                    help="llama2.c checkpoint version (2 = Q8_0)")
     y.add_argument("--seed", type=int, default=0)

@@ -78,10 +78,6 @@ PROBE_RUNS = 3
 BATCH_SECONDS = 0.004
 DEFAULT_REPEATS = 15
 SWEEP_REPEATS = 7
-#: f16 scale fields of the K-quant super-blocks (byte offsets: d, dmin)
-_KQUANT_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,)}
-_GGUF_QUANTIZE = ("BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "TQ1_0", "TQ2_0")
-_ORDER = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 #: parameter name (kernel attribute) -> the option that sets it
 FLAGS = {"vector_width": "--vector-width", "unroll": "--unroll", "rows": "rows per tile (--tile R)",
          "tile_tokens": "tokens per tile (--tile RxC)", "int_dot": "--int-dot/--float-dot",
@@ -171,10 +167,11 @@ def supported_layouts() -> tuple[str, ...]:
     """Weight layouts the native matmul reads (F32, F16, and every layout
     with a decoder; L2C_Q8G<g> stands for llama2.c's planar Q8 of any group)."""
     from compiler.codegen.matmul.traits import TRAITS
+    from ir.quant import QUANT_TYPES
     from ir.quant.repack import REPACKABLE, repacked_name
 
     names = {name for name, tr in TRAITS.items() if tr.decoder is not None}
-    ordered = [n for n in _ORDER if n in names] + sorted(names - set(_ORDER))
+    ordered = [n for n in QUANT_TYPES if n in names] + sorted(names - set(QUANT_TYPES))   # the table's order
     # the runtime's repacked forms (integer path only)
     return tuple(ordered) + ("L2C_Q8G64",) + tuple(repacked_name(b, w) for b in REPACKABLE for w in (16, 8))
 
@@ -319,6 +316,8 @@ def make_weight(rng: np.random.Generator, layout: str, n: int, k: int) -> Weight
     one (gguf.quants, our Q2_K / Q3_K / Q4_K and llama2.c Q8 writers, a
     layout's own ``quantize`` such as QSF's); random quants with small
     positive and negative super-block scales otherwise (Q5_K, Q6_K)."""
+    from frontends.quantize import quantizable
+    from ir.quant import quant_type
     from ir.quant.repack import split_repacked
 
     if split_repacked(layout):   # the file layout's weight, repacked as the runtime does at load
@@ -332,15 +331,10 @@ def make_weight(rng: np.random.Generator, layout: str, n: int, k: int) -> Weight
         raw = data
     elif layout == "F16":
         raw = data.astype("<f2")
-    elif layout in _GGUF_QUANTIZE:
-        import gguf
-        import gguf.quants
+    elif quantizable(layout):   # GGUF types: gguf.quants or lmc's own writer (frontends.quantize)
+        from frontends.quantize import quantize
 
-        raw = gguf.quants.quantize(data, gguf.GGMLQuantizationType[layout])
-    elif layout in ("Q2_K", "Q3_K", "Q4_K"):
-        from frontends.quantize import K_QUANTIZERS
-
-        raw = K_QUANTIZERS[layout](data)
+        raw = quantize(data, layout).reshape(-1)
     elif layout.startswith("L2C_Q8G"):
         from frontends.llama2c_writer import quantize_q8
 
@@ -352,7 +346,8 @@ def make_weight(rng: np.random.Generator, layout: str, n: int, k: int) -> Weight
         lay = _layout(layout)
         nblocks = lay.nbytes(t.shape) // lay.block_bytes
         blocks = rng.integers(0, 256, size=(nblocks, lay.block_bytes), dtype=np.uint8)
-        for at in _KQUANT_SCALES.get(layout, ()):
+        qt = quant_type(layout)
+        for at in (qt.at(f) for f in ("d", "dmin") if qt.has(f)):   # the float16 super-block scales
             d = (rng.uniform(1e-5, 1e-3, nblocks) * rng.choice([-1.0, 1.0], nblocks)).astype("<f2")
             blocks[:, at:at + 2] = d.view(np.uint8).reshape(nblocks, 2)
         raw = blocks
