@@ -69,13 +69,14 @@ _OP_KIND = {"matmul": "matmul", "qmatmul": "matmul", "qmatmul_rows": "matmul", "
             "rope_kv_write": "memory", "rope_kv_write_paged": "memory", "take_last": "memory",
             "dequant": "dequant", "bias_add": "elementwise"}
 
-#: weight storage family -> (legend text, fill colour): darker = fewer bits a weight
+#: weight storage by bits a weight (its layout's bytes for a row x 8 / row length)
+#: -> (legend text, fill colour): darker = fewer bits a weight
 WEIGHT_FAMILIES: dict[str, tuple[str, str]] = {
-    "float": ("weight, float (F32, F16)", "#e6e6e6"),
-    "8bit": ("weight, 8-bit blocks (Q8_0)", "#fff3b0"),
-    "legacy": ("weight, 4/5-bit blocks (Q4_0, Q5_0 ...)", "#ffd95a"),
-    "kquant": ("weight, k-quants (Q2_K ... Q6_K)", "#d9a521"),
-    "other": ("weight, other layout (QSF ...)", "#b08d57"),
+    "float": ("weight, float (F32, F16, BF16)", "#e6e6e6"),
+    "8bit": ("weight, 8-bit blocks (Q8_0, llama2.c Q8 ...)", "#fff3b0"),
+    "4bit": ("weight, 4 to 7 bits (Q4_0, Q4_K, IQ4_NL, Q6_K ...)", "#ffd95a"),
+    "lowbit": ("weight, under 4 bits (Q2_K, Q3_K, TQ1_0 ...)", "#d9a521"),
+    "other": ("weight, a layout lmc does not know", "#b08d57"),
 }
 STATE_COLOUR = "#7fd1c7"
 FUSED_COLOUR, FUSED_BORDER = "#fff4e6", "#e07b00"
@@ -91,16 +92,19 @@ def op_kind(op: str) -> str:
 
 
 def layout_family(layout: str | None) -> str:
-    """The legend's storage family of a weight layout."""
-    if layout in (None, "F32", "F16", "BF16"):
+    """The legend's storage family of a weight layout (``Q4_0x16``: its base
+    type's), by the bits a weight its layout stores."""
+    from .quant import get_layout, split_stored
+
+    if layout is None:
         return "float"
-    if layout == "Q8_0" or layout.startswith("L2C_Q8"):
-        return "8bit"
-    if layout in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
-        return "legacy"
-    if layout.endswith("_K"):
-        return "kquant"
-    return "other"
+    try:
+        lay = get_layout(split_stored(layout)[0])
+    except (KeyError, ValueError):
+        return "other"
+    k = 4096   # a row length every block size divides
+    bits = lay.nbytes((1, k)) * 8 / k
+    return "float" if bits >= 16 else "8bit" if bits >= 8 else "4bit" if bits >= 4 else "lowbit"
 
 
 def is_fused(node: Node) -> bool:

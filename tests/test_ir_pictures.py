@@ -344,3 +344,22 @@ def test_pipeline_dump_stages():
     assert dump_stages(("a", "b", "c"), "a") == {0, 1}
     assert dump_stages(("a", "b", "c"), "c") == {2, 3}
 
+
+
+def test_every_weight_type_has_a_legend_colour_by_its_bits():
+    """Each type of the quant table (and its repacked tiles, llama2.c's Q8)
+    gets a colour from its bits a weight, darker for fewer: none falls to
+    'other', and the legend's order never puts more bits after fewer."""
+    from ir.dot import WEIGHT_FAMILIES, layout_family
+    from ir.quant import QUANT_TYPES, get_layout, split_stored
+
+    order = list(WEIGHT_FAMILIES)
+    seen = []
+    for name in [*QUANT_TYPES, "Q4_0x16", "Q6_Kx8", "L2C_Q8G64"]:
+        fam = layout_family(name)
+        assert fam != "other", name
+        bits = get_layout(split_stored(name)[0]).nbytes((1, 4096)) * 8 / 4096
+        seen.append((order.index(fam), bits, name))
+    for (fa, ba, na), (fb, bb, nb) in zip(sorted(seen), sorted(seen)[1:]):
+        assert ba >= bb or fa == fb, f"{na} ({ba} bits) is lighter than {nb} ({bb} bits)"
+    assert layout_family("NOT_A_TYPE") == "other"
