@@ -116,7 +116,7 @@ def test_qmatmul_bytes_on_a_q8_model():
         if node.op == "qmatmul":
             x, w = node.inputs[:2]
             norm = node.inputs[2].type.nbytes() if "norm_eps" in node.attrs else 0   # passes/fuse_norm
-            assert row["op"] == f"qmatmul[{w.type.layout}]"
+            assert row["op"] == f"qmatmul[{w.type.stored}]"   # Q8_0x16 where the runtime repacks
             assert row["bytes_read"] == w.type.nbytes() + x.type.nbytes() + norm
             seen += 1
     assert seen > 0
