@@ -150,8 +150,3 @@ class Graph:
 
     def __len__(self) -> int:
         return len(self.nodes)
-
-    def __str__(self) -> str:
-        from .printer import print_graph
-
-        return print_graph(self)

@@ -7,10 +7,9 @@ Tests and ``--dump-after`` diffs rely on this form staying put.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:   # annotations only: Graph.__str__ prints with this module
-    from .graph import Graph, Node, Value
+from .graph import Graph, Node, Value
 
 
 def _fmt_attr(v: Any) -> str:

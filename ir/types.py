@@ -7,11 +7,10 @@ that later passes can plan memory and the code generator can emit constants.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 import numpy as np
 
-Dim = Union[int, str]
+from .dims import Dim
 
 #: dtype name -> numpy dtype; the IR speaks names, numpy only in references.
 DTYPES: dict[str, np.dtype] = {

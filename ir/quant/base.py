@@ -10,13 +10,11 @@ type table (``ir.quant.table``), never from constants of its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:   # annotations only: ir.types asks this package for a weight's bytes
-    from ..types import Dim
-    from .table import QuantType
+from ..dims import Dim
 
 
 def _rows_cols(shape: tuple[Dim, ...]) -> tuple[int, int]:
@@ -95,10 +93,10 @@ class BlockLayout(Layout):
 
     block: int = 32
     block_bytes: int = 34
-    qt: Any = None
+    qt: Any = None   # its row of ir.quant.table (a QuantType: the table imports the layouts)
 
     @classmethod
-    def of(cls, qt: "QuantType", **extra: Any) -> "BlockLayout":
+    def of(cls, qt: Any, **extra: Any) -> "BlockLayout":
         return cls(name=qt.name, itemsize=qt.block_bytes, np_dtype="u1", block=qt.block,
                    block_bytes=qt.block_bytes, qt=qt, **extra)
 

@@ -57,14 +57,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from typing import TYPE_CHECKING
-
+from ..dims import Dim
 from .base import Layout
 from .kquants import scale_min_k4
 from .table import QuantType, quant_type, repackable
-
-if TYPE_CHECKING:
-    from ..types import Dim
 
 #: base layouts that have a repacked form (their rows' ``tile_bytes``), and the tile widths
 REPACKABLE = repackable()
