@@ -247,11 +247,11 @@ def test_quantize_whole_tensors_and_bad_input(name):
 
 def test_quantize_in_chunks(monkeypatch):
     """Large tensors go through quantize_blocks a chunk at a time: same bytes."""
-    import ir.quant.qsf as qsf
+    from ir.quant.qsf import QSFLayout
 
     x = np.random.default_rng(6).standard_normal((5, 320)).astype(np.float32)
     whole = {n: get_layout(n).quantize(x) for n in LAYOUTS}
-    monkeypatch.setattr(qsf, "_CHUNK", 3)
+    monkeypatch.setattr(QSFLayout, "chunk", 3)
     for n in LAYOUTS:
         np.testing.assert_array_equal(get_layout(n).quantize(x), whole[n])
 

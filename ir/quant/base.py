@@ -125,3 +125,24 @@ class BlockLayout(Layout):
         rows = np.asarray(rows, dtype=np.int64)
         picked = mat[rows.reshape(-1)].reshape(-1, self.block_bytes)
         return self.dequant_blocks(picked).reshape(rows.shape + (cols,))
+
+
+class BlockQuantizer:
+    """``quantize`` for the block layouts that have a ``quantize_blocks`` of
+    their own (float32 [n, block] -> uint8 [n, block_bytes]): the whole
+    tensor, ``chunk`` blocks at a time (bounded temporaries)."""
+
+    chunk = 1024
+
+    def quantize(self, matrix: np.ndarray) -> np.ndarray:
+        """float32 [rows, cols] -> the stored bytes of the whole tensor (uint8,
+        rows * cols / block * block_bytes long), blocks in row-major order."""
+        m = np.asarray(matrix, np.float32)
+        cols = m.shape[-1] if m.ndim else 1
+        if m.ndim == 0 or cols % self.block:
+            raise ValueError(f"{self.name}: {cols} columns are not a multiple of the block size {self.block}")
+        blocks = np.ascontiguousarray(m).reshape(-1, self.block)
+        out = np.empty((blocks.shape[0], self.block_bytes), np.uint8)
+        for s in range(0, blocks.shape[0], self.chunk):
+            out[s:s + self.chunk] = self.quantize_blocks(blocks[s:s + self.chunk])
+        return out.reshape(-1)

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import BlockLayout
+from .base import BlockLayout, BlockQuantizer
 from .gguf import f16_at, nibbles
 
 #: IQ4_NL's and IQ4_XS's table (ggml's ``kvalues_iq4nl``), ascending
@@ -55,8 +55,6 @@ KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 #: values per nibble block (and per IQ4_XS sub-block)
 _QB = 32
-#: blocks quantized per numpy call: bounds the candidate searches' memory
-_CHUNK = 1024
 #: stretches tried when a block's largest value is put on an end of the table
 _STRETCH = tuple(range(-7, 8))
 
@@ -145,9 +143,12 @@ def _fit_scales(x: np.ndarray, table: np.ndarray, store) -> tuple[np.ndarray, np
 
 # --- layouts ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class LUTLayout(BlockLayout):
+class LUTLayout(BlockQuantizer, BlockLayout):
     """A table type: 32-value (sub-)blocks of nibble indices into ``kvalues``
     with one float scale each. Subclasses give ``scales`` and the quantizer."""
+
+    #: blocks quantized per numpy call: bounds the memory of the candidate searches
+    chunk = 1024
 
     kvalues: tuple[int, ...] = KVALUES_IQ4NL
 
@@ -178,18 +179,6 @@ class LUTLayout(BlockLayout):
 
     def quantize_blocks(self, values: np.ndarray) -> np.ndarray:
         raise NotImplementedError
-
-    def quantize(self, matrix: np.ndarray) -> np.ndarray:
-        """float32 [rows, cols] -> the stored bytes of the whole tensor (uint8), blocks in row-major order."""
-        m = np.asarray(matrix, np.float32)
-        cols = m.shape[-1] if m.ndim else 1
-        if m.ndim == 0 or cols % self.block:
-            raise ValueError(f"{self.name}: {cols} columns are not a multiple of the block size {self.block}")
-        blocks = np.ascontiguousarray(m).reshape(-1, self.block)
-        out = np.empty((blocks.shape[0], self.block_bytes), np.uint8)
-        for s in range(0, blocks.shape[0], _CHUNK):
-            out[s:s + _CHUNK] = self.quantize_blocks(blocks[s:s + _CHUNK])
-        return out.reshape(-1)
 
 
 @dataclass(frozen=True)

@@ -50,12 +50,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import BlockLayout
+from .base import BlockLayout, BlockQuantizer
 
 #: values per activation block of the integer path (``ir.int_dot``)
 _QA = 32
-#: blocks quantized per numpy call: bounds the memory of the candidate searches
-_CHUNK = 2048
 #: least-squares refinements of (d, z | m) after the candidate search (Q4, Q2):
 #: re-fit, re-pick the quants, keep the better. Each gains less (squared
 #: error of Q4 on Gaussian blocks: -1.6%, -0.7%, -0.3%, -0.3%, then ~0.1%)
@@ -152,9 +150,12 @@ def _rint_clip(t: np.ndarray, hi: int) -> np.ndarray:
 
 # --- layouts ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class QSFLayout(BlockLayout):
+class QSFLayout(BlockQuantizer, BlockLayout):
     """A QSF block type: ``dequant_blocks`` (the reference for the kernels)
     and ``quantize_blocks`` (float32 [nblocks, 64] -> uint8 [nblocks, block_bytes])."""
+
+    #: blocks quantized per numpy call: bounds the memory of the candidate searches
+    chunk = 2048
 
     def quantize_blocks(self, values: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -177,19 +178,6 @@ class QSFLayout(BlockLayout):
 
         return (per_block(d), q.astype(np.int8).reshape(n, nb, _QA),
                 None if m is None else per_block(m))
-
-    def quantize(self, matrix: np.ndarray) -> np.ndarray:
-        """float32 [rows, cols] -> the stored bytes of the whole tensor (uint8,
-        rows * cols / 64 * block_bytes long), blocks in row-major order."""
-        m = np.asarray(matrix, np.float32)
-        cols = m.shape[-1] if m.ndim else 1
-        if m.ndim == 0 or cols % self.block:
-            raise ValueError(f"{self.name}: {cols} columns are not a multiple of the block size {self.block}")
-        blocks = np.ascontiguousarray(m).reshape(-1, self.block)
-        out = np.empty((blocks.shape[0], self.block_bytes), np.uint8)
-        for s in range(0, blocks.shape[0], _CHUNK):
-            out[s:s + _CHUNK] = self.quantize_blocks(blocks[s:s + _CHUNK])
-        return out.reshape(-1)
 
 
 @dataclass(frozen=True)
