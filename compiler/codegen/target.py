@@ -6,6 +6,13 @@ machine is built from the host's own name and feature string.
 Asking LLVM means loading llvmlite's shared library (~40 MB resident), which
 a warm start must not pay for: what LLVM said is kept in the compile cache,
 keyed by this CPU's identity in /proc/cpuinfo and the llvmlite version.
+
+AMX (Intel's tile matrix unit, Sapphire Rapids on) is one more feature, but
+a process may only use its tiles after asking the kernel for the state
+(``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``); a process that
+did not ask, a kernel that refuses, or ``LMC_AMX=0`` keep today's VNNI code:
+``host_target`` drops the AMX features then (so the compile cache keys the
+two apart) and ``amx_status`` says which and why.
 """
 from __future__ import annotations
 
@@ -13,7 +20,7 @@ import functools
 import json
 import os
 import platform
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from ir.digest import sha256
@@ -51,6 +58,12 @@ class Target:
     def has_fma(self) -> bool:
         """Fused multiply-adds in hardware (x86 FMA3; every AArch64 core)."""
         return self.has("fma") or not self.triple.startswith(("x86_64", "i386", "i686"))
+
+    @property
+    def amx(self) -> bool:
+        """AMX int8 tiles (``tdpbsud``) in the code we emit: the host's, unless
+        ``amx_status`` said no (``host_target`` drops the features then)."""
+        return self.triple.startswith("x86_64") and self.has("amx-tile") and self.has("amx-int8")
 
     def variant(self, cpu: str, drop: tuple[str, ...] = ()) -> "Target":
         """This target's instructions, less every feature whose name starts
@@ -152,7 +165,15 @@ def _write_cached(path: str, t: Target) -> None:
 @functools.cache
 def host_target() -> Target:
     """This machine's target: from the cache when this CPU was seen before
-    (with this llvmlite), else from LLVM."""
+    (with this llvmlite), else from LLVM; without the AMX features where
+    this process may not use them (``amx_status``)."""
+    t = _detected_target()
+    if t.amx and not amx_status(t)["used"]:
+        t = without_amx(t)
+    return t
+
+
+def _detected_target() -> Target:
     identity = _cpu_identity()
     path = _cache_file(identity) if identity else None
     if path:
@@ -163,6 +184,41 @@ def host_target() -> Target:
     if path:
         _write_cached(path, t)
     return t
+
+
+def without_amx(t: Target) -> Target:
+    """The same target with every AMX feature off (the VNNI kernels)."""
+    feats = ["-" + f[1:] if f[:1] in "+-" and f[1:].startswith("amx") else f for f in t.features.split(",")]
+    return replace(t, features=",".join(feats))
+
+
+#: Linux's arch_prctl codes (asm/prctl.h) and the tile data's xstate component
+_ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158
+
+
+@functools.cache
+def amx_status(t: Target | None = None) -> dict:
+    """Whether this process runs AMX tiles, and why (``lmc bench --json``
+    reports it): the CPU must have them, ``LMC_AMX`` must not be 0, and
+    the kernel must grant the tile state (once per process; granted, it
+    holds for every thread, now and later)."""
+    t = t or _detected_target()
+    if not t.amx:
+        return {"used": False, "why": "this CPU has no AMX int8 tiles"}
+    if os.environ.get("LMC_AMX", "1") == "0":
+        return {"used": False, "why": "LMC_AMX=0"}
+    if platform.system() != "Linux":
+        return {"used": False, "why": f"AMX permission is asked on Linux only, not {platform.system()}"}
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        rc = libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)
+    except (OSError, AttributeError) as e:
+        return {"used": False, "why": f"cannot ask the kernel for the tile state: {e}"}
+    if rc != 0:
+        return {"used": False, "why": f"the kernel refused the tile state: {os.strerror(ctypes.get_errno())}"}
+    return {"used": True, "why": "AMX int8 tiles granted to this process"}
 
 
 def llvm_host_target() -> Target:
