@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from compiler.codegen.harness import CompiledKernel, scratch_floats_for, sig_for
-from compiler.codegen.target import Target, host_target, vnni_width
+from compiler.codegen.target import Target, amx_status, host_target, vnni_width, without_amx
 from ir import kv_codec
 from ir.interp import state_array
 from ir.quant import quant_type
@@ -315,3 +315,72 @@ def test_variants_are_what_they_say() -> None:
         assert t.has("avx2") and t.has("fma") and t.triple == host.triple
     assert not variant("haswell, no AVX-512 or VNNI").has("avxvnni")
     assert vnni_width(8, variant("haswell, no AVX-512 or VNNI")) is None
+
+
+# --- AMX tiles against the VNNI code: the same integers, the same float operations -----------------
+def amx_or_skip() -> Target:
+    host = host_target()
+    if not host.amx:
+        why = amx_status()["why"] if X86 else f"an x86 CPU, and this host is {host.triple}"
+        pytest.skip(f"AMX: {why}")
+    return host
+
+
+GEMM_LAYOUTS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                "QSF_Q8", "QSF_Q4", "QSF_Q2", "QSF_Q2S", "QSF_TERNARY", "TQ1_0", "TQ2_0", *LUT]
+
+
+@pytest.mark.parametrize("layout", GEMM_LAYOUTS)
+def test_gemm_on_amx_tiles_gives_the_vnni_bits(layout: str) -> None:
+    """A prompt chunk's GEMM on the file's layout: with AMX (from
+    ``amx_tiles.MIN_TOKENS`` rows, 16 tokens a tile, a short last group;
+    forced on for every type, whatever the traits table chooses) and
+    without, every row the same bits, on 1 and 3 threads."""
+    host = amx_or_skip()
+    rng = np.random.default_rng(14)
+    act = quant_type(layout).act
+    for n, k in shapes(layout)[:2]:
+        w = float_weight(rng, layout, (n + 15) // 16 * 16, k)
+        sig = sig_for("qmatmul", [TensorType(("T", k)), w.type], layout=layout, act=act, gemm=48, amx=1)
+        on, off = kernel(sig, host), kernel(sig, without_amx(host))
+        x = (2 * rng.standard_normal((70, k))).astype(np.float32)
+        for T, nt in ((70, 2), (17, 3), (16, 1), (2, 1)):
+            same_bits(call(on, [x[:T], w], T, nt), call(off, [x[:T], w], T, nt), f"{layout} {T} rows, {nt} threads")
+
+
+@pytest.mark.parametrize("base", REPACKABLE)
+def test_repacked_on_amx_tiles_gives_the_vnni_bits(base: str) -> None:
+    """Repacked weights (the runtime's for these types): a prompt chunk, a
+    batch of a few rows, with AMX and without, and each row as a decode step."""
+    host = amx_or_skip()
+    rng = np.random.default_rng(15)
+    act = quant_type(base).act
+    n, k = 48, 1280
+    wr = repacked(float_weight(rng, base, n, k), 16)
+    sig = sig_for("qmatmul", [TensorType(("T", k)), wr.type], layout=base, act=act, amx=1)
+    on, off = kernel(sig, host), kernel(sig, without_amx(host))
+    one = kernel(sig_for("qmatmul", [TensorType((k,)), wr.type], layout=base, act=act), host)
+    x = (2 * rng.standard_normal((70, k))).astype(np.float32)
+    for T, nt in ((70, 2), (33, 3), (16, 1), (2, 1)):
+        got = call(on, [x[:T], wr], T, nt)
+        same_bits(got, call(off, [x[:T], wr], T, nt), f"{base} {T} rows, {nt} threads")
+        for t in sorted({0, T - 1}):
+            same_bits(got[t], call(one, [x[t], wr], 1, nt), f"{base} row {t} of {T} against a decode step")
+
+
+def test_amx_where_the_table_says_and_the_target_has_it() -> None:
+    """The traits table's ``amx`` chooses the tiles per type (Q4_0 yes,
+    Q6_K no); ``LMC_AMX=0`` and a CPU or process without the tile state
+    leave no AMX instruction in any kernel: the target has no AMX feature
+    then."""
+    from compiler.codegen.jit import emit_assembly
+    from compiler.codegen.matmul.traits import traits_of
+
+    host = amx_or_skip()
+    assert not without_amx(host).amx
+    assert traits_of("Q4_0").amx and not traits_of("Q6_K").amx
+    for layout, want in (("Q4_0", True), ("Q6_K", False)):
+        w = float_weight(np.random.default_rng(16), layout, 32, 256)
+        sig = sig_for("qmatmul", [TensorType(("T", 256)), w.type], layout=layout, act=quant_type(layout).act, gemm=32)
+        assert ("tdpbsud" in emit_assembly(kernel(sig, host).module, host)) == want, layout
+        assert "tdpbsud" not in emit_assembly(kernel(sig, without_amx(host)).module, without_amx(host))

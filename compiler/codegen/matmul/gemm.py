@@ -37,6 +37,7 @@ from typing import Callable
 
 import llvmlite.ir as ir
 
+from .. import amx
 from ..act_quant import QK, quantize_q8_block
 from ..emit import F32, I32, KernelBuilder, i64
 from ..kernels import KernelSig
@@ -74,7 +75,15 @@ def tile_block_bytes(w: int) -> int:
 
 
 def scratch_bytes(sig: KernelSig) -> int:
-    """Per-thread scratch of the q8 GEMM (at W = 16, an upper bound for 8)."""
+    """Per-thread scratch of the q8 GEMM (at W = 16, an upper bound for 8),
+    with its AMX path's (``amx_tiles.layout``)."""
+    from .amx_tiles import layout
+
+    k = int(sig.in_types[1].shape[1])
+    return layout(_vnni_bytes(sig), int(sig.attr["gemm"]), act_slot_bytes(k), Q8Gemm.amx_panel_bytes * (k // QK))[2]
+
+
+def _vnni_bytes(sig: KernelSig) -> int:
     k = int(sig.in_types[1].shape[1])
     kc = min(int(sig.attr.get("kc", _KC)), k // QK)
     return int(sig.attr["gemm"]) * act_slot_bytes(k) + kc * tile_block_bytes(16)
@@ -98,6 +107,11 @@ def transpose(b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:
     return z
 
 
+def amx_row(kb: KernelBuilder, sums: ir.Value, p: int) -> ir.Value:
+    """Row p of an AMX product stored at i8* ``sums``: <16 x i32>."""
+    return kb.vload(kb.b.bitcast(kb.gep(sums, amx.ROW_BYTES * p), ir.PointerType(I32)), 0, 16)
+
+
 class GemmBase:
     """What the GEMM of every layout shares: token slots and the unpacked
     tile in scratch, broadcasts, and a register block of tokens against a
@@ -109,6 +123,7 @@ class GemmBase:
     def __init__(self, kb: KernelBuilder, sig: KernelSig, kern, slot_bytes: int, block_bytes: int,
                  kc: int, width: int | None = None) -> None:
         self.kb, self.b, self.kern = kb, kb.b, kern
+        self.attrs = sig.attr
         self.W = width or vnni_width(kb.vw, kb.target)
         self.k, self.nb = kern.k, kern.nb
         self.ts = int(sig.attr.get("gemm", 1))   # a repacked weight's kernel has no tile in scratch
@@ -300,7 +315,12 @@ class Q8Gemm(GemmBase):
         d_w and (offset layouts) the W minimums m_w, as float32."""
         kb, W = self.kb, self.W
         ws = [kb.vload(tb, 4 * W * i, 4 * W) for i in range(8)]
-        return ws, self.vec(tb, 32 * W), self.vec(tb, 36 * W) if self.kern.offset else None
+        return ws, *self.unpacked_scales(tb)
+
+    def unpacked_scales(self, tb: ir.Value) -> tuple[ir.Value, ir.Value | None]:
+        """d_w and (offset layouts) m_w of the unpacked block at tb."""
+        W = self.W
+        return self.vec(tb, 32 * W), self.vec(tb, 36 * W) if self.kern.offset else None
 
     def block(self, j: ir.Value, tb: ir.Value, slots: list[ir.Value], accs: list[ir.Value]) -> list[ir.Value]:
         """Block j (unpacked at tb) into every slot's accumulator: 8 weight
@@ -309,10 +329,66 @@ class Q8Gemm(GemmBase):
         ws, sc, mw = self.weights(tb)
         new = []
         for sp, acc in zip(slots, accs):
-            cor = kb.gep(sp, b.add(i64(self.k), b.mul(j, i64(4))))
-            a = ir.Constant(self.vi, [0] * W) if kern.offset else self.bcast(cor, I32)
+            a = ir.Constant(self.vi, [0] * W) if kern.offset else self.bcast(self._cor(sp, j), I32)
             a = self.dots(a, ws, kb.gep(sp, b.mul(j, i64(QK))))
-            dx = self.bcast(kb.gep(sp, b.add(i64(self.k + 4 * self.nb), b.mul(j, i64(4)))), F32)
+            new.append(self._scaled(a, sp, j, sc, mw, acc))
+        return new
+
+    def _cor(self, sp: ir.Value, j: ir.Value) -> ir.Value:
+        """Block j's correction in slot sp (the int32 seed, or d_x sum(q_x))."""
+        return self.kb.gep(sp, self.b.add(i64(self.k), self.b.mul(j, i64(4))))
+
+    def _scaled(self, a: ir.Value, sp: ir.Value, j: ir.Value, sc: ir.Value, mw: ir.Value | None,
+                acc: ir.Value) -> ir.Value:
+        """acc + block j's int32 sums ``a`` (seeded) times d_w d_x (offset layouts:
+        plus m_w d_x sum(q_x)): the one float chain every kernel of a token shares."""
+        kb, b = self.kb, self.b
+        dx = self.bcast(kb.gep(sp, b.add(i64(self.k + 4 * self.nb), b.mul(j, i64(4)))), F32)
+        acc = kb.fma(b.sitofp(a, self.vf), b.fmul(sc, dx), acc)
+        if mw is not None:
+            acc = kb.fma(mw, self.bcast(self._cor(sp, j), F32), acc)
+        return acc
+
+    # --- AMX tiles (``matmul/amx_tiles``) --------------------------------------------------
+    #: bytes of one block's int32 sums; blocks a loop step takes (their products
+    #: two at a time); blocks a product runs ahead of its epilogue; bytes of a
+    #: block's panel entry (16 tokens' d_x, then their corrections)
+    amx_sums_bytes = amx.ROWS * amx.ROW_BYTES
+    amx_step = 2
+    amx_ahead = 2
+    amx_panel_bytes = 2 * 4 * amx.ROWS
+
+    def amx_fill_panel(self, slots: list[ir.Value], panel: ir.Value) -> None:
+        """16 token slots' d_x and corrections of every block, side by side
+        per block (the epilogue broadcasts them from one base pointer)."""
+        kb, b = self.kb, self.b
+        with kb.loop(0, self.nb, name="apanel") as j:
+            pj = kb.gep(panel, b.mul(j, i64(self.amx_panel_bytes)))
+            for p, sp in enumerate(slots):
+                dx = kb.gep(sp, b.add(i64(self.k + 4 * self.nb), b.mul(j, i64(4))))
+                for src, at in ((dx, 4 * p), (self._cor(sp, j), 4 * amx.ROWS + 4 * p)):
+                    v = b.load(b.bitcast(src, ir.PointerType(I32)), align=4)
+                    b.store(v, b.bitcast(kb.gep(pj, at), ir.PointerType(I32)), align=4)
+
+    def amx_products(self, j: ir.Value, tb: ir.Value, a0: ir.Value, sums: ir.Value) -> list[amx.Product]:
+        """Block j: one ``tdpbsud`` of 16 token slots' 32 quants (A rows from
+        slot a0 on) by the block's 8 weight vectors as they lie at tb (B),
+        the 16 x 16 int32 sums stored at ``sums``."""
+        return [amx.Product(amx.ROWS, QK, self.kb.gep(a0, self.b.mul(j, i64(QK))), self.slot_bytes, tb, sums)]
+
+    def amx_epilogue(self, tb: ir.Value, pj: ir.Value, accs: list[ir.Value], sums: ir.Value) -> list[ir.Value]:
+        """Each token's row of a block's sums, seeded and scaled as ``block``
+        does (d_x and the correction from the block's panel entry pj): the
+        same integers, the same float operations, the same bits."""
+        kb, b = self.kb, self.b
+        sc, mw = self.unpacked_scales(tb)
+        new = []
+        for p, acc in enumerate(accs):
+            a = amx_row(kb, sums, p)
+            cor = kb.gep(pj, 4 * amx.ROWS + 4 * p)
+            if not self.kern.offset:
+                a = b.add(self.bcast(cor, I32), a)
+            dx = self.bcast(kb.gep(pj, 4 * p), F32)
             acc = kb.fma(b.sitofp(a, self.vf), b.fmul(sc, dx), acc)
             if mw is not None:
                 acc = kb.fma(mw, self.bcast(cor, F32), acc)
@@ -323,18 +399,43 @@ class Q8Gemm(GemmBase):
 def emit_int_gemm(kb: KernelBuilder, sig: KernelSig, kern, gemm: type) -> None:
     """Per ``gemm`` tokens: quantize them; per tile of this thread's rows
     and K chunk: unpack the tile once, then every token, P at a time (the
-    rest in blocks of the powers of two below P). ``gemm``: the weight
+    rest in blocks of the powers of two below P), or on AMX tiles 16 at a
+    time from ``amx_tiles.MIN_TOKENS`` tokens on. ``gemm``: the weight
     type's GEMM class (``Q8Gemm``, ``gemm_kquants.KQGemm``)."""
+    from . import amx_tiles
+
     g = gemm(kb, sig, kern)
     b, W, P = kb.b, g.W, g.P
     lo, hi = kb.thread_share(kern.n // W)
     m = kb.rows_of(kern.xt.shape)
+    on_tiles = amx_tiles.usable(kb, W, sig)
     with g.quantized_rows(m, g.ts) as (t0, n):
-        def chunk(r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value) -> None:
-            """Unpack blocks c0 .. c0 + nblk - 1 of the tile at r0, then every token."""
+        def unpack(r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value) -> None:
+            """Unpack blocks c0 .. c0 + nblk - 1 of the tile at r0 into scratch."""
             with kb.loop(0, nblk, name="gunpack") as jj:
                 g.unpack(r0, b.add(jj, c0 if isinstance(c0, ir.Value) else i64(c0)), g.tile_block(jj))
+
+        def vnni(r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value) -> None:
+            unpack(r0, c0, nblk)
             g.every_token(r0, c0, nblk, n, t0, P)
 
-        with kb.loop(lo, hi, name="gtile") as tile:
-            g.k_chunks(b.mul(tile, i64(W)), g.kc, chunk)
+        def tiles(chunk) -> None:
+            with kb.loop(lo, hi, name="gtile") as tile:
+                g.k_chunks(b.mul(tile, i64(W)), g.kc, chunk)
+
+        if not on_tiles:
+            tiles(vnni)
+        else:
+            from .amx_tiles import layout
+
+            po, so, _ = layout(g.ts * g.slot_bytes + g.kc * g.block_bytes, g.ts, g.slot_bytes,
+                               g.amx_panel_bytes * g.nb)
+            panel, sums = kb.gep(kb.scratch, po), kb.gep(kb.scratch, so)
+            with b.if_else(b.icmp_signed(">=", n, i64(amx_tiles.MIN_TOKENS))) as (on_amx, on_vnni):
+                with on_amx:
+                    amx_tiles.fill_panels(g, n, panel)
+                    tiles(amx_tiles.chunk(g, unpack, n, t0, panel, sums))
+                with on_vnni:
+                    tiles(vnni)
+    if on_tiles:
+        amx.tile_release(kb)   # at the end: LLVM configures the tiles once, on entry

@@ -31,12 +31,13 @@ import llvmlite.ir as ir
 
 from ir.quant import quant_type
 
+from .. import amx
 from ..act_quant import QK_K, quantize_q8k_block
 from ..emit import F32, I32, KernelBuilder, i64
 from ..kernels import KernelSig
 from ..simd import I8, pair_sums, shuffle, vconst
 from ..target import vnni_width
-from .gemm import GemmBase, transpose
+from .gemm import GemmBase, amx_row, transpose
 from .int_kquants import RUN
 
 #: super-blocks per K chunk (an unpacked super-block is 5 KB at W = 16)
@@ -64,10 +65,20 @@ def block_bytes(w: int, layout: str) -> int:
 
 
 def scratch_bytes(sig: KernelSig) -> int:
-    """Per-thread scratch of the K-quant GEMM (at W = 16, an upper bound for 8)."""
+    """Per-thread scratch of the K-quant GEMM (at W = 16, an upper bound for
+    8), with its AMX path's (``amx_tiles.layout``)."""
+    from .amx_tiles import layout
+
     k = int(sig.in_types[1].shape[1])
     kc = min(int(sig.attr.get("kc", KC_K)), k // QK_K)
-    return int(sig.attr["gemm"]) * act_slot_bytes(k) + kc * block_bytes(16, sig.in_types[1].layout)
+    ts = int(sig.attr["gemm"])
+    used = ts * act_slot_bytes(k) + kc * block_bytes(16, sig.in_types[1].layout)
+    return layout(used, ts, act_slot_bytes(k), amx_panel_bytes(sig.in_types[1].layout) * (k // QK_K))[2]
+
+
+def amx_panel_bytes(layout: str) -> int:
+    """A super-block's AMX panel entry: 16 tokens' d_x, then per sub-block their corrections."""
+    return 4 * amx.ROWS * (1 + QK_K // quant_type(layout).sub_block)
 
 
 class KQGemm(GemmBase):
@@ -129,9 +140,38 @@ class KQGemm(GemmBase):
         vectors <4W x i8>, d sc_s and (layouts with minimums) -dmin m_s, W lanes each."""
         kb, W, per = self.kb, self.W, self.sub
         ws = [kb.vload(tb, 4 * W * (per // 4 * s + i), 4 * W) for i in range(per // 4)]
+        return ws, *self.unpacked_factors(tb, s)
+
+    def unpacked_factors(self, tb: ir.Value, s: int) -> tuple[ir.Value, ir.Value | None]:
+        """d sc_s and (layouts with minimums) -dmin m_s of the unpacked super-block at tb."""
+        W = self.W
         scv = self.vec(tb, 256 * W + 4 * W * s)
         mv = self.vec(tb, 256 * W + 4 * W * (self.n_sub + s)) if self.minimums else None
-        return ws, scv, mv
+        return scv, mv
+
+    def _cors(self, slots: list[ir.Value], j: ir.Value) -> list[ir.Value]:
+        """Each slot's 16 corrections of super-block j."""
+        kb, b = self.kb, self.b
+        return [kb.gep(sp, b.add(i64(self.k), b.mul(j, i64(64)))) for sp in slots]
+
+    def _sub_scaled(self, a: ir.Value, cor: ir.Value, s: int, scv: ir.Value, mv: ir.Value | None,
+                    f: ir.Value) -> ir.Value:
+        """f + sub-block s's int32 sums ``a`` (seeded) times d sc_s (with
+        minimums: plus -dmin m_s bsum_s)."""
+        kb, b = self.kb, self.b
+        f = kb.fma(b.sitofp(a, self.vf), scv, f)
+        if mv is not None:
+            f = kb.fma(mv, self.bcast(kb.gep(cor, 4 * s), F32), f)
+        return f
+
+    def _finish(self, j: ir.Value, slots: list[ir.Value], fsb: list[ir.Value], accs: list[ir.Value]) -> list[ir.Value]:
+        """Each token's accumulator + its super-block sum f times d_x."""
+        kb, b = self.kb, self.b
+        out = []
+        for sp, f, acc in zip(slots, fsb, accs):
+            dx = self.bcast(kb.gep(sp, b.add(i64(self.k + 64 * self.nb), b.mul(j, i64(4)))), F32)
+            out.append(kb.fma(f, dx, acc))
+        return out
 
     def block(self, j: ir.Value, tb: ir.Value, slots: list[ir.Value], accs: list[ir.Value]) -> list[ir.Value]:
         kb, b, W = self.kb, self.b, self.W
@@ -139,19 +179,69 @@ class KQGemm(GemmBase):
         zero_i = ir.Constant(self.vi, [0] * W)
         fsb = [zero_f] * len(slots)
         qs = [kb.gep(sp, b.mul(j, i64(QK_K))) for sp in slots]
-        cors = [kb.gep(sp, b.add(i64(self.k), b.mul(j, i64(64)))) for sp in slots]
+        cors = self._cors(slots, j)
         n_sub, per = self.n_sub, self.sub
         for s in range(n_sub):
             ws, scv, mv = self.sub_weights(tb, s)
             for p in range(len(slots)):
                 seed = self.bcast(kb.gep(cors[p], 4 * s), I32) if self.offset else zero_i
                 a = self.dots(seed, ws, kb.gep(qs[p], per * s))
-                f = kb.fma(b.sitofp(a, self.vf), scv, fsb[p])
+                fsb[p] = self._sub_scaled(a, cors[p], s, scv, mv, fsb[p])
+        return self._finish(j, slots, fsb, accs)
+
+    # --- AMX tiles (``matmul/amx_tiles``) --------------------------------------------------
+    amx_step = 1
+    amx_ahead = 1   # besides, a super-block's products all go before its epilogues
+
+    @property
+    def amx_sums_bytes(self) -> int:
+        """A super-block's int32 sums: 16 x 16 per sub-block."""
+        return self.n_sub * amx.ROWS * amx.ROW_BYTES
+
+    @property
+    def amx_panel_bytes(self) -> int:
+        return amx_panel_bytes(self.kern.layout)
+
+    def amx_fill_panel(self, slots: list[ir.Value], panel: ir.Value) -> None:
+        kb, b = self.kb, self.b
+        with kb.loop(0, self.nb, name="apanel") as j:
+            pj = kb.gep(panel, b.mul(j, i64(self.amx_panel_bytes)))
+            cors = self._cors(slots, j)
+            for p, sp in enumerate(slots):
+                dx = kb.gep(sp, b.add(i64(self.k + 64 * self.nb), b.mul(j, i64(4))))
+                srcs = [(dx, 4 * p)] + [(kb.gep(cors[p], 4 * s), 4 * amx.ROWS * (1 + s) + 4 * p)
+                                        for s in range(self.n_sub)]
+                for src, at in srcs:
+                    v = b.load(b.bitcast(src, ir.PointerType(I32)), align=4)
+                    b.store(v, b.bitcast(kb.gep(pj, at), ir.PointerType(I32)), align=4)
+
+    def amx_products(self, j: ir.Value, tb: ir.Value, a0: ir.Value, sums: ir.Value) -> list[amx.Product]:
+        """Super-block j: per sub-block one ``tdpbsud`` (the ternary types'
+        256 values: four, summed in the tile) of 16 token slots' quants by the
+        sub-block's weight vectors as they lie at tb, its sums stored at
+        ``sums`` + 1 KB per sub-block."""
+        kb, b, W = self.kb, self.b, self.W
+        a_blk = kb.gep(a0, b.mul(j, i64(QK_K)))
+        per = self.sub
+        k = min(per, amx.ROW_BYTES)
+        return [amx.Product(amx.ROWS, k, kb.gep(a_blk, per * s), self.slot_bytes, kb.gep(tb, 4 * W * (per // 4) * s),
+                            kb.gep(sums, amx.ROWS * amx.ROW_BYTES * s), per // k) for s in range(self.n_sub)]
+
+    def amx_epilogue(self, tb: ir.Value, pj: ir.Value, accs: list[ir.Value], sums: ir.Value) -> list[ir.Value]:
+        """Per token, its chain over the sub-blocks as ``block`` makes it (token
+        by token here: one sum f live at a time besides the accumulators)."""
+        kb, b, W = self.kb, self.b, self.W
+        new = []
+        for p, acc in enumerate(accs):
+            f = ir.Constant(self.vf, [0.0] * W)
+            for s in range(self.n_sub):
+                scv, mv = self.unpacked_factors(tb, s)
+                a = amx_row(kb, kb.gep(sums, amx.ROWS * amx.ROW_BYTES * s), p)
+                cor = kb.gep(pj, 4 * amx.ROWS * (1 + s) + 4 * p)
+                if self.offset:
+                    a = b.add(self.bcast(cor, I32), a)
+                f = kb.fma(b.sitofp(a, self.vf), scv, f)
                 if mv is not None:
-                    f = kb.fma(mv, self.bcast(kb.gep(cors[p], 4 * s), F32), f)
-                fsb[p] = f
-        out = []
-        for sp, f, acc in zip(slots, fsb, accs):
-            dx = self.bcast(kb.gep(sp, b.add(i64(self.k + 64 * self.nb), b.mul(j, i64(4)))), F32)
-            out.append(kb.fma(f, dx, acc))
-        return out
+                    f = kb.fma(mv, self.bcast(cor, F32), f)
+            new.append(kb.fma(f, self.bcast(kb.gep(pj, 4 * p), F32), acc))
+        return new

@@ -39,8 +39,11 @@ from ..k_norm_rope import emit_rmsnorm_row, weight_loader
 from ..kernels import KernelSig
 from ..simd import HALF, I1, I8, vconst
 from .common import PREFETCH_BYTES, tuned
-from .gemm import GemmBase, Q8Gemm, act_slot_bytes as q8_slot_bytes
-from .gemm_kquants import KQGemm, act_slot_bytes as q8k_slot_bytes
+from .. import amx
+from . import amx_tiles
+from .gemm import GemmBase, Q8Gemm, act_slot_bytes as q8_slot_bytes, tile_block_bytes as q8_tile_block_bytes
+from .gemm_kquants import KQGemm, act_slot_bytes as q8k_slot_bytes, amx_panel_bytes as kq_panel_bytes
+from .gemm_kquants import block_bytes as kq_block_bytes
 from .int_q8 import IntKernel
 #: token rows quantized at once (scratch: a slot each)
 TOKENS = 64
@@ -77,10 +80,43 @@ def _slots_bytes(sig: KernelSig) -> int:
     return tokens_per_call(sig) * per
 
 
-def scratch_bytes(sig: KernelSig) -> int:
-    """Per-thread scratch: the slots, and with a fused RMSNorm the row it normalizes."""
+def _vnni_bytes(sig: KernelSig) -> int:
+    """The slots, and with a fused RMSNorm the row it normalizes."""
     k = int(sig.in_types[1].shape[1])
     return _slots_bytes(sig) + (4 * k if "norm_eps" in sig.attr else 0)
+
+
+def _staged_block_bytes(sig: KernelSig) -> int:
+    """One block of the tile as the AMX path stages it (the GEMM's unpacked form, W = 16)."""
+    base = sig.in_types[1].layout
+    return kq_block_bytes(16, base) if sig.attr.get("act") == "q8k" else q8_tile_block_bytes(16)
+
+
+def _kc(sig: KernelSig) -> int:
+    k = int(sig.in_types[1].shape[1])
+    act = sig.attr.get("act", "q8")
+    return min(int(sig.attr.get("kc", KC[act])), k // (256 if act == "q8k" else 32))
+
+
+def _amx_layout(sig: KernelSig) -> tuple[int, int, int]:
+    """(staged tile, panel, sums) offsets of the AMX path's scratch after the
+    VNNI kernel's, and the total (``amx_tiles.layout``)."""
+    k = int(sig.in_types[1].shape[1])
+    q8k = sig.attr.get("act") == "q8k"
+    nb = k // (256 if q8k else 32)
+    panel_bytes = (kq_panel_bytes(sig.in_types[1].layout) if q8k else Q8Gemm.amx_panel_bytes) * nb
+    tile = _vnni_bytes(sig)
+    return (tile, *amx_tiles.layout(tile + _kc(sig) * _staged_block_bytes(sig), TOKENS, _slots_bytes(sig) // TOKENS,
+                                    panel_bytes))
+
+
+def scratch_bytes(sig: KernelSig) -> int:
+    """Per-thread scratch: the slots, with a fused RMSNorm the row it
+    normalizes; for several rows, also the AMX path's staged tile, panel
+    and sums (``amx_tiles``)."""
+    if tokens_per_call(sig) == 1:
+        return _vnni_bytes(sig)
+    return _amx_layout(sig)[3]
 
 
 def _fuse_norm(kb: KernelBuilder, g: GemmBase, sig: KernelSig) -> None:
@@ -106,6 +142,11 @@ class _Repacked:
     def _setup(self, base: str, width: int, sig: KernelSig) -> None:
         self.tb_bytes = repacked_layout(base, width).tile_block_bytes
         self.base = base
+        # the AMX path's staged tile (``stage``), panel and sums, after the slots and the norm's row
+        if tokens_per_call(sig) > 1:
+            tile, panel, sums, _ = _amx_layout(sig)
+            self.tile, self.panel, self.sums = (self.kb.gep(self.kb.scratch, at) for at in (tile, panel, sums))
+            self.block_bytes = _staged_block_bytes(sig)
         one = len(sig.in_types[0].shape) < 2
         self.ahead = int(sig.attr.get("prefetch", PREFETCH_BYTES if one else ROWS_PREFETCH_BYTES))
         # a decode step keeps prefetching into L1: into L2 it measured 4-14% slower
@@ -117,6 +158,20 @@ class _Repacked:
         if self.ahead:
             self.kb.prefetch(self.kb.gep(tb, self.ahead), self.tb_bytes, locality=self.locality)
         return super().block(j, tb, slots, accs)
+
+    def stage(self, r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value) -> None:
+        """Blocks c0 .. c0+nblk-1 of the tile at r0, decoded into scratch in
+        the GEMM's unpacked form (AMX's B operand, the scales as float32)."""
+        kb, b = self.kb, self.b
+        with kb.loop(0, nblk, name="astage") as jj:
+            j = b.add(jj, c0 if isinstance(c0, ir.Value) else i64(c0))
+            src = self.block_source(r0, j, jj)
+            if self.ahead:
+                kb.prefetch(kb.gep(src, self.ahead), self.tb_bytes, locality=self.locality)
+            self.stage_block(src, self.tile_block(jj))
+
+    def store_f32(self, v: ir.Value, dst: ir.Value, at: int) -> None:
+        self.kb.vstore(v, self.b.bitcast(self.kb.gep(dst, at), ir.PointerType(F32)), 0)
 
     def block_source(self, r0: ir.Value, j: ir.Value, jj: ir.Value) -> ir.Value:
         b, W = self.b, self.W
@@ -174,6 +229,16 @@ class RepackedQ8(_Repacked, Q8Gemm):
         return ws, self.f16_lanes(tb, at), mw
 
 
+    def stage_block(self, src: ir.Value, dst: ir.Value) -> None:
+        W = self.W
+        ws, sc, mw = self.weights(src)
+        for i, w in enumerate(ws):
+            self.kb.vstore(w, dst, 4 * W * i)
+        self.store_f32(sc, dst, 32 * W)
+        if mw is not None:
+            self.store_f32(mw, dst, 36 * W)
+
+
 class RepackedKQ(_Repacked, KQGemm):
     """Q4_K, Q5_K and Q6_K repacked: the K-quant GEMM's ``block`` on sub-block
     weight vectors and factors decoded from the repacked super-block."""
@@ -215,6 +280,17 @@ class RepackedKQ(_Repacked, KQGemm):
         return ws, scv, None
 
 
+    def stage_block(self, src: ir.Value, dst: ir.Value) -> None:
+        W, per = self.W, self.sub
+        for s in range(self.n_sub):
+            ws, scv, mv = self.sub_weights(src, s)
+            for i, w in enumerate(ws):
+                self.kb.vstore(w, dst, 4 * W * (per // 4 * s + i))
+            self.store_f32(scv, dst, 256 * W + 4 * W * s)
+            if mv is not None:
+                self.store_f32(mv, dst, 256 * W + 4 * W * (self.n_sub + s))
+
+
 def emit_repacked(kb: KernelBuilder, sig: KernelSig, int_kernel: type) -> None:
     """Per ``tokens_per_call`` token rows: quantize them; per tile of this
     thread's share and K chunk, every token P at a time (the rest in blocks
@@ -245,15 +321,32 @@ def emit_repacked(kb: KernelBuilder, sig: KernelSig, int_kernel: type) -> None:
     m = kb.rows_of(kern.xt.shape)
 
     with g.quantized_rows(m, ts) as (t0, n):
-        # the K chunks (the first starts its accumulators from zero), every token against each
-        with kb.loop(lo, hi, name="rtile") as tile:
-            r0 = b.mul(tile, i64(W))
-            g.k_chunks(r0, kc, lambda r0_, c0, nblk: g.every_token(r0_, c0, nblk, n, t0, P))
-            if residual is not None:
-                with kb.loop(0, n, name="rres") as s:
-                    at = b.add(b.mul(b.add(t0, s), i64(kern.n_out)), r0)
-                    o = kb.gep(kern.out, at)
-                    kb.vstore(b.fadd(kb.vload(o, 0, W), kb.vload(kb.gep(residual, r0 if bias else at), 0, W)), o, 0)
+        def tiles(chunk) -> None:
+            """The K chunks (the first starts its accumulators from zero), every token against each."""
+            with kb.loop(lo, hi, name="rtile") as tile:
+                r0 = b.mul(tile, i64(W))
+                g.k_chunks(r0, kc, chunk)
+                if residual is not None:
+                    with kb.loop(0, n, name="rres") as s:
+                        at = b.add(b.mul(b.add(t0, s), i64(kern.n_out)), r0)
+                        o = kb.gep(kern.out, at)
+                        kb.vstore(b.fadd(kb.vload(o, 0, W), kb.vload(kb.gep(residual, r0 if bias else at), 0, W)),
+                                  o, 0)
+
+        def vnni(r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value) -> None:
+            g.every_token(r0, c0, nblk, n, t0, P)
+
+        if one or not amx_tiles.usable(kb, W, sig):
+            tiles(vnni)
+        else:   # several rows: AMX tiles from MIN_TOKENS on (the same bits)
+            with b.if_else(b.icmp_signed(">=", n, i64(amx_tiles.MIN_TOKENS))) as (on_amx, on_vnni):
+                with on_amx:
+                    amx_tiles.fill_panels(g, n, g.panel)
+                    tiles(amx_tiles.chunk(g, g.stage, n, t0, g.panel, g.sums))
+                with on_vnni:
+                    tiles(vnni)
+    if not one and amx_tiles.usable(kb, W, sig):
+        amx.tile_release(kb)   # at the end: LLVM configures the tiles once, on entry
 
 
 def is_repacked(t: TensorType) -> bool:
