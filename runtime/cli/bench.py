@@ -14,7 +14,7 @@ from typing import Any
 from ir.types import KV_TYPES
 
 from ..tools import serve_bench
-from ..tools.bench import compare_with_llamacpp, run_bench
+from ..tools.bench import compare_with_llamacpp, compare_with_openvino, run_bench
 from .common import CliError, memory_args, speculation_args, speculation_of, thread_count, whole_number
 
 #: fields in the order the table prints them, with their labels and formats
@@ -29,6 +29,10 @@ _TABLE = [
     ("compile_s_cold", "compile, cold", "{:.3f} s"),
     ("compile_s_warm", "compile, cached", "{:.4f} s"),
     ("prefill_tok_s", "prefill", "{:.1f} tok/s"),
+    ("int8_unit", "int8 unit", "{}"),
+    ("int8_peak_gops", "int8 peak (probe)", "{:.0f} GOPS"),
+    ("prefill_int8_gops", "prefill matmuls", "{:.0f} GOPS"),
+    ("prefill_int8_fraction", "prefill / int8 peak", "{:.1%}"),
     ("decode_tok_s", "decode", "{:.1f} tok/s"),
     ("speculative", "speculative decoding", "{}"),
     ("plain_loop_tok_s", "plain, decode + sampling", "{:.1f} tok/s"),
@@ -44,6 +48,8 @@ _TABLE = [
     ("roofline_tok_s", "roofline (bandwidth / bytes)", "{:.1f} tok/s"),
     ("roofline_fraction", "decode / roofline", "{:.1%}"),
 ]
+#: peers measured beside us: (result key, label)
+_PEERS = [("llamacpp", "llama.cpp"), ("openvino", "OpenVINO GenAI")]
 
 
 def format_table(r: dict[str, Any]) -> str:
@@ -55,6 +61,20 @@ def format_table(r: dict[str, Any]) -> str:
         if key in spec_rows and r.get("speculative") is None:
             continue
         rows.append((label, "-" if v is None else fmt.format(v)))
+        if key == "int8_unit" and r.get("amx") and not r["amx"]["used"]:
+            rows.append(("  (AMX)", r["amx"]["why"]))
+        if key.endswith("_fraction") and r.get(key + "_spread"):
+            lo, hi = r[key + "_spread"]
+            rows.append(("  spread over runs", f"{lo:.1%} .. {hi:.1%}"))
+    for key, name in _PEERS:
+        peer = r.get(key)
+        if peer is None:
+            continue
+        if "error" in peer:
+            rows.append((name, peer["error"]))
+            continue
+        rows.append((f"{name} prefill / decode", f"{peer['prefill_tok_s']:.1f} / {peer['decode_tok_s']:.1f} tok/s"))
+        rows.append((f"  lmc / {name}", f"prefill {r['prefill_vs_' + key]:.2f}x, decode {r['decode_vs_' + key]:.2f}x"))
     w = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{w}}  {val}" for label, val in rows)
 
@@ -97,6 +117,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--compare-llamacpp", action="store_true",
                    help="also measure llama.cpp (the xllamacpp package) on the same file, same threads; with "
                         "--serve, llama.cpp's server with as many slots, after ours")
+    b.add_argument("--compare-openvino", action="store_true",
+                   help="also measure OpenVINO GenAI (the openvino-genai package) on the same GGUF, same threads, "
+                        "where its reader takes the file (one line saying why where not)")
     b.add_argument("--serve", action="store_true",
                    help="measure serving: start lmc serve on the model and load it with 1, 4, 8, 16 concurrent "
                         "streaming clients (lmc loadtest); aggregate tok/s, time to first token, inter-token "
@@ -136,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
                   stream=args.stream, stream_io=args.stream_io, speculation=spec, prompt_text=prompt_text)
     if args.compare_llamacpp:
         compare_with_llamacpp(r, args.model, args.threads, args.runs)
+    if args.compare_openvino:
+        compare_with_openvino(r, args.model, args.threads, args.runs)
     if args.json:
         print(json.dumps(_jsonable(r)))
     else:
@@ -147,6 +172,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     """``lmc bench --serve``, from the bench's parsed flags."""
     if args.stream is not None:
         raise CliError("--stream: lmc serve keeps its weights in memory; not with --serve")
+    if args.compare_openvino:
+        raise CliError("--compare-openvino measures one stream; not with --serve")
     extra = ["--backend", args.backend]
     if args.kv_type:
         extra += ["--kv-type", args.kv_type]

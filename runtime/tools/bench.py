@@ -1,12 +1,20 @@
 """The single-stream benchmark (``lmc bench``): compile time, prefill and
-decode speed, memory, and how close decoding comes to the memory-bandwidth
-roofline, measured side by side in one process; and llama.cpp's speed on
-the same file beside it (``llamacpp_bench``).
+decode speed, memory, and how close each comes to its roofline, measured
+side by side in one process; and llama.cpp's and OpenVINO GenAI's speed on
+the same file beside it (``llamacpp_bench``, ``openvino_bench``).
 
 Decoding one token reads every weight of the decode graph once (the
 embedding table only one row, unless it is also the classifier), so
 ``read bandwidth / weight bytes per token`` is the speed no decoder can beat
-on this machine; ``roofline_fraction`` says how much of it we reach.
+on this machine; ``roofline_fraction`` says how much of it we reach. A
+prompt chunk is compute: its integer-path matmuls' int8 operations against
+the measured peak of the int8 unit they run on (AMX tiles or VNNI) give
+``prefill_int8_fraction``.
+
+Both probes share the machine with other tenants (and a 300 MiB L3 on the
+machines measured), so each is measured right before each run of the
+workload it judges (probe, run, probe, run ...): the fractions are medians
+of those pairs, and the spreads say how much the neighbours moved them.
 """
 from __future__ import annotations
 
@@ -44,6 +52,36 @@ def weight_bytes_per_token(loaded: LoadedModel) -> int:
     return total
 
 
+def int8_ops(loaded: LoadedModel) -> tuple[int, int]:
+    """Int8 operations (2 per multiply-add) of the prefill graph's matmuls
+    that take the integer path: (per prompt token, once per prompt: the
+    classifier on the last token). (0, 0) where this host has no int8 unit."""
+    from compiler.codegen.target import host_target
+    from ir.quant import QUANT_TYPES
+
+    if not host_target().int_dot:
+        return 0, 0
+    per_token = once = 0
+    for n in model_graph(loaded, "prefill").nodes:
+        if n.op not in ("qmatmul", "qmatmul_rows", "qmatmul_add"):
+            continue
+        x, w = n.inputs[:2]
+        qt = QUANT_TYPES.get(w.type.layout or "")
+        if qt is None or qt.act is None:
+            continue
+        ops = 2 * int(w.type.shape[0]) * int(w.type.shape[1])
+        if len(x.type.shape) > 1:
+            per_token += ops
+        else:
+            once += ops
+    return per_token, once
+
+
+def spread(values: list[float]) -> list[float]:
+    """[min, max] of a probe's or a ratio's values over the runs."""
+    return [min(values), max(values)]
+
+
 def clip_lengths(ctx: int, prompt_tokens: int, gen_tokens: int) -> tuple[int, int]:
     """Prompt and generation lengths that fit the context (generation first)."""
     gen = max(1, min(gen_tokens, ctx - 1))
@@ -74,7 +112,8 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
     and sampling time of both: a verify step's choice of tokens is
     sampling). ``prompt_text``: the prompt (control tokens recognised)
     instead of random ids; prompt lookup needs a real one."""
-    from compiler.codegen.probe import measure_read_bandwidth
+    from compiler.codegen.probe import ReadProbe, int8_unit, measure_int8_peak
+    from compiler.codegen.target import amx_status
 
     if threads < 1:
         raise RunError(f"--threads {threads}: must be >= 1")
@@ -131,11 +170,35 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
             ex.prefill(ids, 0)
 
         prefill()  # warm-up: first-touch of weights and arena
-        out["prefill_tok_s"] = prompt / median_time(prefill, runs)
+        unit = int8_unit() if backend == "llvm" else None
+        out["int8_unit"] = unit
+        out["amx"] = amx_status()
+        prefill_s, peaks = [], []
+        for _ in range(runs):   # probe, run, probe, run: each run judged by the peak right before it
+            if unit:
+                peaks.append(measure_int8_peak(threads))
+            prefill_s.append(median_time(prefill, 1))
+        out["prefill_tok_s"] = prompt / statistics.median(prefill_s)
+        per_token, once = int8_ops(loaded) if unit else (0, 0)
+        if per_token:
+            ops = per_token * prompt + once
+            out["int8_peak_gops"] = statistics.median(peaks)
+            out["int8_peak_spread_gops"] = spread(peaks)
+            out["prefill_int8_gops"] = ops / statistics.median(prefill_s) / 1e9
+            fr = [ops / t / 1e9 / pk for t, pk in zip(prefill_s, peaks)]
+            out["prefill_int8_fraction"] = statistics.median(fr)
+            out["prefill_int8_fraction_spread"] = spread(fr)
 
         decode_s, io_split, plain_loop, spec_loop, spec_stats = [], [], [], [], []
         identical = True
+        # the model's own peak, before the bandwidth probe's buffer (probe_bytes) joins it
+        model.speculation = None
+        list(model.generate(ids, 2, temperature=0.0, stop=False))
+        out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        probe = ReadProbe(threads, probe_bytes)
+        bws = []
         for _ in range(runs):
+            bws.append(probe.measure(probe_repeats))
             model.speculation = None
             got = list(model.generate(ids, gen + 1, temperature=0.0, stop=False))
             st = model.last_stats
@@ -172,7 +235,7 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
             out["decode_io_wait_s"], out["decode_compute_s"] = wait, dmed - wait
             out["io_wait_fraction"] = wait / dmed
             out["disk_read_gb_s"] = statistics.median(b / r for _, b, r in io_split if r > 0) / 1e9
-        out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        del probe
     finally:
         if model is not None and hasattr(model.executor, "close"):
             model.executor.close()  # idle workers must not compete with the probe
@@ -184,13 +247,28 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
         shutil.rmtree(cache, ignore_errors=True)
 
     wbytes = weight_bytes_per_token(loaded)
-    bw = measure_read_bandwidth(threads, probe_bytes, probe_repeats)
     out["weight_bytes_per_token"] = wbytes
     out["vocab_size"] = loaded.config.vocab_size
-    out["read_bandwidth_gb_s"] = bw
-    out["roofline_tok_s"] = bw * 1e9 / wbytes
-    out["roofline_fraction"] = out["decode_tok_s"] / out["roofline_tok_s"]
+    out["read_bandwidth_gb_s"] = statistics.median(bws)
+    out["read_bandwidth_spread_gb_s"] = spread(bws)
+    out["roofline_tok_s"] = out["read_bandwidth_gb_s"] * 1e9 / wbytes
+    fr = [gen / d / (bw * 1e9 / wbytes) for d, bw in zip(decode_s, bws)]
+    out["roofline_fraction"] = statistics.median(fr)
+    out["roofline_fraction_spread"] = spread(fr)
     return out
+
+
+def compare_with_openvino(r: dict[str, Any], model_path: str, threads: int, runs: int) -> None:
+    """Add OpenVINO GenAI's figures on the same file (``r["openvino"]``, or
+    its error) and our ratios to them to a ``run_bench`` result."""
+    from .openvino_bench import bench_openvino
+
+    ov = bench_openvino(model_path, threads, r["prompt_tokens"], r["gen_tokens"], runs,
+                        int(r.get("vocab_size") or 32000))
+    r["openvino"] = ov
+    if "error" not in ov:
+        r["decode_vs_openvino"] = r["decode_tok_s"] / ov["decode_tok_s"]
+        r["prefill_vs_openvino"] = r["prefill_tok_s"] / ov["prefill_tok_s"]
 
 
 def compare_with_llamacpp(r: dict[str, Any], model_path: str, threads: int, runs: int) -> None:

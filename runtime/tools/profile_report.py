@@ -174,9 +174,14 @@ def profile_model(model_path: str, tokenizer: str | None = None, threads: int | 
         ex.close()
     chunk = ex.chunk
     pre_runs = [range(a, min(a + chunk, len(ids))) for a in range(0, len(ids), chunk)]
+    from compiler.codegen.probe import int8_unit, measure_int8_peak
+
+    unit = int8_unit()   # the integer matmuls' unit, and its peak right after the runs it judges
     return {
         "model": os.path.basename(os.fspath(model_path)),
         "threads": ex.threads,
+        "int8_unit": unit,
+        "int8_peak_gops": measure_int8_peak(ex.threads) if unit else None,
         "cpu": res.artifact.manifest["target"]["cpu"],
         "ctx": ctx,
         "cache_hit": res.cached,
@@ -215,6 +220,7 @@ def _section(graph: Graph, samples: np.ndarray, sync_ns: np.ndarray, wall_s: np.
             "us_total": t / 1e3,
             "bytes_read": round(read / steps), "bytes_written": round(written / steps),
             "flops": round(flops / steps),
+            "int8": node.attrs.get("act") is not None,   # an integer-path matmul: judged against the int8 peak
             "gb_s": (read + written) / t if t else 0.0, "gflop_s": flops / t if t else 0.0,
             "share": t / steps / 1e3 / step_us if step_us else 0.0,
         })
@@ -253,6 +259,7 @@ def _group(nodes: list[dict], key: str, step_us: float) -> list[dict]:
         us = sum(n["us"] for n in ns)
         read, written, flops = (sum(n[f] for n in ns) for f in ("bytes_read", "bytes_written", "flops"))
         out.append({"kind": k, "nodes": len(ns), "us": us, "share": us / step_us if step_us else 0.0,
+                    "int8": all(n.get("int8") for n in ns),
                     "bytes_read": read, "bytes_written": written, "flops": flops,
                     "gb_s": (read + written) / (us * 1e3) if us else 0.0,
                     "gflop_s": flops / (us * 1e3) if us else 0.0})
@@ -281,7 +288,7 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:,.3f}"
 
 
-def format_section(sec: dict, top: int = TOP_NODES) -> str:
+def format_section(sec: dict, top: int = TOP_NODES, peak: float | None = None) -> str:
     steps, tokens = sec["steps"], sec["tokens_per_step"]
     what = (f"decode step (mean of {steps}, positions {sec['positions'][0]}..{sec['positions'][1]})"
             if sec["entry"] == "decode" else f"{sec['entry']} of {tokens} tokens (one run)")
@@ -296,16 +303,21 @@ def format_section(sec: dict, top: int = TOP_NODES) -> str:
              f"  overhead             {sec['overhead_us']:>12,.1f} us  {sec['overhead_pct']:6.1f}%"
              f"  (ctypes call; median step {sec['overhead_pct_median']:.1f}%)",
              f"  kernels + dispatch + exit explain the measured step time {verdict}", ""]
+    def of_peak(k: dict) -> str:
+        """An integer-path matmul's operations per second against the int8 peak."""
+        return f"{100 * k['gflop_s'] / peak:.1f}%" if peak and k.get("int8") else ""
+
     rows = [[k["kind"], str(k["nodes"]), f"{k['us']:,.1f}", f"{100 * k['share']:.1f}%", _mb(k["bytes_read"]),
-             _mb(k["bytes_written"]), f"{k['gb_s']:.1f}", f"{k['gflop_s']:.2f}"] for k in sec["kinds"]]
+             _mb(k["bytes_written"]), f"{k['gb_s']:.1f}", f"{k['gflop_s']:.2f}", of_peak(k)] for k in sec["kinds"]]
     for what in ("dispatch", "exit"):
         rows.append([f"({what})", "", f"{sec[what + '_us']:,.1f}", f"{100 * sec[what + '_us'] / m:.1f}%",
-                     "", "", "", ""])
-    rows.append(["(overhead)", "", f"{sec['overhead_us']:,.1f}", f"{sec['overhead_pct']:.1f}%", "", "", "", ""])
+                     "", "", "", "", ""])
+    rows.append(["(overhead)", "", f"{sec['overhead_us']:,.1f}", f"{sec['overhead_pct']:.1f}%", "", "", "", "", ""])
     rows.append(["total (measured)", str(len(sec["nodes"])), f"{m:,.1f}", "100.0%",
                  _mb(sum(k["bytes_read"] for k in sec["kinds"])), _mb(sum(k["bytes_written"] for k in sec["kinds"])),
-                 "", ""])
-    lines += _table(["op kind", "nodes", "us/step", "share", "MB read", "MB written", "GB/s", "GFLOP/s"], rows)
+                 "", "", ""])
+    lines += _table(["op kind", "nodes", "us/step", "share", "MB read", "MB written", "GB/s", "GFLOP/s",
+                     "int8 peak"], rows)
     ranked = sorted(sec["nodes"], key=lambda n: -n["us"])[:top]
     if ranked:
         lines += ["", f"top {len(ranked)} of {len(sec['nodes'])} nodes"]
@@ -320,7 +332,12 @@ def format_section(sec: dict, top: int = TOP_NODES) -> str:
 def format_text(report: dict, top: int = TOP_NODES) -> str:
     head = (f"lmc profile: {report['model']}, {report['threads']} thread(s), CPU {report['cpu']}, "
             f"context {report['ctx']}")
-    return "\n\n".join([head, format_section(report["decode"], top), format_section(report["prefill"], top)]) + "\n"
+    peak = report.get("int8_peak_gops")
+    if peak:
+        head += (f"\nint8 peak ({report['int8_unit']}, probed with {report['threads']} thread(s) after the runs): "
+                 f"{peak:,.0f} GOPS; an integer-path matmul's GFLOP/s (2 per multiply-add) against it in 'int8 peak'")
+    return "\n\n".join([head, format_section(report["decode"], top, peak),
+                         format_section(report["prefill"], top, peak)]) + "\n"
 
 
 # --- svg ----------------------------------------------------------------------------------
