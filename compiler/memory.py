@@ -31,8 +31,9 @@ def model_sizes(model: LoadedModel, graphs: dict[str, Graph], plans: dict[str, A
                                 matmul=name in matmuls))
     run = [p for n, p in plans.items() if n != "prefill_all"] or list(plans.values())
     head_dim = cfg.dim // cfg.n_heads if not getattr(cfg, "head_dim", None) else cfg.head_dim
+    # compressed layers are staged before decompression; repacked ones are read as they are
     packed = [v.ref.packed.stored for name, v in g.weights.items()
-              if v.ref.packed is not None and layer_of(name) is not None]
+              if v.ref.packed is not None and v.ref.packed.codec != "repack" and layer_of(name) is not None]
     return ModelSizes(infos, cfg.n_layers, cfg.kv_dim, head_dim, cfg.vocab_size, max_ctx,
                       max(p.size for p in run), max(p.lower_bound for p in run), 4, 4 * scratch_floats,
                       code_bytes, max(packed, default=0))
@@ -53,5 +54,7 @@ def plan_manifest(mp: MemoryPlan, sched: StreamSchedule | None) -> dict[str, Any
             "staging_bytes": staging_bytes(sched),
             # compressed regions the reader decompresses (the runtime leaves them out of the image)
             "packed_image_offsets": [s.image_offset for s in sched.segments if s.image_offset is not None],
+            # some weights are read from the repacked weights' file (``compiler.repack_cache``)
+            "reads_repacked": sched.repack_lo is not None,
         }
     return out

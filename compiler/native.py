@@ -301,8 +301,9 @@ def plan_native(model: LoadedModel, o: NativeOptions) -> NativePlan:
     batch = o.batch.resolved(ctx) if o.batch is not None else None
     if batch is not None and (o.mem_budget is not None or o.stream):
         raise ValueError("batched serving (a paged KV pool) does not take a memory budget or streamed weights yet")
-    # streamed weights are read from the file as they are: repacked only when all stay resident
-    rw = None if (o.mem_budget is not None or o.stream) else repack_width(o.vector_width)
+    # streamed weights are repacked too (read from the repacked bytes' file): a budget
+    # changes where a weight lives, never the arithmetic a token sees
+    rw = repack_width(o.vector_width)
     graphs = build_graphs(model, CompileOptions(backend="llvm", ctx=ctx, dump_dir=o.dump_dir, passes=o.passes,
                                                 kv_type=o.kv_type, dump_after=o.dump_after, batch=batch,
                                                 verify=o.verify and batch is None, repack_width=rw))
@@ -311,7 +312,7 @@ def plan_native(model: LoadedModel, o: NativeOptions) -> NativePlan:
     plans = {name: plan_arena(g, symbols) for name, g in graphs.items()}
     memory, sched = None, None
     if o.mem_budget is not None or o.stream:
-        memory, sched, graphs, plans, ctx = _fit_budget(model, o, graphs, plans, ctx, symbols)
+        memory, sched, graphs, plans, ctx = _fit_budget(model, o, graphs, plans, ctx, symbols, rw)
     return NativePlan(graphs, plans, memory, sched, ctx, chunk, symbols, batch)
 
 
@@ -325,7 +326,7 @@ def batch_manifest(batch: BatchOptions, ctx: int, rows: int, graph) -> dict[str,
 
 
 def _fit_budget(model: LoadedModel, o: NativeOptions, graphs: dict, plans: dict, ctx: int,
-                symbols: dict) -> tuple:
+                symbols: dict, repack_width: int | None) -> tuple:
     """Plan memory for ``o.mem_budget``; rebuild the graphs when the plan
     changes the KV cache or splits the head. Raises BudgetError."""
     from passes.memory_budget import plan_memory
@@ -345,9 +346,12 @@ def _fit_budget(model: LoadedModel, o: NativeOptions, graphs: dict, plans: dict,
     if mp.ctx != ctx or mp.kv_type != cur_kv or split:
         graphs = build_graphs(model, CompileOptions(backend="llvm", ctx=mp.ctx, dump_dir=o.dump_dir,
                                                     passes=o.passes, kv_type=mp.kv_type, split_rows=split,
-                                                    dump_after=o.dump_after, verify=o.verify))
+                                                    dump_after=o.dump_after, verify=o.verify,
+                                                    repack_width=repack_width))
         plans = {name: plan_arena(g, symbols) for name, g in graphs.items()}
-    sched = build_schedule(graphs, mp.stream_layers, mp.stream_head, o.stream_io) if mp.streaming else None
+    repacked = repack_cache.repack_regions(packed_regions(w.ref for g in graphs.values() for w in g.weights.values()))
+    sched = build_schedule(graphs, mp.stream_layers, mp.stream_head, o.stream_io,
+                           repack_cache.span(repacked)[0] if repacked else None) if mp.streaming else None
     if sched is not None:  # the exact buffer size, now that the segments are known
         mp.buffer_bytes = sched.buffer_bytes
         mp.categories["stream buffers"] = 2 * sched.buffer_bytes

@@ -155,10 +155,9 @@ def store(key: str, data: np.ndarray) -> bool:
 
 
 def prepare(model_path: str, key: str | None, regions: Sequence[Any]) -> None:
-    """Make sure the entry of ``key`` exists (the compiler's part): each row
-    block read from the model file, repacked and written at its place in a
-    new entry, so the compiling process holds a few blocks at a time, not
-    the model. Best effort: a failure leaves the runtime to repack at load."""
+    """Make sure the entry of ``key`` exists (the compiler's part), written
+    by ``write_file``. Best effort: a failure leaves the runtime to repack
+    at load."""
     import threading
 
     rp = repack_regions(regions)
@@ -171,19 +170,8 @@ def prepare(model_path: str, key: str | None, regions: Sequence[Any]) -> None:
     tmp = f"{path}.{os.getpid()}.{threading.get_ident():x}.part"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(model_path, "rb") as src, open(tmp, "wb") as dst:
-            dst.truncate(hi - lo)            # the gaps between regions read as zeros
-
-            def run(r: Any, row0: int, rows: int) -> None:
-                s0, sn, d0, dn = _rows(r, row0, rows)
-                raw = os.pread(src.fileno(), sn, s0)
-                if len(raw) != sn:
-                    raise OSError(f"{model_path}: short read at byte {s0}")
-                out = repacked_layout(_get(r, "layout"), _get(r, "repack")).repack(np.frombuffer(raw, np.uint8), rows,
-                                                           int(_get(r, "shape")[1]))
-                os.pwrite(dst.fileno(), out.data, d0 - lo)
-
-            _in_threads(run, _jobs(rp))
+        with open(tmp, "wb") as dst:
+            write_file(model_path, dst.fileno(), rp)
         os.replace(tmp, path)
         _seal(path)
     except (OSError, ValueError):
@@ -191,3 +179,26 @@ def prepare(model_path: str, key: str | None, regions: Sequence[Any]) -> None:
             os.remove(tmp)
         except OSError:
             pass
+
+
+def write_file(model_path: str, fd: int, regions: Sequence[Any]) -> None:
+    """Write the repacked bytes of ``regions`` (image bytes [lo, hi) of
+    ``span``) to the open file ``fd``: each row block read from the model
+    file, repacked and written at its place, so the process holds a few
+    blocks at a time, not the model (a compile, or a run under a memory
+    budget whose streamed weights are read from this file)."""
+    rp = repack_regions(regions)
+    lo, hi = span(rp)
+    os.ftruncate(fd, hi - lo)            # the gaps between regions read as zeros
+    with open(model_path, "rb") as src:
+        def run(r: Any, row0: int, rows: int) -> None:
+            s0, sn, d0, dn = _rows(r, row0, rows)
+            raw = os.pread(src.fileno(), sn, s0)
+            if len(raw) != sn:
+                raise OSError(f"{model_path}: short read at byte {s0}")
+            out = repacked_layout(_get(r, "layout"), _get(r, "repack")).repack(np.frombuffer(raw, np.uint8), rows,
+                                                                               int(_get(r, "shape")[1]))
+            if os.pwrite(fd, out.data, d0 - lo) != dn:
+                raise OSError(f"short write of repacked weights at byte {d0 - lo}")
+
+        _in_threads(run, _jobs(rp))

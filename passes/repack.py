@@ -16,8 +16,9 @@ it from the host: 16 with AVX-512 VNNI, 8 with 256-bit VNNI); without it the
 pass does nothing. A weight is repacked where an integer-path ``qmatmul``
 reads it (``act``, set by ``int_dot``) and its shape fills whole tiles;
 other readers (a tied embedding's lookup) keep the file's bytes. Streamed
-weights (a memory budget) are never repacked: the compiler leaves the pass
-out then.
+weights (a memory budget) are repacked too: the stream reader reads them
+from the file of repacked bytes (``compiler.repack_cache``), so a budget
+changes where a weight lives, never the numbers a token gets.
 
 Image offsets must be the same in every graph of a model (the decode step
 and the prefill share one image), so they follow from the graph alone: the

@@ -25,6 +25,8 @@ def row_bytes(t: TensorType) -> int | None:
     if t.rank != 2:
         return None
     n = int(t.shape[0])
+    if t.repack:   # W-row tiles, each a contiguous run of bytes (``passes/repack``)
+        return t.nbytes() // n if n % t.repack == 0 else None
     if isinstance(get_layout(t.layout or "F32"), PlanarQ8Layout):
         return None  # llama2.c Q8: the scales follow all the quants
     rb = TensorType((1, t.shape[1]), t.dtype, t.layout).nbytes()
@@ -57,16 +59,23 @@ def _split(graph: Graph, node: Node, w: Value, rows: int) -> None:
     rb = row_bytes(w.type)
     if rb is None:
         raise ValueError(f"split_rows: {w.name} ({w.type.layout}) cannot be split by rows")
+    if w.type.repack and rows % w.type.repack:
+        raise ValueError(f"split_rows: blocks of {rows} rows cut {w.name}'s tiles of {w.type.repack}")
+    x, attrs = node.inputs[0], {k: v for k, v in node.attrs.items() if k != "norm_eps"}
+    if "norm_eps" in node.attrs:   # a fused norm (``passes/fuse_norm``) is computed once for all blocks again:
+        # the same numbers, since the fused kernel normalizes with the norm's own code
+        x = graph.add_node("rmsnorm", [x, node.inputs[-1]], {"eps": node.attrs["norm_eps"]})
     acc: Value | None = None
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        t = TensorType((r1 - r0, w.type.shape[1]), w.type.dtype, w.type.layout)
-        ref = WeightRef(w.ref.path, w.ref.offset + r0 * rb, (r1 - r0) * rb)
+        t = TensorType((r1 - r0, w.type.shape[1]), w.type.dtype, w.type.layout, w.type.repack)
+        # a repacked weight's block keeps its region: its bytes are in the image (or its file)
+        ref = WeightRef(w.ref.path, w.ref.offset + r0 * rb, (r1 - r0) * rb, w.ref.packed)
         part = graph.add_weight(block_name(w.name, r0, r1), t, ref)
-        attrs = {**node.attrs, "layout": w.type.layout, "row0": r0, "n_total": n}
-        inputs = [node.inputs[0], part] + ([acc] if acc is not None else [])
+        block_attrs = {**attrs, "layout": w.type.layout, "row0": r0, "n_total": n}
+        inputs = [x, part] + ([acc] if acc is not None else [])
         last = r1 == n
-        acc = graph.add_node("qmatmul_rows", inputs, attrs, name=node.output.name if last else None,
+        acc = graph.add_node("qmatmul_rows", inputs, block_attrs, name=node.output.name if last else None,
                              kernel=node.kernel)
     # the last block's value stands in for the original result
     assert acc is not None and acc.producer is not None

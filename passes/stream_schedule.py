@@ -23,13 +23,20 @@ _LAYER = re.compile(r"blk\.(\d+)\.")
 #: region read into the staging buffer and decompressed into the stream buffer
 CODECS = {"none": 0, "lz4": 1, "zstd": 2}
 
+#: where a range's bytes come from: the model file, or the file of its
+#: repacked weights (``compiler.repack_cache``: the image bytes from the
+#: schedule's ``repack_lo`` on). Streamed weights are repacked as resident
+#: ones are, so a budget never changes a token's arithmetic.
+FROM_MODEL, FROM_REPACKED = 0, 1
+
 
 @dataclass
 class Segment:
     name: str
     weights: list[str] = field(default_factory=list)
-    #: (file offset, bytes read, buffer offset, codec code, bytes written to the buffer)
-    ranges: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    #: (offset, bytes read, buffer offset, codec code, bytes written to the buffer, source):
+    #: the offset is in the model file (FROM_MODEL) or the weight image (FROM_REPACKED)
+    ranges: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
     nbytes: int = 0      # bytes read from the file
     image_offset: int | None = None   # a compressed segment: where its region sits in the weight image
 
@@ -42,6 +49,8 @@ class StreamSchedule:
     #: how a segment comes in: "pread" copies it into buffer s % 2; "mmap"
     #: maps its pages in place (and unmaps segment s - 2's), no copy
     io: str = "pread"
+    #: image offset where the repacked weights' file starts (None: no streamed weight is repacked)
+    repack_lo: int | None = None
 
     def segment_of(self, weight: str) -> int | None:
         p = self.placement.get(weight)
@@ -57,9 +66,11 @@ def layer_of(name: str) -> int | None:
 
 
 def build_schedule(graphs: dict[str, Graph], stream_layers: bool, stream_blocks_of: list[str],
-                   io: str = "pread") -> StreamSchedule:
+                   io: str = "pread", repack_lo: int | None = None) -> StreamSchedule:
     """Segments for the streamed weights of ``graphs`` (which must all use
-    the same weights in the same order: decode, prefill ...)."""
+    the same weights in the same order: decode, prefill ...). ``repack_lo``:
+    the image offset where the repacked weights' file starts (needed when
+    a streamed weight is repacked)."""
     weights = {}
     for g in graphs.values():
         for name, v in g.weights.items():
@@ -83,28 +94,34 @@ def build_schedule(graphs: dict[str, Graph], stream_layers: bool, stream_blocks_
     placement: dict[str, tuple[int, int]] = {}
     if io not in ("pread", "mmap"):
         raise ValueError(f"stream io {io!r}: expected pread or mmap")
+    streamed_repacked = False
     for i, seg in enumerate(segs):
         packed = {weights[n].ref.packed for n in seg.weights}
-        if packed - {None}:
+        if {p for p in packed if p is not None and p.codec != "repack"}:
             _packed_segment(i, seg, weights, packed, io, placement)
             continue
         top = 0
         for name in seg.weights:
             ref = weights[name].ref
+            src = FROM_MODEL if ref.packed is None else FROM_REPACKED
+            if src == FROM_REPACKED and repack_lo is None:
+                raise ValueError(f"{name} is repacked: the schedule needs where the repacked weights' file starts")
+            streamed_repacked |= src == FROM_REPACKED
             placement[name] = (i, top)
             last = seg.ranges[-1] if seg.ranges else None
-            if last and last[0] + last[1] == ref.offset and last[2] + last[1] == top:
-                off, n, dst = last[:3]   # adjacent in the file and the buffer: one read
-                seg.ranges[-1] = (off, n + ref.nbytes, dst, 0, n + ref.nbytes)
+            if last and last[5] == src and last[0] + last[1] == ref.offset and last[2] + last[1] == top:
+                off, n, dst = last[:3]   # adjacent in the source and the buffer: one read
+                seg.ranges[-1] = (off, n + ref.nbytes, dst, 0, n + ref.nbytes, src)
             else:
-                seg.ranges.append((ref.offset, ref.nbytes, top, 0, ref.nbytes))
+                seg.ranges.append((ref.offset, ref.nbytes, top, 0, ref.nbytes, src))
             top += ref.nbytes
             if top % ALIGN and ref.nbytes:
                 pad = ALIGN - top % ALIGN
                 top += pad
         seg.nbytes = sum(r[1] for r in seg.ranges)
     size = max((max((r[2] + r[4] for r in s.ranges), default=0) for s in segs), default=0)
-    return StreamSchedule(segs, placement, (size + ALIGN - 1) // ALIGN * ALIGN, io)
+    return StreamSchedule(segs, placement, (size + ALIGN - 1) // ALIGN * ALIGN, io,
+                          repack_lo if streamed_repacked else None)
 
 
 def _packed_segment(i: int, seg: Segment, weights: dict, packed: set, io: str,
@@ -122,7 +139,7 @@ def _packed_segment(i: int, seg: Segment, weights: dict, packed: set, io: str,
         raise ValueError(f"{seg.name}: unknown compression {p.codec!r}")
     for name in seg.weights:
         placement[name] = (i, weights[name].ref.offset - p.image_offset)
-    seg.ranges = [(p.file_offset, p.stored, 0, CODECS[p.codec], p.size)]
+    seg.ranges = [(p.file_offset, p.stored, 0, CODECS[p.codec], p.size, FROM_MODEL)]
     seg.nbytes = p.stored
     seg.image_offset = p.image_offset
 

@@ -92,7 +92,8 @@ class NativeExecutor(PagedBatch):
             from compiler.repack_cache import cache_key
 
             key = cache_key(m["model"], m["image"].get("regions", []))
-            self._map = WeightImage(model_path, regions_of(m["image"]), int(m["image"]["size"]), skip, key)
+            self._map = WeightImage(model_path, regions_of(m["image"]), int(m["image"]["size"]), skip, key,
+                                    streamed_repacked=bool((self.stream or {}).get("reads_repacked")))
             self._weights = self._map.array
         else:
             if self.stream:   # the streamed layers are read into buffers: the mapping holds the rest
@@ -172,6 +173,7 @@ class NativeExecutor(PagedBatch):
         fd = os.open(model_path, os.O_RDONLY)
         self._fds.append(fd)
         c[S.FD] = fd
+        c[S.FD_REPACKED] = getattr(self._map, "repacked_fd", -1)   # owned by the weight image
         io = _RUN(self.code.address("lmc_io"))
         t = threading.Thread(target=io, args=(self._ctl_ptr,), daemon=True, name="lmc-io")
         t.start()

@@ -50,13 +50,18 @@ class WeightImage:
     """The file, then its decompressed regions, at one address."""
 
     def __init__(self, path: str, regions: list[Region], image_size: int, skip: frozenset[int] = frozenset(),
-                 repack_key: str | None = None) -> None:
+                 repack_key: str | None = None, streamed_repacked: bool = False) -> None:
         """``repack_key``: names the repacked regions' bytes in the cache
         (``compiler.repack_cache``): mapped from there when present, else
-        built and stored there for the next load."""
+        built and stored there for the next load. ``streamed_repacked``:
+        some repacked weights stream (a memory budget), so their bytes must
+        be in a file (``repacked_fd``), never built in this process's memory."""
         self.path = path
         #: how the repacked weights got here: "mapped" (the cache), "built" (repacked now), None (none)
         self.repacked: str | None = None
+        #: an open descriptor of the file of the repacked weights (streamed ones are read from it), or -1
+        self.repacked_fd = -1
+        self._streamed_repacked = streamed_repacked
         with open(path, "rb") as f:
             fsize = os.fstat(f.fileno()).st_size
             self.size = max(image_size, fsize, 1)
@@ -87,7 +92,7 @@ class WeightImage:
             repack = [r for r in todo if r.codec == "repack"]
             if repack:
                 self._repacked(repack, repack_key)
-        except (CodecError, ValueError) as e:
+        except (CodecError, ValueError, OSError) as e:
             self.close()
             where = f"a {r.codec} region at byte {r.file_offset}" if r is not None else "its repacked weights"
             raise OSError(f"{path}: {where}: {e}") from None
@@ -100,6 +105,9 @@ class WeightImage:
         from compiler import repack_cache
 
         lo, hi = repack_cache.span(regions)
+        if self._streamed_repacked:
+            self._file_backed(regions, key, lo, hi)
+            return
         if key is not None and self._map_cached(repack_cache.lookup(key, hi - lo), lo, hi - lo):
             self.repacked = "mapped"
             return
@@ -112,6 +120,30 @@ class WeightImage:
                 _libc.madvise(ctypes.c_void_p(self.address + a), ctypes.c_size_t(b - a), _MADV_DONTNEED)
         if key is not None:
             repack_cache.store(key, self.array[lo:hi])
+
+    def _file_backed(self, regions: list[Region], key: str | None, lo: int, hi: int) -> None:
+        """Streamed repacked weights: their file (the cache's entry, written
+        now if it is missing; a temporary file when the cache is off) is
+        mapped over the span and kept open for the stream reader."""
+        import tempfile
+
+        from compiler import repack_cache
+
+        path = repack_cache.lookup(key, hi - lo) if key is not None else None
+        if path is None and key is not None:
+            repack_cache.prepare(self.path, key, regions)
+            path = repack_cache.lookup(key, hi - lo)
+        if path is not None:
+            self.repacked_fd = os.open(path, os.O_RDONLY)
+        else:   # no cache: a file of our own, gone when it is closed
+            with tempfile.TemporaryFile(prefix="lmc-repacked-") as f:
+                repack_cache.write_file(self.path, f.fileno(), regions)
+                self.repacked_fd = os.dup(f.fileno())
+        got = _libc.mmap(self.address + lo, hi - lo, mmap.PROT_READ, mmap.MAP_PRIVATE | _MAP_FIXED,
+                         self.repacked_fd, 0)
+        if got != self.address + lo:
+            raise OSError(ctypes.get_errno(), "cannot map the repacked weights")
+        self.repacked = "mapped" if path is not None else "file"
 
     def _map_cached(self, path: str | None, lo: int, size: int) -> bool:
         """Map the cache entry at ``path`` read-only over image bytes [lo, lo + size)."""
@@ -147,6 +179,9 @@ class WeightImage:
         self.close()
 
     def close(self) -> None:
+        if getattr(self, "repacked_fd", -1) >= 0:
+            os.close(self.repacked_fd)
+            self.repacked_fd = -1
         if getattr(self, "address", 0):
             self.array = None
             _libc.munmap(self.address, self.size)

@@ -5,7 +5,8 @@ matmul on repacked weights, a token's logits are the same bits whatever
 computes them: a decode step, a row of a prompt chunk, a row of a served
 batch (so no separate ``batch_decode`` entry is built). The repacked bytes
 are built while compiling, cached, and mapped at load; a missing or damaged
-cache entry is rebuilt at load; streamed weights are never repacked."""
+cache entry is rebuilt at load; streamed weights are repacked too and read
+from the repacked bytes' file, with the resident bits."""
 from __future__ import annotations
 
 import os
@@ -155,11 +156,34 @@ def test_repacked_bytes_are_cached_at_compile_and_mapped(models, tmp_path, monke
     np.testing.assert_array_equal(ex.prefill(ids, 0, all_logits=True), want)
 
 
-def test_streamed_weights_are_not_repacked(models):
-    width_or_skip()
-    planned = plan_native(models["q8_0"], NativeOptions(ctx=CTX, stream="layers", passes=PASSES + ("repack",)))
-    types = {n.inputs[1].type.stored for g in planned.graphs.values() for n in g.nodes if n.op == "qmatmul"}
-    assert types == {"Q8_0"}
+@pytest.mark.parametrize("cache", ["1", "0"])
+def test_streamed_weights_are_repacked_and_give_the_resident_bits(models, cache, monkeypatch):
+    """A budget changes where a weight lives, not the arithmetic: streamed
+    weights are repacked too, read from the repacked weights' file (the
+    cache's entry; a temporary file with the cache off), and every prompt
+    row and decode step has the resident model's bits."""
+    from passes.stream_schedule import FROM_REPACKED
+
+    w = width_or_skip()
+    monkeypatch.setenv("LMC_REPACK_CACHE", cache)
+    m = models["q8_0"]
+    planned = plan_native(m, NativeOptions(ctx=CTX, stream="all", head_rows=64, passes=PASSES + ("repack",)))
+    types = {n.inputs[1].type.stored for g in planned.graphs.values() for n in g.nodes
+             if n.op in ("qmatmul", "qmatmul_rows")}
+    assert types == {f"Q8_0x{w}"}
+    assert planned.schedule.repack_lo is not None
+    assert all(r[5] == FROM_REPACKED for s in planned.schedule.segments for r in s.ranges if r[3] == 0 and r[1] > 4096)
+    rng = np.random.default_rng(4)
+    ids = [1] + [int(t) for t in rng.integers(3, VOCAB, 30)]
+    resident = _native(m)
+    want = np.array(resident.prefill(ids, 0, all_logits=True))
+    streamed = _native(m, stream="all", head_rows=64)
+    assert streamed._map.repacked == ("mapped" if cache == "1" else "file")
+    np.testing.assert_array_equal(np.array(streamed.prefill(ids, 0, all_logits=True)), want)
+    streamed.reset()
+    steps = np.stack([np.array(streamed.decode(t, p)) for p, t in enumerate(ids)])
+    np.testing.assert_array_equal(steps, want)
+    assert streamed.stream_stats()["read_bytes"] > 0
 
 
 def test_repack_width_follows_the_host_and_the_switch(monkeypatch):

@@ -38,6 +38,7 @@ class StreamSlots:
     BUF0 = 33
     BUF1 = 34
     FD = 35
+    FD_REPACKED = 36     # the repacked weights' file (ranges FROM_REPACKED), -1 without
     COMP_DONE = 40
     BASE = 41
     WAIT_NS = 42

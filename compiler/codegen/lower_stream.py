@@ -30,8 +30,9 @@ from .emit import I8P, I32, I64, VOID, i64
 I64P = ir.PointerType(I64)
 
 
-#: i64 fields per range in the table: file offset, bytes read, buffer offset, codec, bytes out
-RANGE = 5
+#: i64 fields per range in the table: offset, bytes read, buffer offset, codec, bytes out, source
+#: (``passes.stream_schedule.FROM_MODEL`` / ``FROM_REPACKED``)
+RANGE = 6
 
 
 _POSIX_FADV_WILLNEED = 3
@@ -197,6 +198,7 @@ class StreamLowering:
         pread = self._extern("pread", I64, [I32, I8P, I64, I64])
         fadvise = self._extern("posix_fadvise", I32, [I32, I64, I64, I32])
         fd = b.trunc(b.load(self._slot(b, ctl, StreamSlots.FD)), I32)
+        fd_rp = b.trunc(b.load(self._slot(b, ctl, StreamSlots.FD_REPACKED)), I32)
         quit_p = self._slot(b, ctl, Ctl.QUIT)
         comp_p = self._slot(b, ctl, StreamSlots.COMP_DONE)
         io_p = self._slot(b, ctl, StreamSlots.IO_DONE)
@@ -229,7 +231,7 @@ class StreamLowering:
             b.branch(blk["published"])
             for name in ("rng", "rbody", "rd", "rok", "rerr", "rnext"):  # unused by this mode
                 blk[name].parent.blocks.remove(blk[name])
-            return self._finish_io(fn, b, blk, ctl, s, t_read, io_p, fd, fadvise)
+            return self._finish_io(fn, b, blk, ctl, s, t_read, io_p, fd, fadvise, fd_rp)
         seg = b.urem(s, i64(self.nseg))
         buf = b.inttoptr(b.load(b.gep(ctl, [b.add(i64(StreamSlots.BUF0), b.urem(seg, i64(2)))])), I8P)
         j0 = self._load_tab(b, self.start_tab, seg)
@@ -241,8 +243,10 @@ class StreamLowering:
         j.add_incoming(j0, blk["ready"])
         b.cbranch(b.icmp_signed("<", j, j1), blk["rbody"], blk["published"])
         b.position_at_end(blk["rbody"])
-        off0, n0, dst0, codec, nout = (self._load_tab(b, self.range_tab, b.add(b.mul(j, i64(RANGE)), i64(k)))
-                                       for k in range(RANGE))
+        off0, n0, dst0, codec, nout, src = (self._load_tab(b, self.range_tab, b.add(b.mul(j, i64(RANGE)), i64(k)))
+                                            for k in range(RANGE))
+        # a repacked weight's bytes: its image offset, in the file that starts at repack_lo
+        off0, rfd = self._source(b, src, off0, fd, fd_rp)
         # a compressed range is read into the staging buffer, then decompressed
         stage = b.inttoptr(b.load(self._slot(b, ctl, StreamSlots.STAGE)), I8P)
         plain = b.icmp_signed("==", codec, i64(0))
@@ -256,7 +260,7 @@ class StreamLowering:
         more = fn.append_basic_block("more")
         b.cbranch(finished, blk["rnext"], more)
         b.position_at_end(more)
-        got = b.call(pread, [fd, b.gep(target, [done]), left, b.add(off0, done)])
+        got = b.call(pread, [rfd, b.gep(target, [done]), left, b.add(off0, done)])
         b.cbranch(b.icmp_signed(">", got, i64(0)), blk["rok"], blk["rerr"])
         b.position_at_end(blk["rok"])
         nb = self._slot(b, ctl, StreamSlots.READ_BYTES)
@@ -272,7 +276,16 @@ class StreamLowering:
         j.add_incoming(b.add(j, i64(1)), b.block)
         b.branch(blk["rng"])
 
-        self._finish_io(fn, b, blk, ctl, s, t_read, io_p, fd, fadvise)
+        self._finish_io(fn, b, blk, ctl, s, t_read, io_p, fd, fadvise, fd_rp)
+
+    def _source(self, b: ir.IRBuilder, src: ir.Value, off: ir.Value, fd: ir.Value,
+                fd_rp: ir.Value) -> tuple[ir.Value, ir.Value]:
+        """A range's offset in its file and that file's descriptor."""
+        lo = self.sched.repack_lo
+        if lo is None:
+            return off, fd
+        rp = b.icmp_signed("==", src, i64(1))
+        return b.select(rp, b.sub(off, i64(lo)), off), b.select(rp, fd_rp, fd)
 
     def _decompress(self, b: ir.IRBuilder, ctl: ir.Value, codec: ir.Value, src: ir.Value, n: ir.Value,
                     dst: ir.Value, nout: ir.Value) -> None:
@@ -297,7 +310,7 @@ class StreamLowering:
         with b.if_then(b.icmp_signed("!=", res, nout)):
             b.store_atomic(i64(IO_ERR_DECOMPRESS), self._slot(b, ctl, StreamSlots.IO_ERROR), "release", 8)
 
-    def _finish_io(self, fn, b, blk, ctl, s, t_read, io_p, fd, fadvise) -> None:
+    def _finish_io(self, fn, b, blk, ctl, s, t_read, io_p, fd, fadvise, fd_rp) -> None:
         """Publish segment s (IO_DONE), hint the next one, loop."""
         b.position_at_end(blk["published"])
         t_end = self.low._profile_now(b)
@@ -305,16 +318,15 @@ class StreamLowering:
         b.store(b.add(b.load(rn), b.sub(t_end, t_read)), rn)
         b.store_atomic(b.add(s, i64(1)), io_p, "release", 8)
         self._wake(b, io_p)
-        # hint the kernel to read ahead the next segment's ranges
+        # hint the kernel to read ahead the next segment's ranges, each in its file
         nseg_next = b.urem(b.add(s, i64(1)), i64(self.nseg))
         k0 = self._load_tab(b, self.start_tab, nseg_next)
         k1 = self._load_tab(b, self.start_tab, b.add(nseg_next, i64(1)))
-        with b.if_then(b.icmp_signed("<", k0, k1)):
-            first_off = self._load_tab(b, self.range_tab, b.mul(k0, i64(RANGE)))
-            last = b.mul(b.sub(k1, i64(1)), i64(RANGE))
-            end = b.add(self._load_tab(b, self.range_tab, last), self._load_tab(b, self.range_tab,
-                                                                                 b.add(last, i64(1))))
-            b.call(fadvise, [fd, first_off, b.sub(end, first_off), ir.Constant(I32, _POSIX_FADV_WILLNEED)])
+        with _loop(b, k0, k1) as k:
+            row = b.mul(k, i64(RANGE))
+            off, n, src = (self._load_tab(b, self.range_tab, b.add(row, i64(f))) for f in (0, 1, 5))
+            off, rfd = self._source(b, src, off, fd, fd_rp)
+            b.call(fadvise, [rfd, off, n, ir.Constant(I32, _POSIX_FADV_WILLNEED)])
         s.add_incoming(b.add(s, i64(1)), b.block)
         b.branch(blk["loop"])
 
