@@ -39,6 +39,8 @@ class ChatSettings:
     max_new_tokens: int = 512
     stop: list[str] = field(default_factory=list)
     sampling: dict[str, Any] = field(default_factory=dict)
+    #: every reply follows this constraint (``runtime.grammar``), or None
+    grammar: Any = None
 
 
 class ChatSession:
@@ -109,7 +111,7 @@ class ChatSession:
         s = self.settings
         t0 = time.perf_counter()
         stream = self.model.complete(ids, s.max_new_tokens, stream=True, stop=s.stop or None, reuse_cache=True,
-                                     **s.sampling)
+                                     grammar=s.grammar, **s.sampling)
         comp = stream.completion
         turn = TurnStats(prompt_tokens=len(ids), cached_tokens=comp.cached_tokens,
                          prefilled_tokens=len(ids) - comp.cached_tokens, dropped_messages=dropped)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -19,6 +19,9 @@ from .sampling import Sampler, SamplerConfig
 from .speculative import ONE_STREAM, DraftLength, Speculation, SpeculationError, StreamSeq, accept, draft_sampler
 from .speculative.build import build_drafter
 from .stop_strings import TextAssembler
+
+if TYPE_CHECKING:
+    from .grammar import Constraint, GrammarMatcher
 
 __all__ = ["DEFAULT_CTX", "Completion", "GenerationStats", "Model", "RunError", "TextStream"]
 
@@ -134,14 +137,18 @@ class Model:
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repeat_penalty: float = 1.0,
-                 seed: int | None = None, stop: bool = True, reuse_cache: bool = False) -> Iterator[int]:
+                 seed: int | None = None, stop: bool = True, reuse_cache: bool = False,
+                 grammar: "Constraint | None" = None) -> Iterator[int]:
         """Yield new token ids. The prompt goes through one prefill pass; a
         sampled stop token is yielded and ends generation. Generation also
         ends when the context is full, whatever ``max_new_tokens`` says (as
         run.c clips its steps); ``last_completion.stop_reason`` then says
         ``length`` (``eos`` after a stop token). ``reuse_cache``: keep the KV
         rows of the longest prefix the cache already holds from the last
-        call and prefill only the rest (a chat's earlier turns)."""
+        call and prefill only the rest (a chat's earlier turns). ``grammar``:
+        the output follows this constraint (``runtime.grammar``: a JSON
+        schema, a Lark grammar, a regex); generation ends (``stop``) once
+        it is complete and nothing more can follow."""
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         ids = self._check_ids(ids)
         if max_new_tokens < 0:
@@ -149,15 +156,26 @@ class Model:
         cfg = SamplerConfig(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             repeat_penalty=repeat_penalty, seed=seed)
         cfg.validate()
-        sampler = Sampler(cfg, self.config.vocab_size)
+        sampler = Sampler(cfg, self.config.vocab_size, self._matcher(grammar))
         # positions P-1 .. ctx-1 each give one token: at most ctx - P + 1
         n = min(max_new_tokens, self.ctx - len(ids) + 1)
         comp = self.last_completion = Completion(prompt_ids=ids)
         self.last_stats = comp.stats
-        if self.drafter is not None and self.speculation is not None:
+        # drafts are not checked against a grammar yet: a constrained generation decodes plainly
+        if self.drafter is not None and self.speculation is not None and grammar is None:
             seq = StreamSeq(list(ids), draft_sampler(cfg, self.config.vocab_size))
             return self._generate_speculative(seq, n, sampler, stop, reuse_cache, comp)
         return self._generate(ids, n, sampler, stop, reuse_cache, comp)
+
+    def _matcher(self, grammar: "Constraint | None") -> "GrammarMatcher | None":
+        if grammar is None:
+            return None
+        from .grammar import ConstraintError, GrammarMatcher
+
+        try:
+            return GrammarMatcher(grammar, self.tokenizer, tuple(self.config.stop_ids), self.config.vocab_size)
+        except ConstraintError as e:
+            raise RunError(str(e)) from None
 
     def _prefill(self, ids: list[int], reuse: bool) -> np.ndarray:
         """Logits after ``ids``, running only what the cache lacks when
@@ -200,6 +218,8 @@ class Model:
             comp.generated_ids.append(tok)
             if tok in stops:
                 comp.stop_reason = "eos"
+            elif sampler.grammar is not None and sampler.grammar.done:
+                comp.stop_reason = "stop"    # the grammar is complete: nothing can follow
             elif i == n - 1:
                 comp.stop_reason = "length"
             yield tok
@@ -299,7 +319,9 @@ class Model:
         ends at an end-of-generation token, at a stop string (never shown)
         or at ``max_new_tokens``/the end of the context; ``last_completion``
         then holds the ids, text and ``stop_reason`` (eos, stop, length).
-        ``sampling``: temperature, top_p, top_k, min_p, repeat_penalty, seed."""
+        ``sampling``: temperature, top_p, top_k, min_p, repeat_penalty, seed,
+        and ``grammar`` (``runtime.grammar.json_schema(...)``, ``lark``,
+        ``regex``, ``json_object``): the text follows it."""
         ids = self.encode(prompt, bos=True, special=special) if isinstance(prompt, str) else list(prompt)
         return self._text(ids, max_new_tokens, stop, stream, reuse_cache, sampling)
 

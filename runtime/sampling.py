@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from compiler.codegen.k_sampler import (EXP2F_TABLE, EXPF_C0, EXPF_C1, EXPF_C2, EXPF_INVLN2N, EXPF_MAY_UNDERFLOW,
-                                        EXPF_OVERFLOW, EXPF_SHIFT, EXPF_UNDERFLOW, native_sample_mult, native_softmax)
+                                        EXPF_OVERFLOW, EXPF_SHIFT, EXPF_UNDERFLOW, mask_logits, native_sample_mult,
+                                        native_softmax)
 
 __all__ = ["SamplerConfig", "XorShiftRng", "Sampler", "expf_glibc", "softmax_f32"]
 
@@ -212,9 +213,14 @@ class Sampler:
 
     Steps 1, 3 and 7 are llama.cpp's samplers; llama.cpp applies temperature
     last, but here top-p keeps run.c's meaning (after temperature).
+
+    With a ``grammar`` (``runtime.grammar.GrammarMatcher``), after step 1
+    every token the grammar does not allow next gets -inf (in native code),
+    so every setting below draws only allowed tokens; the chosen token is
+    consumed by the grammar.
     """
 
-    def __init__(self, config: SamplerConfig, vocab_size: int) -> None:
+    def __init__(self, config: SamplerConfig, vocab_size: int, grammar: Any = None) -> None:
         config.validate()
         if vocab_size < 1:
             raise ValueError(f"vocab size must be >= 1, got {vocab_size}")
@@ -228,6 +234,8 @@ class Sampler:
         self._penalty = np.float32(config.repeat_penalty)
         self._penalised = (config.repeat_penalty != 1.0 or config.presence_penalty != 0.0
                            or config.frequency_penalty != 0.0)
+        #: the grammar the output must follow (None: free)
+        self.grammar = grammar
 
     def _penalised_copy(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """Checked float32 logits with the repetition penalties applied: what
@@ -244,10 +252,24 @@ class Sampler:
         if self._penalised and len(history) > 0:
             x = np.array(x)
             self._penalise(x, history)
+        if self.grammar is not None:
+            words = self.grammar.mask()
+            if not words.any():
+                from .grammar import ConstraintError
+
+                raise ConstraintError("no token can follow under the grammar")
+            x = mask_logits(x, words)
         return x
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
-        """Return the next token id. ``logits`` is copied, never modified."""
+        """Return the next token id (consumed by the grammar, if any).
+        ``logits`` is copied, never modified."""
+        tok = self._sample(logits, history)
+        if self.grammar is not None:
+            self.grammar.accept(tok)
+        return tok
+
+    def _sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
         x = self._penalised_copy(logits, history)
         if self._temperature == 0.0:
             return int(np.argmax(x))  # first index on ties, like run.c's `>`

@@ -52,6 +52,7 @@ EXPF_UNDERFLOW = np.float32(float.fromhex("-0x1.9fe368p6"))
 _FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 _DRAW = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float)
 _EXPS = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float)
+_MASK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 
 
 def build_module(vector_exp: bool):
@@ -178,6 +179,40 @@ def build_module(vector_exp: bool):
     b.ret(i)
     b.position_at_end(done)
     b.ret(b.sub(n, ir.Constant(i64, 1)))
+
+    # lmc_mask(x, out, words, n): out[i] = x[i] where bit i of the words (a grammar's
+    # allowed tokens, llguidance's bitmask: bit i % 32 of word i / 32) is set, else
+    # -inf; whole words 8 lanes at a time, the last partial word value by value
+    i32 = ir.IntType(32)
+    fn, b, loop = build("lmc_mask", ir.VoidType(), [fp, fp, ir.PointerType(i32), i64])
+    x, out, words, n = fn.args
+    v8, vi8 = ir.VectorType(f32, 8), ir.VectorType(i32, 8)
+    lane = ir.Constant(vi8, list(range(8)))
+    ninf = splat(b, ir.Constant(f32, float("-inf")), 8)
+
+    def word(wi, a):
+        w = load(b, words, wi)
+        for g in range(4):
+            at = b.add(b.mul(wi, ir.Constant(i64, 32)), ir.Constant(i64, 8 * g))
+            bits = b.lshr(splat(b, b.lshr(w, ir.Constant(i32, 8 * g)), 8), lane)
+            on = b.icmp_unsigned("!=", b.and_(bits, ir.Constant(vi8, [1] * 8)), ir.Constant(vi8, [0] * 8))
+            xv = b.load(b.bitcast(b.gep(x, [at]), ir.PointerType(v8)), align=4)
+            b.store(b.select(on, xv, ninf), b.bitcast(b.gep(out, [at]), ir.PointerType(v8)), align=4)
+        return a
+
+    loop(b.lshr(n, ir.Constant(i64, 5)), word, ir.Constant(f32, 0.0))
+    n32 = b.and_(n, ir.Constant(i64, -32))
+
+    def tail(i, a):
+        j = b.add(i, n32)
+        w = load(b, words, b.lshr(j, ir.Constant(i64, 5)))
+        bit = b.and_(b.lshr(w, b.trunc(b.and_(j, ir.Constant(i64, 31)), i32)), ir.Constant(i32, 1))
+        v = b.select(b.icmp_unsigned("!=", bit, ir.Constant(i32, 0)), load(b, x, j), ir.Constant(f32, float("-inf")))
+        b.store(v, b.gep(out, [j]))
+        return a
+
+    loop(b.sub(n, n32), tail, ir.Constant(f32, 0.0))
+    b.ret_void()
     return m
 
 
@@ -258,7 +293,7 @@ def _compiled():
 
     code = LoadedCode(object_code(build_module(vector_exp_here())), shared=True)
     return (code, _FN(code.address("lmc_softmax")), _DRAW(code.address("lmc_sample_mult")),
-            _EXPS(code.address("lmc_exps")))
+            _EXPS(code.address("lmc_exps")), _MASK(code.address("lmc_mask")))
 
 
 def prepare() -> None:
@@ -350,4 +385,23 @@ def native_exps(x: np.ndarray, m: float = 0.0) -> np.ndarray | None:
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty_like(x)
     fn(x.ctypes.data, out.ctypes.data, x.size, float(m))
+    return out
+
+
+def mask_logits(x: np.ndarray, words: np.ndarray) -> np.ndarray:
+    """A copy of the float32 logits with every token whose bit is clear in
+    ``words`` (int32, bit i % 32 of word i // 32: llguidance's token
+    bitmask) set to -inf: in native code where it is available, else numpy."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    words = np.ascontiguousarray(words, dtype=np.int32)
+    if words.size * 32 < x.size:
+        raise ValueError(f"a mask of {words.size * 32} bits for {x.size} logits")
+    out = np.empty_like(x)
+    fn = _native(4)
+    if fn is not None:
+        fn(x.ctypes.data, out.ctypes.data, words.ctypes.data, x.size)
+        return out
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:x.size].astype(bool)
+    np.copyto(out, x)
+    out[~bits] = -np.inf
     return out

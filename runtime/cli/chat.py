@@ -19,8 +19,8 @@ from ..api import load
 from ..errors import RunError
 from ..sampling import SamplerConfig
 from ..status import StatusLine
-from .common import (CliError, exec_args, kv_type_arg, model_args, positive_or_zero, resolve_model, sampling_args,
-                     sampling_of, speculation_args, speculation_of)
+from .common import (CliError, constraint_args, constraint_of, exec_args, kv_type_arg, model_args, positive_or_zero,
+                     resolve_model, sampling_args, sampling_of, speculation_args, speculation_of)
 
 HELP = """commands:
   /system TEXT   set the system message (an empty TEXT removes it)
@@ -52,6 +52,7 @@ def add_parser(sub) -> None:
     exec_args(c)
     c.add_argument("--json", action="store_true", help="with --messages: print one JSON object")
     speculation_args(c)
+    constraint_args(c)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,6 +85,7 @@ def _session(args: argparse.Namespace, status: StatusLine) -> ChatSession:
         tok.chat_template  # resolve now: a broken template is an error before the first turn
     settings = ChatSettings(max_new_tokens=args.max_new_tokens, stop=args.stop or [], sampling=sampling_of(args))
     SamplerConfig(**settings.sampling).validate()   # a bad flag is an error now, not at the first turn
+    settings.grammar = constraint_of(args)          # every reply follows it
     session = ChatSession(model, args.system, settings)
     if messages is not None:
         session.set_messages(messages)

@@ -129,6 +129,45 @@ def sampling_of(args: argparse.Namespace) -> dict:
                 repeat_penalty=args.repeat_penalty, seed=args.seed)
 
 
+def constraint_args(p: argparse.ArgumentParser) -> None:
+    """Structured output's flags (``runtime.grammar``): at most one."""
+    g = p.add_argument_group("structured output (the text follows it, enforced token by token)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--json-schema", default=None, metavar="FILE", help="a JSON schema the output must satisfy")
+    x.add_argument("--grammar", default=None, metavar="FILE", help="a Lark grammar (llguidance's dialect)")
+    x.add_argument("--regex", default=None, metavar="RE", help="a regular expression the whole output matches")
+
+
+def constraint_of(args: argparse.Namespace):
+    """The constraint the flags ask for (checked now: a bad schema, grammar
+    or regex is one line and exit 2), or None."""
+    from ..grammar import ConstraintError, json_schema, lark, regex
+
+    try:
+        if args.json_schema is not None:
+            c = json_schema(_read_text(args.json_schema, "--json-schema"))
+        elif args.grammar is not None:
+            c = lark(_read_text(args.grammar, "--grammar"))
+        elif args.regex is not None:
+            c = regex(args.regex)
+        else:
+            return None
+        c.grammar()
+    except ConstraintError as e:
+        flag = "--json-schema" if args.json_schema is not None else "--grammar" if args.grammar is not None \
+            else "--regex"
+        raise CliError(f"{flag}: {e}") from None
+    return c
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"{flag} {path}: {getattr(e, 'strerror', None) or e}") from None
+
+
 def speculation_args(p: argparse.ArgumentParser) -> None:
     """Speculative decoding's flags (``runtime.speculative``): one drafter and its length."""
     from ..speculative import DEFAULT_DRAFT_MAX, MAX_DRAFT_MAX

@@ -8,8 +8,8 @@ import sys
 
 from ..api import load
 from ..status import StatusLine
-from .common import (exec_args, kv_type_arg, memory_args, model_args, positive_or_zero, resolve_model,
-                     sampling_args, sampling_of, speculation_args, speculation_of)
+from .common import (constraint_args, constraint_of, exec_args, kv_type_arg, memory_args, model_args,
+                     positive_or_zero, resolve_model, sampling_args, sampling_of, speculation_args, speculation_of)
 
 
 def add_parser(sub) -> None:
@@ -29,6 +29,7 @@ def add_parser(sub) -> None:
                    help="recognise control tokens written in the prompt (<|im_start|> becomes one token)")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     speculation_args(r)
+    constraint_args(r)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,12 +43,13 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, status: StatusLine) -> int:
     model_path, tok_path = resolve_model(args)
     spec = speculation_of(args)
+    grammar = constraint_of(args)
     model = load(model_path, tok_path, backend=args.backend, ctx=args.ctx, threads=args.threads,
                  use_cache=not args.no_cache, kv_type=args.kv_type, mem_budget=args.mem_budget,
                  stream=args.stream, stream_io=args.stream_io, status=status, speculation=spec)
     prompt_ids = model.encode(args.prompt, bos=True, special=args.special)
     text = model.complete(prompt_ids, args.max_new_tokens, stream=True, stop=args.stop, reuse_cache=False,
-                          **sampling_of(args))
+                          grammar=grammar, **sampling_of(args))
     comp = text.completion
     tok = model.tokenizer
     if args.json:

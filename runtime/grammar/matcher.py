@@ -1,0 +1,57 @@
+"""One sequence's place in its grammar: the tokens allowed next (a bitmask
+the native sampler applies, ``compiler.codegen.k_sampler.mask_logits``),
+each sampled token consumed, and whether the output is complete.
+
+A matcher belongs to one sequence: a batched server step gives each of its
+sequences its own. llguidance computes a mask in about 50 us for a 128k
+vocabulary with the GIL released."""
+from __future__ import annotations
+
+from typing import Any
+
+import llguidance
+import numpy as np
+
+from .constraint import Constraint, ConstraintError, parser_limits
+from .vocabulary import ll_tokenizer
+
+
+class GrammarMatcher:
+    """The allowed tokens of one generation under ``constraint``."""
+
+    def __init__(self, constraint: Constraint, tokenizer: Any, stop_ids: tuple[int, ...], vocab_size: int,
+                 grammar: str | None = None) -> None:
+        """``grammar``: the constraint's compiled grammar when the caller
+        already has it (``Constraint.grammar``)."""
+        llt = ll_tokenizer(tokenizer, stop_ids, vocab_size)
+        self.m = llguidance.LLMatcher(llt, grammar or constraint.grammar(), log_level=0, limits=parser_limits())
+        if self.m.is_error():
+            raise ConstraintError(f"{constraint.kind.replace('_', ' ')}: {self.m.get_error()}")
+        self.words = np.zeros((vocab_size + 31) // 32, np.int32)
+        #: steps whose mask was computed, and the seconds spent on them (``/metrics``)
+        self.steps = 0
+        self.mask_s = 0.0
+
+    def mask(self) -> np.ndarray:
+        """The allowed next tokens: int32 words, bit i % 32 of word i // 32."""
+        import time
+
+        t0 = time.perf_counter()
+        self.m.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
+        self.mask_s += time.perf_counter() - t0
+        self.steps += 1
+        return self.words
+
+    def accept(self, token: int) -> None:
+        """Consume a sampled token (one the mask allowed)."""
+        if not self.m.consume_token(int(token)):
+            raise ConstraintError(f"token {token} does not fit the grammar: {self.m.get_error()}")
+
+    @property
+    def done(self) -> bool:
+        """The output is complete and nothing can follow (only an end-of-generation token)."""
+        return self.m.is_stopped()
+
+    @property
+    def accepting(self) -> bool:
+        return self.m.is_accepting()
