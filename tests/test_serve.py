@@ -184,7 +184,10 @@ INVALID = {
     "presence_penalty": [3, -3, "x", []],
     "frequency_penalty": [2.5, "x", {}],
     "model": ["gpt-4", 5, [], {}],
-    "response_format": [{"type": "json_object"}, "json", 5],
+    "response_format": [{"type": "xml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"not": {}}}}, "json", 5],
+    "grammar": ["start: foo", 5, [], "start: /[a-/"],
+    "regex": ["[a-", 5, {}],
 }
 
 

@@ -61,6 +61,8 @@ class EngineCore:
             can_select=getattr(executor, "can_select", False), engine_drafter=drafter is not None,
             draft_rows_lag=self.keeper is not None))
         self.output = OutputProcessor(tokenizer, stop_ids, self.ctx)
+        #: what a sequence whose grammar admits nothing more gets: its end
+        self.eos = next(iter(stop_ids), 0)
         self.runner = StepRunner(executor, self.scheduler.table, drafter)
         self.copier = BlockCopier(executor, drafter)
         self.room = _SchedulerRoom(self.scheduler, self.copier)
@@ -94,8 +96,9 @@ class EngineCore:
 
     def add(self, req: Request) -> Sequence:
         """Queue a checked request."""
-        drafter = self._drafter_for(req)
-        s = Sequence(req, Sampler(req.sampling, self.vocab), drafter,
+        # drafts are not checked against a grammar yet: a constrained request decodes plainly
+        drafter = self._drafter_for(req) if req.grammar is None else None
+        s = Sequence(req, Sampler(req.sampling, self.vocab, req.grammar), drafter,
                      DraftLength(req.draft_max) if drafter is not None else None,
                      draft_sampler(req.sampling, self.vocab) if drafter is not None else None)
         self.output.add(s)
@@ -170,7 +173,7 @@ class EngineCore:
                 st.prompt_tokens += 1
             n = len(d.tokens)
             if not n:
-                yield SeqUpdate(s, len(s.tokens), s.tokens), [s.sampler.sample(rows[0], s.tokens)], [rows[0]]
+                yield SeqUpdate(s, len(s.tokens), s.tokens), [_sample(s, rows[0], st, self.eos)], [rows[0]]
                 continue
             n_ok, nxt = accept(rows, d, s.sampler, s.tokens)
             st.draft_tokens += n
@@ -183,7 +186,7 @@ class EngineCore:
             if row is None:
                 yield SeqUpdate(s, c.positions.stop, s.tokens), [], []
             else:
-                yield SeqUpdate(s, c.positions.stop, s.tokens), [s.sampler.sample(row, s.tokens)], [row]
+                yield SeqUpdate(s, c.positions.stop, s.tokens), [_sample(s, row, st, self.eos)], [row]
 
     def _draft(self, plan: StepPlan) -> list[Draft]:
         """Per decode sequence, the tokens its drafter proposes within its
@@ -205,6 +208,25 @@ class EngineCore:
                     out[i] = d
         return out
 
+
+
+def _sample(s: Sequence, row: Any, st: StepStats, eos: int) -> int:
+    """A sequence's next token from its logits row; a grammar's mask counted.
+    A grammar that admits no token (its matcher hit a limit) ends that
+    sequence alone, with ``eos``."""
+    g = s.sampler.grammar
+    if g is None:
+        return s.sampler.sample(row, s.tokens)
+    from ..grammar import ConstraintError
+
+    t0 = g.mask_s
+    try:
+        tok = s.sampler.sample(row, s.tokens)
+    except ConstraintError:
+        tok = eos
+    st.masked_steps += 1
+    st.mask_s += g.mask_s - t0
+    return tok
 
 
 class BlockCopier:

@@ -64,6 +64,9 @@ class OutputProcessor:
                 ev.text, stopped = text.feed(tok)
                 if stopped:
                     finish = "stop"
+            grammar = s.sampler.grammar
+            if finish is None and grammar is not None and grammar.done:
+                finish = "stop"   # the grammar is complete: nothing can follow
             generated, length = s.generated + i + 1, len(s.tokens) + i + 1
             if finish is None and (generated >= s.req.max_tokens or length >= self.ctx):
                 finish = "length"

@@ -80,6 +80,9 @@ class StepStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     preemptions: int = 0
+    #: tokens chosen under a grammar's mask, and the seconds its masks took
+    masked_steps: int = 0
+    mask_s: float = 0.0
     #: sequences advanced by the step's decode rows (None: no decode rows ran)
     batch_size: int | None = None
 

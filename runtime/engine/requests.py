@@ -3,7 +3,7 @@ and the engine's two refusals."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from ..sampling import SamplerConfig
 
@@ -40,6 +40,7 @@ class Request:
     ignore_eos: bool = False         # run to max_tokens (benchmarks; llama.cpp's and vLLM's field)
     lookup: int = 0                  # prompt lookup: n-gram length of the drafts (0: the engine's drafter, if any)
     draft_max: int = 8               # tokens drafted per step at most (0: no speculation)
+    grammar: Any = None              # its own ``runtime.grammar.GrammarMatcher``: the output follows it
 
 
 class EngineError(ValueError):

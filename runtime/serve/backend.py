@@ -27,6 +27,8 @@ class ModelInfo:
     ctx: int
     vocab: int
     meta: dict | None = None
+    #: the model's end-of-generation tokens (a grammar's output ends with one)
+    stop_ids: tuple[int, ...] = ()
     #: speculation for requests that do not say: prompt lookup's n-gram length
     #: (0: the backend's model drafter, if any), and tokens drafted per step at most
     lookup: int = 0

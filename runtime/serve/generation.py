@@ -10,6 +10,10 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import Request as HttpRequest
+from starlette.concurrency import run_in_threadpool
+
+from .. import grammar as grammar_lib
+from ..grammar import Constraint, GrammarMatcher
 
 from ..engine import EngineBusy, EngineError, Event, Request
 from ..sampling import SamplerConfig
@@ -37,6 +41,47 @@ def stops_of(body: S.Sampling) -> list[str]:
         raise ApiError(400, str(e), "stop") from None
 
 
+def constraint_of(body: S.Sampling) -> Constraint | None:
+    """What the body constrains the output to (``response_format``, or lmc's
+    ``grammar`` / ``regex``), or None; a malformed one is a 400."""
+    asked = [k for k in ("grammar", "regex") if getattr(body, k) is not None]
+    rf = body.response_format
+    kind = rf.get("type", "text") if isinstance(rf, dict) else None
+    if rf is not None and kind != "text":
+        asked.insert(0, "response_format")
+    if len(asked) > 1:
+        raise ApiError(400, f"{' and '.join(asked)}: ask for one constraint at most", asked[1])
+    try:
+        if body.grammar is not None:
+            return grammar_lib.lark(body.grammar)
+        if body.regex is not None:
+            return grammar_lib.regex(body.regex)
+        if rf is None or kind == "text":
+            return None
+        if kind == "json_object":
+            return grammar_lib.json_object()
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise ApiError(400, "response_format json_schema needs {\"json_schema\": {\"name\": ..., "
+                               "\"schema\": {...}}}", "response_format")
+            return grammar_lib.json_schema(spec["schema"])
+    except grammar_lib.ConstraintError as e:
+        raise ApiError(400, str(e), asked[0]) from None
+    raise ApiError(400, f"response_format type {kind!r}: expected text, json_object or json_schema",
+                   "response_format")
+
+
+def matcher_of(backend: ServingBackend, constraint: Constraint) -> GrammarMatcher:
+    """The request's own matcher (compiling the grammar: a 400 if it cannot be enforced)."""
+    info = backend.info
+    try:
+        return GrammarMatcher(constraint, backend.tokenizer, info.stop_ids, info.vocab)
+    except grammar_lib.ConstraintError as e:
+        param = {"lark": "grammar", "regex": "regex"}.get(constraint.kind, "response_format")
+        raise ApiError(400, str(e), param) from None
+
+
 def check_model(backend: ServingBackend, body: S.Sampling) -> None:
     model_id = backend.info.model_id
     if body.model is not None and body.model not in (model_id, ""):
@@ -54,10 +99,12 @@ async def start(backend: ServingBackend, ids: list[int], body: S.Sampling, max_t
     info = backend.info
     # without max_tokens a reply may run to the end of the context
     n = max_tokens if max_tokens is not None else max(1, info.ctx - len(ids))
+    constraint = constraint_of(body)
+    grammar = await run_in_threadpool(matcher_of, backend, constraint) if constraint is not None else None
     req = Request(ids, n, sampling_of(body), lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
                   stops_of(body), logprobs, rid, ignore_eos=body.ignore_eos,
                   lookup=info.lookup if body.lookup is None else body.lookup,
-                  draft_max=info.draft_max if body.draft_max is None else body.draft_max)
+                  draft_max=info.draft_max if body.draft_max is None else body.draft_max, grammar=grammar)
     try:
         backend.submit(req)
     except EngineBusy as e:

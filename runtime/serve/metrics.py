@@ -33,6 +33,9 @@ class ServerMetrics:
                                        registry=r)
         self.preemptions = Counter("lmc_preemptions", "Sequences sent back to the queue for lack of KV blocks",
                                    registry=r)
+        self.masked_steps = Counter("lmc_grammar_masked_steps", "Tokens chosen under a grammar's mask (structured "
+                                    "output)", registry=r)
+        self.mask_seconds = Counter("lmc_grammar_mask_seconds", "Seconds spent computing grammar masks", registry=r)
         self.queue_depth = Gauge("lmc_queue_depth", "Requests waiting for room in the batch or the KV pool",
                                  registry=r)
         self.running = Gauge("lmc_running_sequences", "Sequences in the batch", registry=r)
@@ -50,7 +53,8 @@ class ServerMetrics:
         """What an engine step counted."""
         for counter, n in ((self.prompt_tokens, st.prompt_tokens), (self.cached_prompt_tokens, st.cached_prompt_tokens),
                            (self.generated_tokens, st.generated_tokens), (self.draft_tokens, st.draft_tokens),
-                           (self.accepted_tokens, st.accepted_tokens), (self.preemptions, st.preemptions)):
+                           (self.accepted_tokens, st.accepted_tokens), (self.preemptions, st.preemptions),
+                           (self.masked_steps, st.masked_steps), (self.mask_seconds, st.mask_s)):
             if n:
                 counter.inc(n)
         if st.batch_size is not None:

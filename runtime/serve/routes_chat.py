@@ -21,8 +21,6 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def chat(body: S.ChatRequest, backend: ServingBackend = Depends(backend_of)) -> Any:
     check_model(backend, body)
-    if body.response_format is not None and body.response_format.get("type", "text") != "text":
-        raise ApiError(400, "response_format other than text is not supported", "response_format")
     messages = [plain_message(m.model_dump(exclude_none=True)) for m in body.messages]
     kw = {"tools": body.tools} if body.tools else {}
     try:

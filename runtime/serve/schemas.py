@@ -4,7 +4,7 @@ Field names, defaults and ranges follow OpenAI's API reference for the
 fields lmc implements (and llama.cpp's extensions ``top_k`` and ``min_p``);
 fields a client may send that lmc does not act on are accepted and ignored,
 as OpenAI-compatible servers do, unless acting on them would change the
-answer (``n`` > 1, ``echo``, ``response_format``: refused with a 400).
+answer (``n`` > 1, ``echo``: refused with a 400).
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a JSON value of the wrong type is a 400, never coerced ("yes" is not true, true is not 1)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class Sampling(_Body):
@@ -39,10 +40,16 @@ class Sampling(_Body):
     # length; 0: the server's model drafter, or none; default: the server's --lookup)
     lookup: int | None = Field(default=None, ge=0, le=64)
     draft_max: int | None = Field(default=None, ge=0, le=64)
+    # structured output: OpenAI's response_format ({"type": "text" | "json_object" | "json_schema",
+    # "json_schema": {"name", "schema", "strict"}}), or lmc's extensions (vLLM's guided_* in spirit):
+    # a Lark grammar (llguidance's dialect) or a regex the whole output matches; one of the three
+    response_format: dict[str, Any] | None = None
+    grammar: str | None = None
+    regex: str | None = None
 
 
 class ChatMessage(_Body):
-    model_config = ConfigDict(extra="allow")   # name, tool_calls, tool_call_id ... reach the template
+    model_config = ConfigDict(extra="allow", strict=True)   # name, tool_calls, tool_call_id ... reach the template
 
     role: str
     content: Union[str, list[dict[str, Any]], None] = None
@@ -54,7 +61,6 @@ class ChatRequest(Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(Sampling):

@@ -118,7 +118,7 @@ def build_serving(o: ServerOptions, status: Callable[[str], None] | None = None)
                      meta={"n_ctx": model.ctx, "n_parallel": o.parallel, "kv_blocks": n_blocks,
                            "block_size": o.block_size, "kv_type": kv, "backend": o.backend,
                            "drafter": drafting or None},
-                     lookup=o.lookup, draft_max=o.draft_max)
+                     lookup=o.lookup, draft_max=o.draft_max, stop_ids=tuple(model.config.stop_ids))
     app = create_app(EngineBackend(engine, tok, info, metrics), api_key=o.api_key)
     return Serving(app, engine, model, model_id, n_blocks, o.block_size, kv, o.parallel, drafting)
 
