@@ -42,6 +42,9 @@ _TABLE = [
     ("accepted", "accepted", "{}"),
     ("acceptance_rate", "acceptance rate", "{:.1%}"),
     ("speculative_identical", "greedy output identical", "{}"),
+    ("constrained_loop_tok_s", "decode loop under the JSON schema", "{:.1f} tok/s"),
+    ("constrained_vs_plain", "  against the plain loop", "{:.2f}x"),
+    ("constrained_sample_ms_per_token", "  sampling with the mask", "{:.3f} ms/token"),
     ("peak_rss_mb", "peak RSS", "{:.1f} MB"),
     ("weight_bytes_per_token", "weights read per token", "{:,} B"),
     ("read_bandwidth_gb_s", "read bandwidth", "{:.1f} GB/s"),
@@ -58,7 +61,10 @@ def format_table(r: dict[str, Any]) -> str:
                  "accepted", "acceptance_rate", "speculative_identical"}
     for key, label, fmt in _TABLE:
         v = r.get(key)
-        if key in spec_rows and r.get("speculative") is None:
+        if key in spec_rows and r.get("speculative") is None and not (key == "plain_loop_tok_s" and
+                                                                        r.get("constraint")):
+            continue
+        if key.startswith("constrained") and r.get("constraint") is None:
             continue
         rows.append((label, "-" if v is None else fmt.format(v)))
         if key == "int8_unit" and r.get("amx") and not r["amx"]["used"]:
@@ -133,6 +139,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="the prompt: this file's text (control tokens such as <|im_start|> recognised) instead of "
                         "random token ids")
 
+    b.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="also decode under this JSON schema (structured output), each run right after a plain "
+                        "one: both loops' tok/s (decode and sampling) and their ratio; give a --prompt-file "
+                        "that asks for the JSON")
     memory_args(b)
     speculation_args(b)
     return b
@@ -149,6 +159,18 @@ def run(args: argparse.Namespace) -> int:
         if value is not None:
             raise CliError(f"{flag} is a flag of lmc bench --serve")
     spec = speculation_of(args)
+    constraint = None
+    if args.json_schema is not None:
+        from ..grammar import ConstraintError, json_schema
+
+        try:
+            with open(args.json_schema, encoding="utf-8") as f:
+                constraint = json_schema(f.read())
+            constraint.grammar()
+        except OSError as e:
+            raise CliError(f"--json-schema {args.json_schema}: {e.strerror}") from None
+        except ConstraintError as e:
+            raise CliError(f"--json-schema: {e}") from None
     prompt_text = None
     if args.prompt_file is not None:
         with open(args.prompt_file, encoding="utf-8") as f:
@@ -156,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
     r = run_bench(args.model, args.tokenizer, args.threads, prompt_tokens=args.prompt_tokens or 128,
                   gen_tokens=args.gen_tokens or 128, runs=args.runs, backend=args.backend,
                   probe_bytes=args.probe_mb << 20, kv_type=args.kv_type, mem_budget=args.mem_budget,
-                  stream=args.stream, stream_io=args.stream_io, speculation=spec, prompt_text=prompt_text)
+                  stream=args.stream, stream_io=args.stream_io, speculation=spec, prompt_text=prompt_text,
+                  constraint=constraint)
     if args.compare_llamacpp:
         compare_with_llamacpp(r, args.model, args.threads, args.runs)
     if args.compare_openvino:

@@ -102,7 +102,8 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
               gen_tokens: int = 128, runs: int = 5, backend: str = "llvm", probe_bytes: int = 1 << 30,
               probe_repeats: int = 5, seed: int = 0, kv_type: str | None = None,
               mem_budget: int | None = None, stream: str | None = None,
-              stream_io: str = "pread", speculation=None, prompt_text: str | None = None) -> dict[str, Any]:
+              stream_io: str = "pread", speculation=None, prompt_text: str | None = None,
+              constraint=None) -> dict[str, Any]:
     """Measure one model; see the module docstring. Compilation uses a fresh
     temporary cache (the user's cache is neither read nor written). With
     ``backend="interp"`` there is nothing to compile and the compile fields
@@ -111,7 +112,10 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
     model, and report the drafts, the acceptance and the speed-up (decode
     and sampling time of both: a verify step's choice of tokens is
     sampling). ``prompt_text``: the prompt (control tokens recognised)
-    instead of random ids; prompt lookup needs a real one."""
+    instead of random ids; prompt lookup needs a real one. ``constraint``
+    (``runtime.grammar``): also decode under it, each run right after a
+    plain one, and report both loops' tokens per second (decode and
+    sampling: the mask is computed and applied in sampling) and their ratio."""
     from compiler.codegen.probe import ReadProbe, int8_unit, measure_int8_peak
     from compiler.codegen.target import amx_status
 
@@ -190,6 +194,7 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
             out["prefill_int8_fraction_spread"] = spread(fr)
 
         decode_s, io_split, plain_loop, spec_loop, spec_stats = [], [], [], [], []
+        constrained, mask_s = [], []
         identical = True
         # the model's own peak, before the bandwidth probe's buffer (probe_bytes) joins it
         model.speculation = None
@@ -208,6 +213,12 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
             plain_loop.append(st.decode_s + st.sample_s)
             if "decode_io_wait_s" in st.extra:
                 io_split.append((st.extra["decode_io_wait_s"], st.extra["read_bytes"], st.extra["read_s"]))
+            if constraint is not None:
+                n_c = len(list(model.generate(ids, gen + 1, temperature=0.0, stop=False, grammar=constraint)))
+                st = model.last_stats
+                if n_c > 1:   # tokens after the first, each a decode step and a masked choice
+                    constrained.append((n_c - 1) / (st.decode_s + st.sample_s))
+                    mask_s.append(st.sample_s / n_c)
             if speculation is not None:
                 model.speculation = speculation
                 spec = list(model.generate(ids, gen + 1, temperature=0.0, stop=False))
@@ -216,6 +227,15 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
                 spec_loop.append(st.decode_s + st.sample_s)
                 spec_stats.append(st.extra)
         out["decode_tok_s"] = gen / statistics.median(decode_s)
+        if constraint is not None:
+            if not constrained:
+                raise RunError("the constrained generation ended after its first token: give a prompt "
+                               "(--prompt-text) that starts an answer")
+            out["plain_loop_tok_s"] = gen / statistics.median(plain_loop)
+            out["constrained_loop_tok_s"] = statistics.median(constrained)
+            out["constrained_vs_plain"] = out["constrained_loop_tok_s"] / out["plain_loop_tok_s"]
+            out["constrained_sample_ms_per_token"] = 1000 * statistics.median(mask_s)
+            out["constraint"] = constraint.kind
         if speculation is not None:
             last = spec_stats[-1]
             out["speculative"] = f"{speculation.kind} (draft-max {speculation.draft_max})"
