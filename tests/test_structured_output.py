@@ -1,0 +1,266 @@
+"""Structured output (``runtime.grammar``): generation constrained to a JSON
+schema, a Lark grammar or a regex, enforced in the sampler.
+
+The native mask against numpy's; the vocabulary bridge against our
+tokenizer; errors as one line (CLI) or a 400 (HTTP) with the server still
+up; and the suite of JSON schemas (``tests/data/json_schemas.json``: nested
+objects, arrays with bounds, enums, anyOf/oneOf/allOf, $ref and recursion,
+string formats and patterns, bounded numbers, additionalProperties) asked of
+real models through the official ``openai`` client, greedy and at
+temperature 1, every reply checked with the ``jsonschema`` package; the
+same schemas through ``lmc run --json-schema``. A reply the model leaves
+unfinished at max_tokens (it may loop inside what a schema allows: digits
+of a fraction, an unbounded recursion) cannot be a complete value; it must
+still be a prefix the grammar accepts, and such replies must be rare.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import llguidance
+import numpy as np
+import openai
+import pytest
+from pydantic import BaseModel
+
+import runtime
+from compiler.codegen.k_sampler import mask_logits
+from runtime.grammar import ConstraintError, GrammarMatcher, json_schema, lark, regex
+from runtime.grammar.vocabulary import ll_tokenizer
+from serve_process import ROOT, serve
+from shared_data import QWEN, SMOLLM2, instruct_models
+from test_serve import metric
+
+SCHEMAS = json.load(open(os.path.join(ROOT, "tests", "data", "json_schemas.json")))
+FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
+MAX_TOKENS = 400
+
+
+# --- pieces -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 95, 4096, 49152, 151936])
+def test_native_mask_equals_numpy(n):
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal(n).astype(np.float32)
+    words = rng.integers(-2**31, 2**31, (n + 31) // 32, dtype=np.int64).astype(np.int32)
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:n].astype(bool)
+    want = np.where(bits, x, np.float32(-np.inf)).astype(np.float32)
+    got = mask_logits(x, words)
+    np.testing.assert_array_equal(got, want)
+    assert got is not x and np.isfinite(x).all()   # the caller's logits are left alone
+
+
+def test_schema_check_names_what_it_cannot_enforce():
+    for schema, part in (({"not": {"type": "string"}}, '["not"]'), ({"type": "array", "uniqueItems": True},
+                                                                      '["uniqueItems"]')):
+        with pytest.raises(ConstraintError, match="not supported") as e:
+            json_schema(schema).grammar()
+        assert part in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConstraintError, match="not valid JSON"):
+        json_schema("{")
+    with pytest.raises(ConstraintError, match="unclosed character class"):
+        regex("[a-").grammar()
+    with pytest.raises(ConstraintError, match="unknown name"):
+        lark("start: foo").grammar()
+    with pytest.raises(ConstraintError, match="at most"):
+        regex("a" * (300 << 10)).grammar()
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> str:
+    return instruct_models()[SMOLLM2]
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2):
+    return runtime.load(smollm2, ctx=1024, threads=2)
+
+
+def test_vocabulary_bridge_spells_tokens_as_our_tokenizer(smol):
+    tok = smol.tokenizer
+    cfg = smol.config
+    llt = ll_tokenizer(tok, tuple(cfg.stop_ids), cfg.vocab_size)
+    assert llt.vocab_size == cfg.vocab_size
+    for text in ('{"name": "Ava", "age": 25}', "  naïve café — 日本語\n", "def f(x):\n    return x"):
+        ids = tok.encode(text, bos=False)
+        assert llt.decode_bytes(ids) == text.encode()
+    special = [i for i in range(len(tok)) if tok.is_special(i)]
+    assert special and all(llt.is_special_token(i) for i in special)
+    assert not any(llt.is_special_token(i) for i in tok.encode("plain words, no controls", bos=False))
+
+
+def test_python_api_follows_each_kind(smol):
+    schema = SCHEMAS["weather_report"]
+    for temp in (0.0, 1.0):
+        out = smol.chat([{"role": "user", "content": "Weather in Paris as JSON."}], 200, temperature=temp,
+                        seed=5, grammar=json_schema(schema))
+        jsonschema.validate(json.loads(out), schema)
+        assert smol.last_completion.stop_reason == "stop"
+    out = smol.complete("The year it happened was", 12, grammar=regex(r" [12][0-9]{3}\."))
+    assert len(out) == 6 and out[1:5].isdigit() and smol.last_completion.stop_reason == "stop"
+    out = smol.complete("Is the sky blue? Answer:", 8, temperature=1.0, seed=1, grammar=lark('start: " " ("yes" | "no")'))
+    assert out in (" yes", " no")
+
+
+def test_every_sampler_setting_keeps_to_the_grammar(smol):
+    """top-k, top-p, min-p, penalties and temperature all draw from the masked
+    logits: a regex that only digits satisfy, sampled hot."""
+    kw = [dict(temperature=1.5, top_k=5), dict(temperature=1.2, top_p=0.5), dict(temperature=1.0, min_p=0.2),
+          dict(temperature=1.0, repeat_penalty=1.3), dict(temperature=0.0)]
+    for i, k in enumerate(kw):
+        out = smol.complete("Write a story.", 10, seed=i, grammar=regex("[0-9]{1,6}"), **k)
+        assert out.isdigit() and 1 <= len(out) <= 6, (k, out)
+
+
+def test_matcher_masks_are_what_llguidance_allows(smol):
+    """The mask the sampler applies is llguidance's own (its reference bitmask
+    computation in numpy), step after step along a greedy generation."""
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+    tok, cfg = smol.tokenizer, smol.config
+    g = json_schema(SCHEMAS["person"])
+    ours = GrammarMatcher(g, tok, tuple(cfg.stop_ids), cfg.vocab_size)
+    ref = llguidance.LLMatcher(ll_tokenizer(tok, tuple(cfg.stop_ids), cfg.vocab_size), g.grammar())
+    ids = smol.encode("A person:")
+    ex = smol.executor
+    ex.reset()
+    logits = ex.prefill(ids, 0)
+    bm = allocate_token_bitmask(1, cfg.vocab_size)
+    for step in range(40):
+        words = ours.mask().copy()
+        fill_next_token_bitmask(ref, bm)
+        np.testing.assert_array_equal(words, bm[0])
+        t = int(np.argmax(mask_logits(logits, words)))
+        ours.accept(t)
+        assert ref.consume_token(t)
+        if ours.done or t in cfg.stop_ids:
+            break
+        logits = ex.decode(t, len(ids) + step)
+
+
+# --- through the interfaces -------------------------------------------------------------------
+def _check(schema: dict, text: str, finish: str, llt, grammar: str) -> bool:
+    """A finished reply validates; an unfinished one is a prefix the grammar accepts. True if finished."""
+    if finish == "stop":
+        jsonschema.validate(json.loads(text), schema, format_checker=FORMATS)
+        return True
+    assert finish == "length"
+    m = llguidance.LLMatcher(llt, grammar)
+    assert m.consume_tokens(llt.tokenize_str(text)) or not m.is_error(), (text[:200], m.get_error())
+    return False
+
+
+def _suite(client, model_id: str, tok, cfg) -> list[tuple[str, float, bool]]:
+    llt = ll_tokenizer(tok, tuple(cfg.stop_ids), cfg.vocab_size)
+
+    def one(job):
+        name, temp = job
+        schema = SCHEMAS[name]
+        r = client.chat.completions.create(
+            model=model_id, messages=[{"role": "user", "content": f"Reply with a JSON value for: {name.replace('_', ' ')}."}],
+            response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}},
+            temperature=temp, seed=7, max_tokens=MAX_TOKENS)
+        ch = r.choices[0]
+        return name, temp, _check(schema, ch.message.content, ch.finish_reason, llt, json_schema(schema).grammar())
+
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(one, [(n, t) for t in (0.0, 1.0) for n in SCHEMAS]))
+
+
+@pytest.mark.parametrize("which", [SMOLLM2, QWEN])
+def test_schema_suite_through_the_openai_client(which, smollm2):
+    path = instruct_models()[which]
+    tok = runtime.load_tokenizer(path)
+    with serve(path, "-t", "2", "-c", "2048", "--parallel", "4") as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=900)
+        model_id = client.models.list().data[0].id
+        from frontends.loader import load_model
+
+        cfg = load_model(path).config
+        results = _suite(client, model_id, tok, cfg)
+        finished = sum(ok for _, _, ok in results)
+        unfinished = [(n, t) for n, t, ok in results if not ok]
+        assert len(results) == 2 * len(SCHEMAS) >= 60
+        assert finished >= len(results) - 3, unfinished
+        assert metric(s.url, "lmc_grammar_masked_steps_total") > 0
+
+        class Person(BaseModel):
+            name: str
+            age: int
+            city: str
+
+        r = client.chat.completions.parse(model=model_id, messages=[{"role": "user", "content": "Invent a person."}],
+                                          response_format=Person, temperature=0)
+        assert isinstance(r.choices[0].message.parsed, Person)
+        r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "Any JSON object."}],
+                                           response_format={"type": "json_object"}, max_tokens=MAX_TOKENS,
+                                           temperature=0)
+        if r.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(r.choices[0].message.content), dict)
+        stream = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "Yes or no?"}],
+                                                extra_body={"regex": "(yes|no)"}, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) in ("yes", "no")
+
+
+def test_bad_constraints_are_400s_and_the_server_stays_up(smollm2):
+    with serve(smollm2, "-t", "1", "--parallel", "2") as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+        m = client.models.list().data[0].id
+        msgs = [{"role": "user", "content": "hi"}]
+        cases = [
+            (dict(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {"not": {}}}}),
+             '["not"]'),
+            (dict(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "strin"}}}),
+             "Invalid type"),
+            (dict(response_format={"type": "json_schema", "json_schema": {"name": "a"}}), "json_schema"),
+            (dict(response_format={"type": "xml"}), "xml"),
+            (dict(extra_body={"grammar": "start: foo"}), "unknown name"),
+            (dict(extra_body={"regex": "[a-"}), "unclosed"),
+            (dict(extra_body={"regex": "a", "grammar": "start: \"a\""}), "one constraint"),
+            (dict(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {
+                "type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 200}
+                                                 for i in range(2000)}}}}), "at most"),
+        ]
+        for kw, part in cases:
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model=m, messages=msgs, max_tokens=4, **kw)
+            assert part in str(e.value)
+        r = client.chat.completions.create(model=m, messages=msgs, max_tokens=4)
+        assert r.choices[0].message.content is not None
+        assert metric(s.url, 'lmc_http_errors_total{status="400"}') >= len(cases)
+
+
+def test_lmc_run_json_schema_suite(smollm2, tmp_path):
+    """Every schema through ``lmc run`` (the chat turn written out), greedy;
+    a bad flag is one line and exit 2."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    tok = runtime.load_tokenizer(smollm2)
+    from frontends.loader import load_model
+
+    cfg = load_model(smollm2).config
+    llt = ll_tokenizer(tok, tuple(cfg.stop_ids), cfg.vocab_size)
+    done = 0
+    for name, schema in SCHEMAS.items():
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps(schema))
+        prompt = f"<|im_start|>user\nA JSON value for: {name}<|im_end|>\n<|im_start|>assistant\n"
+        r = subprocess.run([sys.executable, "-m", "runtime.cli", "run", smollm2, "-p", prompt, "--special", "--json",
+                            "--json-schema", str(f), "--temp", "0", "-n", str(MAX_TOKENS), "-t", "2"],
+                           capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-1000:]
+        out = json.loads(r.stdout)
+        text = tok.decode(out["generated_ids"])
+        done += _check(schema, text, "stop" if out["stop_reason"] in ("stop", "eos") else "length", llt,
+                       json_schema(schema).grammar())
+    assert done >= len(SCHEMAS) - 2
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "array", "uniqueItems": true}')
+    r = subprocess.run([sys.executable, "-m", "runtime.cli", "run", smollm2, "-p", "x", "--json-schema", str(bad)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("lmc: error: --json-schema: ") and r.stderr.count("\n") == 1
+    assert '["uniqueItems"]' in r.stderr
