@@ -35,7 +35,7 @@ def emit_matmul(kb: KernelBuilder, sig: KernelSig) -> None:
     if wt.repack:   # weights in VNNI order since load: one kernel for every row count
         if not tr.repacked:
             raise NotImplementedError(f"no repacked kernel for {layout}")
-        return repacked.emit_repacked(kb, sig, tr.int_kernel)
+        return repacked.emit_repacked(kb, sig, tr.int_kernel, tr.amx)
     if sig.op == "qmatmul_add":
         raise NotImplementedError("qmatmul_add reads repacked weights")
     if sig.attr.get("act") in ("q8", "q8k"):  # integer path: x quantized per block, int8 dot products
@@ -43,7 +43,7 @@ def emit_matmul(kb: KernelBuilder, sig: KernelSig) -> None:
             raise NotImplementedError(f"int8 matvec on a {layout} weight")
         kern = tr.int_kernel(kb, sig, quant_type(layout))
         if gemm.use_gemm(sig, kb.vw, kb.target):
-            return gemm.emit_int_gemm(kb, sig, kern, tr.gemm)
+            return gemm.emit_int_gemm(kb, sig, kern, tr.gemm, tr.amx)
         return int_q8.emit_int_matvec(kb, sig, kern)
     return emit_float_matmul(kb, sig, make_decoder(kb, wt, kb.in_raw[1]))
 

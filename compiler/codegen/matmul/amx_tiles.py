@@ -50,16 +50,15 @@ RING = 8
 SUMS_BYTES = RING * amx.ROWS * amx.ROW_BYTES * 16
 
 
-def usable(kb: KernelBuilder, width: int, sig: KernelSig) -> bool:
+def usable(kb: KernelBuilder, width: int, sig: KernelSig, table_says: bool) -> bool:
     """AMX for this kernel: the target has it (``Target.amx``; the process
     was granted the tile state), the tile is 16 rows wide, and the weight
-    type's row of the traits table says the tiles are faster (the kernel
-    attribute ``amx``, 0 or 1, overrides it: ``lmc kernel``, tests)."""
-    from .traits import traits_of
-
+    type's row of the traits table says the tiles are faster
+    (``table_says``; the kernel attribute ``amx``, 0 or 1, overrides it:
+    ``lmc kernel``, tests)."""
     if not (kb.target.amx and width == 16):
         return False
-    return bool(int(sig.attr.get("amx", traits_of(sig.in_types[1].layout or "F32").amx)))
+    return bool(int(sig.attr.get("amx", table_says)))
 
 
 def groups(slots: int) -> int:

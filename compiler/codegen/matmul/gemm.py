@@ -43,6 +43,10 @@ from ..emit import F32, I32, KernelBuilder, i64
 from ..kernels import KernelSig
 from ..simd import I8, call, concat, shuffle, vconst
 from ..target import Target, vnni_width
+from .amx_tiles import MIN_TOKENS, fill_panels
+from .amx_tiles import chunk as amx_chunk
+from .amx_tiles import layout as amx_layout
+from .amx_tiles import usable as amx_usable
 from .common import tuned
 
 #: tokens per register block (each: an int32 and a float accumulator beside
@@ -77,10 +81,8 @@ def tile_block_bytes(w: int) -> int:
 def scratch_bytes(sig: KernelSig) -> int:
     """Per-thread scratch of the q8 GEMM (at W = 16, an upper bound for 8),
     with its AMX path's (``amx_tiles.layout``)."""
-    from .amx_tiles import layout
-
     k = int(sig.in_types[1].shape[1])
-    return layout(_vnni_bytes(sig), int(sig.attr["gemm"]), act_slot_bytes(k), Q8Gemm.amx_panel_bytes * (k // QK))[2]
+    return amx_layout(_vnni_bytes(sig), int(sig.attr["gemm"]), act_slot_bytes(k), Q8Gemm.amx_panel_bytes * (k // QK))[2]
 
 
 def _vnni_bytes(sig: KernelSig) -> int:
@@ -396,19 +398,17 @@ class Q8Gemm(GemmBase):
         return new
 
 
-def emit_int_gemm(kb: KernelBuilder, sig: KernelSig, kern, gemm: type) -> None:
+def emit_int_gemm(kb: KernelBuilder, sig: KernelSig, kern, gemm: type, amx_faster: bool = False) -> None:
     """Per ``gemm`` tokens: quantize them; per tile of this thread's rows
     and K chunk: unpack the tile once, then every token, P at a time (the
     rest in blocks of the powers of two below P), or on AMX tiles 16 at a
     time from ``amx_tiles.MIN_TOKENS`` tokens on. ``gemm``: the weight
     type's GEMM class (``Q8Gemm``, ``gemm_kquants.KQGemm``)."""
-    from . import amx_tiles
-
     g = gemm(kb, sig, kern)
     b, W, P = kb.b, g.W, g.P
     lo, hi = kb.thread_share(kern.n // W)
     m = kb.rows_of(kern.xt.shape)
-    on_tiles = amx_tiles.usable(kb, W, sig)
+    on_tiles = amx_usable(kb, W, sig, amx_faster)
     with g.quantized_rows(m, g.ts) as (t0, n):
         def unpack(r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value) -> None:
             """Unpack blocks c0 .. c0 + nblk - 1 of the tile at r0 into scratch."""
@@ -426,15 +426,13 @@ def emit_int_gemm(kb: KernelBuilder, sig: KernelSig, kern, gemm: type) -> None:
         if not on_tiles:
             tiles(vnni)
         else:
-            from .amx_tiles import layout
-
-            po, so, _ = layout(g.ts * g.slot_bytes + g.kc * g.block_bytes, g.ts, g.slot_bytes,
-                               g.amx_panel_bytes * g.nb)
+            po, so, _ = amx_layout(g.ts * g.slot_bytes + g.kc * g.block_bytes, g.ts, g.slot_bytes,
+                                   g.amx_panel_bytes * g.nb)
             panel, sums = kb.gep(kb.scratch, po), kb.gep(kb.scratch, so)
-            with b.if_else(b.icmp_signed(">=", n, i64(amx_tiles.MIN_TOKENS))) as (on_amx, on_vnni):
+            with b.if_else(b.icmp_signed(">=", n, i64(MIN_TOKENS))) as (on_amx, on_vnni):
                 with on_amx:
-                    amx_tiles.fill_panels(g, n, panel)
-                    tiles(amx_tiles.chunk(g, unpack, n, t0, panel, sums))
+                    fill_panels(g, n, panel)
+                    tiles(amx_chunk(g, unpack, n, t0, panel, sums))
                 with on_vnni:
                     tiles(vnni)
     if on_tiles:

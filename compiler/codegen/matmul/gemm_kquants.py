@@ -37,6 +37,7 @@ from ..emit import F32, I32, KernelBuilder, i64
 from ..kernels import KernelSig
 from ..simd import I8, pair_sums, shuffle, vconst
 from ..target import vnni_width
+from .amx_tiles import layout as amx_layout
 from .gemm import GemmBase, amx_row, transpose
 from .int_kquants import RUN
 
@@ -67,13 +68,12 @@ def block_bytes(w: int, layout: str) -> int:
 def scratch_bytes(sig: KernelSig) -> int:
     """Per-thread scratch of the K-quant GEMM (at W = 16, an upper bound for
     8), with its AMX path's (``amx_tiles.layout``)."""
-    from .amx_tiles import layout
 
     k = int(sig.in_types[1].shape[1])
     kc = min(int(sig.attr.get("kc", KC_K)), k // QK_K)
     ts = int(sig.attr["gemm"])
     used = ts * act_slot_bytes(k) + kc * block_bytes(16, sig.in_types[1].layout)
-    return layout(used, ts, act_slot_bytes(k), amx_panel_bytes(sig.in_types[1].layout) * (k // QK_K))[2]
+    return amx_layout(used, ts, act_slot_bytes(k), amx_panel_bytes(sig.in_types[1].layout) * (k // QK_K))[2]
 
 
 def amx_panel_bytes(layout: str) -> int:

@@ -38,9 +38,12 @@ from ..emit import F32, I32, KernelBuilder, i64
 from ..k_norm_rope import emit_rmsnorm_row, weight_loader
 from ..kernels import KernelSig
 from ..simd import HALF, I1, I8, vconst
+from .amx_tiles import MIN_TOKENS, fill_panels
+from .amx_tiles import chunk as amx_chunk
+from .amx_tiles import layout as amx_layout
+from .amx_tiles import usable as amx_usable
 from .common import PREFETCH_BYTES, tuned
 from .. import amx
-from . import amx_tiles
 from .gemm import GemmBase, Q8Gemm, act_slot_bytes as q8_slot_bytes, tile_block_bytes as q8_tile_block_bytes
 from .gemm_kquants import KQGemm, act_slot_bytes as q8k_slot_bytes, amx_panel_bytes as kq_panel_bytes
 from .gemm_kquants import block_bytes as kq_block_bytes
@@ -106,7 +109,7 @@ def _amx_layout(sig: KernelSig) -> tuple[int, int, int]:
     nb = k // (256 if q8k else 32)
     panel_bytes = (kq_panel_bytes(sig.in_types[1].layout) if q8k else Q8Gemm.amx_panel_bytes) * nb
     tile = _vnni_bytes(sig)
-    return (tile, *amx_tiles.layout(tile + _kc(sig) * _staged_block_bytes(sig), TOKENS, _slots_bytes(sig) // TOKENS,
+    return (tile, *amx_layout(tile + _kc(sig) * _staged_block_bytes(sig), TOKENS, _slots_bytes(sig) // TOKENS,
                                     panel_bytes))
 
 
@@ -291,7 +294,7 @@ class RepackedKQ(_Repacked, KQGemm):
                 self.store_f32(mv, dst, 256 * W + 4 * W * (self.n_sub + s))
 
 
-def emit_repacked(kb: KernelBuilder, sig: KernelSig, int_kernel: type) -> None:
+def emit_repacked(kb: KernelBuilder, sig: KernelSig, int_kernel: type, amx_faster: bool = False) -> None:
     """Per ``tokens_per_call`` token rows: quantize them; per tile of this
     thread's share and K chunk, every token P at a time (the rest in blocks
     of the powers of two below P), prefetching the weight stream ahead;
@@ -336,16 +339,16 @@ def emit_repacked(kb: KernelBuilder, sig: KernelSig, int_kernel: type) -> None:
         def vnni(r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value) -> None:
             g.every_token(r0, c0, nblk, n, t0, P)
 
-        if one or not amx_tiles.usable(kb, W, sig):
+        if one or not amx_usable(kb, W, sig, amx_faster):
             tiles(vnni)
         else:   # several rows: AMX tiles from MIN_TOKENS on (the same bits)
-            with b.if_else(b.icmp_signed(">=", n, i64(amx_tiles.MIN_TOKENS))) as (on_amx, on_vnni):
+            with b.if_else(b.icmp_signed(">=", n, i64(MIN_TOKENS))) as (on_amx, on_vnni):
                 with on_amx:
-                    amx_tiles.fill_panels(g, n, g.panel)
-                    tiles(amx_tiles.chunk(g, g.stage, n, t0, g.panel, g.sums))
+                    fill_panels(g, n, g.panel)
+                    tiles(amx_chunk(g, g.stage, n, t0, g.panel, g.sums))
                 with on_vnni:
                     tiles(vnni)
-    if not one and amx_tiles.usable(kb, W, sig):
+    if not one and amx_usable(kb, W, sig, amx_faster):
         amx.tile_release(kb)   # at the end: LLVM configures the tiles once, on entry
 
 
