@@ -16,7 +16,8 @@ from .errors import RunError
 from .loading import DEFAULT_CTX, BuildOptions, build_executor, check_run_options, return_freed_memory
 from .prefix import common_prefix
 from .sampling import Sampler, SamplerConfig
-from .speculative import ONE_STREAM, DraftLength, Speculation, SpeculationError, StreamSeq, accept, draft_sampler
+from .speculative import (ONE_STREAM, DraftLength, Speculation, SpeculationError, StreamSeq, accept, draft_sampler,
+                          grammar_checked)
 from .speculative.build import build_drafter
 from .stop_strings import TextAssembler
 
@@ -161,8 +162,7 @@ class Model:
         n = min(max_new_tokens, self.ctx - len(ids) + 1)
         comp = self.last_completion = Completion(prompt_ids=ids)
         self.last_stats = comp.stats
-        # drafts are not checked against a grammar yet: a constrained generation decodes plainly
-        if self.drafter is not None and self.speculation is not None and grammar is None:
+        if self.drafter is not None and self.speculation is not None:
             seq = StreamSeq(list(ids), draft_sampler(cfg, self.config.vocab_size))
             return self._generate_speculative(seq, n, sampler, stop, reuse_cache, comp)
         return self._generate(ids, n, sampler, stop, reuse_cache, comp)
@@ -218,7 +218,7 @@ class Model:
             comp.generated_ids.append(tok)
             if tok in stops:
                 comp.stop_reason = "eos"
-            elif sampler.grammar is not None and sampler.grammar.done:
+            elif sampler.grammar is not None and sampler.grammar.done_at == i + 1:
                 comp.stop_reason = "stop"    # the grammar is complete: nothing can follow
             elif i == n - 1:
                 comp.stop_reason = "length"
@@ -276,6 +276,8 @@ class Model:
                 comp.generated_ids.append(t)
                 if t in stops:
                     comp.stop_reason = "eos"
+                elif sampler.grammar is not None and sampler.grammar.done_at == st.generated_tokens:
+                    comp.stop_reason = "stop"
                 elif st.generated_tokens == n:
                     comp.stop_reason = "length"
                 yield t
@@ -286,6 +288,8 @@ class Model:
             k = min(length.next(), limit, n - st.generated_tokens - 1)
             t0 = time.perf_counter()
             draft = drafter.propose([seq], [k], ONE_STREAM)[0] if k > 0 else None
+            if draft is not None and sampler.grammar is not None:   # drafts the grammar refuses are not verified
+                draft = grammar_checked(draft, sampler.grammar)
             t1 = time.perf_counter()
             draft_s += t1 - t0
             st.extra["draft_s"] = round(draft_s, 6)

@@ -264,3 +264,48 @@ def test_lmc_run_json_schema_suite(smollm2, tmp_path):
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.startswith("lmc: error: --json-schema: ") and r.stderr.count("\n") == 1
     assert '["uniqueItems"]' in r.stderr
+
+
+def test_speculation_keeps_the_constrained_output(smollm2, smol):
+    """Drafts are cut where the grammar refuses them and verified under the
+    mask: greedy output with a grammar is the same with and without a
+    drafter (prompt lookup, whose drafts come from the schema's own keys
+    in the prompt), and the drafter did draft."""
+    from runtime.speculative import Speculation
+
+    spec = runtime.load(smollm2, ctx=1024, threads=2, speculation=Speculation(lookup=2))
+    drafted = 0
+    for name in ("weather_report", "array_of_objects", "nested"):
+        schema = SCHEMAS[name]
+        msgs = [{"role": "user", "content": f"Fill in this JSON schema with an example: {json.dumps(schema)}"}]
+        want = smol.chat(msgs, 200, grammar=json_schema(schema))
+        got = spec.chat(msgs, 200, grammar=json_schema(schema))
+        assert got == want and spec.last_completion.stop_reason == smol.last_completion.stop_reason
+        drafted += spec.last_completion.stats.extra.get("drafted", 0)
+    assert drafted > 0
+
+
+def test_served_speculation_keeps_the_constrained_output(smollm2):
+    """The engine's drafts (prompt lookup, per request) are cut by each
+    sequence's grammar and verified under its mask: greedy replies equal
+    those without drafting, requests sent together."""
+    with serve(smollm2, "-t", "2", "--parallel", "4") as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=600)
+        m = client.models.list().data[0].id
+
+        def ask(job):
+            name, lookup = job
+            schema = SCHEMAS[name]
+            r = client.chat.completions.create(
+                model=m, temperature=0, max_tokens=300,
+                messages=[{"role": "user", "content": f"Fill in this JSON schema with an example: {json.dumps(schema)}"}],
+                response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema}},
+                extra_body={"lookup": lookup} if lookup else {"draft_max": 0})
+            return r.choices[0].message.content, r.choices[0].finish_reason
+
+        names = ["weather_report", "array_of_objects", "nested", "person"]
+        with ThreadPoolExecutor(4) as pool:
+            plain = list(pool.map(ask, [(n, 0) for n in names]))
+            drafted = list(pool.map(ask, [(n, 2) for n in names]))
+        assert drafted == plain
+        assert metric(s.url, "lmc_draft_tokens_total") > 0

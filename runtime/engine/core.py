@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
 from ..sampling import Sampler
-from ..speculative import MAX_DRAFT_MAX, Draft, Drafter, DraftLength, LookupDrafter, accept, draft_sampler
+from ..speculative import (MAX_DRAFT_MAX, Draft, Drafter, DraftLength, LookupDrafter, accept, draft_sampler,
+                           grammar_checked)
 from .block_manager import BlockManager
 from .output import OutputProcessor
 from .plan import EngineLoad, SeqUpdate, StepPlan, StepStats
@@ -96,8 +97,7 @@ class EngineCore:
 
     def add(self, req: Request) -> Sequence:
         """Queue a checked request."""
-        # drafts are not checked against a grammar yet: a constrained request decodes plainly
-        drafter = self._drafter_for(req) if req.grammar is None else None
+        drafter = self._drafter_for(req)
         s = Sequence(req, Sampler(req.sampling, self.vocab, req.grammar), drafter,
                      DraftLength(req.draft_max) if drafter is not None else None,
                      draft_sampler(req.sampling, self.vocab) if drafter is not None else None)
@@ -205,7 +205,8 @@ class EngineCore:
             mine = [ns[i] if seqs[i].drafter is drafter else 0 for i in idx]
             for i, d in zip(idx, drafter.propose([seqs[i] for i in idx], mine, self.room)):
                 if d.tokens:
-                    out[i] = d
+                    g = seqs[i].sampler.grammar   # drafts the grammar refuses are not verified
+                    out[i] = d if g is None else grammar_checked(d, g)
         return out
 
 

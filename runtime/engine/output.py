@@ -65,7 +65,7 @@ class OutputProcessor:
                 if stopped:
                     finish = "stop"
             grammar = s.sampler.grammar
-            if finish is None and grammar is not None and grammar.done:
+            if finish is None and grammar is not None and grammar.done_at == s.generated + i + 1:
                 finish = "stop"   # the grammar is complete: nothing can follow
             generated, length = s.generated + i + 1, len(s.tokens) + i + 1
             if finish is None and (generated >= s.req.max_tokens or length >= self.ctx):

@@ -31,6 +31,9 @@ class GrammarMatcher:
         #: steps whose mask was computed, and the seconds spent on them (``/metrics``)
         self.steps = 0
         self.mask_s = 0.0
+        #: tokens consumed, and how many had been when the output became complete (None: not yet)
+        self.consumed = 0
+        self.done_at: int | None = None
 
     def mask(self) -> np.ndarray:
         """The allowed next tokens: int32 words, bit i % 32 of word i // 32."""
@@ -46,6 +49,16 @@ class GrammarMatcher:
         """Consume a sampled token (one the mask allowed)."""
         if not self.m.consume_token(int(token)):
             raise ConstraintError(f"token {token} does not fit the grammar: {self.m.get_error()}")
+        self.consumed += 1
+        if self.done_at is None and self.m.is_stopped():
+            self.done_at = self.consumed
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` (a draft) the grammar takes from here; its state is left unchanged."""
+        n = self.m.try_consume_tokens([int(t) for t in tokens])
+        if n:
+            self.m.rollback(n)
+        return n
 
     @property
     def done(self) -> bool:

@@ -20,13 +20,13 @@ indexed by position and attention reads only rows below a step's
 positions, so rolling back past a rejected token is setting the position:
 the next step overwrites the stale rows.
 """
-from .acceptance import accept, draft_sampler, sample_draft
+from .acceptance import accept, draft_sampler, grammar_checked, sample_draft
 from .config import DEFAULT_DRAFT_MAX, MAX_DRAFT_MAX, Speculation, SpeculationError
 from .draft_length import DraftLength
 from .lookup import LookupDrafter, lookup_continuation
 from .model_drafter import ModelDrafter
 from .protocol import ONE_STREAM, Draft, Drafter, DraftRoom, DraftSeq, StreamSeq
 
-__all__ = ["DEFAULT_DRAFT_MAX", "MAX_DRAFT_MAX", "ONE_STREAM", "Draft", "DraftLength", "DraftRoom", "DraftSeq",
+__all__ = ["grammar_checked", "DEFAULT_DRAFT_MAX", "MAX_DRAFT_MAX", "ONE_STREAM", "Draft", "DraftLength", "DraftRoom", "DraftSeq",
            "Drafter", "LookupDrafter", "ModelDrafter", "Speculation", "SpeculationError", "StreamSeq", "accept",
            "draft_sampler", "lookup_continuation", "sample_draft"]

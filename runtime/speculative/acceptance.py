@@ -9,7 +9,9 @@ normalised max(0, p - q); a deterministic draft (lookup) has q one-hot at d.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -34,6 +36,15 @@ def sample_draft(sampler: Sampler, logits: np.ndarray, history: Sequence[int]) -
     return sampler.draw(q), q
 
 
+def grammar_checked(draft: Draft, grammar: Any) -> Draft:
+    """The draft cut before its first token the grammar refuses (verifying
+    it would be wasted: the target's masked choice can never be it)."""
+    n = grammar.valid_prefix(draft.tokens)
+    if n == len(draft.tokens):
+        return draft
+    return dataclasses.replace(draft, tokens=draft.tokens[:n], q=None if draft.q is None else draft.q[:n])
+
+
 def accept(rows: np.ndarray, draft: Draft, sampler: Sampler, history: Sequence[int]) -> tuple[int, int]:
     """(drafted tokens accepted, the token that follows them) given the
     target's logits ``rows``: row i is the target's next-token logits after
@@ -46,6 +57,7 @@ def accept(rows: np.ndarray, draft: Draft, sampler: Sampler, history: Sequence[i
     ones from p itself; the output is distributed as the target's."""
     hist = list(history)
     greedy = sampler.config.temperature == 0.0
+    grammar = getattr(sampler, "grammar", None)   # sample() keeps it in step; the sampled path does so here
     for i, d in enumerate(draft.tokens):
         if greedy:
             t = sampler.sample(rows[i], hist)
@@ -62,6 +74,11 @@ def accept(rows: np.ndarray, draft: Draft, sampler: Sampler, history: Sequence[i
                     resid = np.maximum(p - draft.q[i], 0.0)
                 if resid.sum() <= 0:   # p == q: the rejection had probability zero; keep p
                     resid = p
-                return i, sampler.draw(resid)
+                t = sampler.draw(resid)
+                if grammar is not None:
+                    grammar.accept(t)
+                return i, t
+            if grammar is not None:
+                grammar.accept(d)
         hist.append(d)
     return len(draft.tokens), sampler.sample(rows[len(draft.tokens)], hist)
