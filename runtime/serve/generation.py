@@ -90,16 +90,18 @@ def check_model(backend: ServingBackend, body: S.Sampling) -> None:
 
 
 async def start(backend: ServingBackend, ids: list[int], body: S.Sampling, max_tokens: int | None,
-                logprobs: int | None) -> tuple[str, asyncio.Queue]:
+                logprobs: int | None, constraint: Constraint | None = None) -> tuple[str, asyncio.Queue]:
     """Submit a request; its id and the queue its events arrive on. A
-    request the backend refuses is an ApiError (400, or 503 when busy)."""
+    request the backend refuses is an ApiError (400, or 503 when busy).
+    ``constraint``: what the output follows, when the route decided it (a
+    required tool call); else the body's own (``constraint_of``)."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     rid = uuid.uuid4().hex
     info = backend.info
     # without max_tokens a reply may run to the end of the context
     n = max_tokens if max_tokens is not None else max(1, info.ctx - len(ids))
-    constraint = constraint_of(body)
+    constraint = constraint or constraint_of(body)
     grammar = await run_in_threadpool(matcher_of, backend, constraint) if constraint is not None else None
     req = Request(ids, n, sampling_of(body), lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
                   stops_of(body), logprobs, rid, ignore_eos=body.ignore_eos,

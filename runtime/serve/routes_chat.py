@@ -2,6 +2,7 @@
 messages, answered whole or streamed as server-sent events."""
 from __future__ import annotations
 
+import json
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Depends
@@ -13,6 +14,9 @@ from frontends.chat_template import ChatTemplateError
 from . import schemas as S
 from .backend import ServingBackend
 from .errors import ApiError
+from .. import grammar as grammar_lib
+from .. import tool_calls
+from ..grammar import Constraint
 from .generation import backend_of, check_model, events_of, finished, piece, sse, sse_error, start, usage_of, whole
 
 router = APIRouter()
@@ -22,13 +26,17 @@ router = APIRouter()
 async def chat(body: S.ChatRequest, backend: ServingBackend = Depends(backend_of)) -> Any:
     check_model(backend, body)
     messages = [plain_message(m.model_dump(exclude_none=True)) for m in body.messages]
-    kw = {"tools": body.tools} if body.tools else {}
+    calls = ToolUse.of(body, backend.tokenizer)
+    kw = {}
+    if calls is not None:
+        messages, kw = calls.prompt(messages)
     try:
         ids = await run_in_threadpool(backend.tokenizer.chat_ids, messages, True, **kw)
     except (ChatTemplateError, ValueError) as e:
         raise ApiError(400, str(e), "messages") from None
     k = (body.top_logprobs or 0) if body.logprobs else None
-    rid, events = await start(backend, ids, body, body.max_completion_tokens or body.max_tokens, k)
+    rid, events = await start(backend, ids, body, body.max_completion_tokens or body.max_tokens, k,
+                              constraint=calls.constraint() if calls is not None else None)
     info = backend.info
     cid, model, created = f"chatcmpl-{rid}", body.model or info.model_id, info.created
 
@@ -50,16 +58,24 @@ async def chat(body: S.ChatRequest, backend: ServingBackend = Depends(backend_of
             yield sse(S.ChatCompletionChunk(id=cid, created=created, model=model,
                                             choices=[S.ChatChunkChoice(delta=S.ChatDelta(role="assistant",
                                                                                          content=""))]))
+            held = HeldText(calls)
             async for ev in events_of(backend, rid, events):
                 if ev.finish_reason == "error":
                     yield sse_error(ev)
                     break
-                if ev.text or ev.finish_reason or ev.logprobs:
+                text, tool_calls, reason = held.feed(ev.text, ev.finish_reason)
+                if text or reason or ev.logprobs:
                     yield sse(S.ChatCompletionChunk(
                         id=cid, created=created, model=model,
-                        choices=[S.ChatChunkChoice(delta=S.ChatDelta(content=ev.text or None),
+                        choices=[S.ChatChunkChoice(delta=S.ChatDelta(content=text or None),
                                                    logprobs=logprobs(ev.logprobs) if ev.logprobs else None,
-                                                   finish_reason=ev.finish_reason)]))
+                                                   finish_reason=None if tool_calls else reason)]))
+                for i, call in enumerate(tool_calls):   # each call whole, keyed by its index
+                    yield sse(S.ChatCompletionChunk(id=cid, created=created, model=model, choices=[
+                        S.ChatChunkChoice(delta=S.ChatDelta(tool_calls=[call.openai(i)]))]))
+                if tool_calls:
+                    yield sse(S.ChatCompletionChunk(id=cid, created=created, model=model, choices=[
+                        S.ChatChunkChoice(delta=S.ChatDelta(), finish_reason=reason)]))
                 if ev.finish_reason and usage_chunk:
                     yield sse(S.ChatCompletionChunk(id=cid, created=created, model=model, choices=[],
                                                     usage=usage_of(ev)))
@@ -68,9 +84,104 @@ async def chat(body: S.ChatRequest, backend: ServingBackend = Depends(backend_of
         return StreamingResponse(stream(), media_type="text/event-stream")
     text, lps, last = await whole(backend, rid, events)
     reason = finished(last)
-    return S.ChatCompletion(id=cid, created=created, model=model, usage=usage_of(last), choices=[S.ChatChoice(
-        message=S.AssistantMessage(content=text), finish_reason=reason,
+    content, tool_calls = (text, []) if calls is None else calls.read(text)
+    if tool_calls and reason == "stop":
+        reason = "tool_calls"
+    message = S.AssistantMessage(content=content, tool_calls=[c.openai() for c in tool_calls] or None)
+    out = S.ChatCompletion(id=cid, created=created, model=model, usage=usage_of(last), choices=[S.ChatChoice(
+        message=message, finish_reason=reason,
         logprobs=logprobs(lps) if k is not None else None)]).model_dump(exclude_none=True)
+    out["choices"][0]["message"].setdefault("content", None)   # OpenAI's null beside tool calls
+    return out
+
+
+class ToolUse:
+    """A request's tools: how the prompt shows them, the grammar a required
+    or named call follows, and the calls read back from the reply."""
+
+    def __init__(self, body: S.ChatRequest, template_source: str, is_special: Any) -> None:
+        try:
+            self.tools = tool_calls.check_tools(body.tools)
+            self.mode, self.only = tool_calls.chosen(self.tools, body.tool_choice)
+        except tool_calls.ToolCallError as e:
+            raise ApiError(400, str(e), "tool_choice" if "tool_choice" in str(e) else "tools") from None
+        self.fmt = tool_calls.format_for(template_source)
+        self.is_special = is_special
+        self.parallel = body.parallel_tool_calls
+        if self.mode in ("required", "named") and (body.grammar or body.regex or (
+                body.response_format or {}).get("type", "text") != "text"):
+            raise ApiError(400, f"tool_choice {self.mode!r} constrains the reply already: not with "
+                           f"response_format, grammar or regex", "tool_choice")
+
+    @classmethod
+    def of(cls, body: S.ChatRequest, tokenizer: Any) -> "ToolUse | None":
+        if not body.tools:
+            if body.tool_choice not in (None, "none", "auto"):
+                raise ApiError(400, "tool_choice needs tools", "tool_choice")
+            return None
+        use = cls(body, tokenizer.chat_template.source, lambda text: _is_control(tokenizer, text))
+        return None if use.mode == "none" else use
+
+    def prompt(self, messages: list[dict]) -> tuple[list[dict], dict]:
+        """The messages and the template's keywords that show the tools."""
+        if self.fmt.template_renders_tools:
+            return messages, {"tools": self.tools}
+        note = {"role": "system", "content": tool_calls.generic_system_text(self.tools)}
+        if messages and messages[0].get("role") == "system":
+            first = dict(messages[0], content=f"{messages[0].get('content') or ''}\n\n{note['content']}")
+            return [first, *messages[1:]], {}
+        return [note, *messages], {}
+
+    def constraint(self) -> Constraint | None:
+        if self.mode not in ("required", "named"):
+            return None
+        return grammar_lib.lark(tool_calls.call_grammar(self.fmt, self.tools, self.only, self.parallel,
+                                                        self.is_special))
+
+    def read(self, text: str) -> tuple[str | None, list[tool_calls.ToolCall]]:
+        return tool_calls.read_calls(self.fmt, text, self.parallel)
+
+
+class HeldText:
+    """A streamed reply's text, held back from where a tool call may begin
+    (the format's opener, or what could still become it) until the end,
+    when the calls are read out of it."""
+
+    def __init__(self, calls: ToolUse | None) -> None:
+        self.calls = calls
+        self.held = ""
+        self.holding = False
+
+    def feed(self, text: str, finish: str | None) -> tuple[str, list, str | None]:
+        """(text to send now, calls found at the end, finish reason)."""
+        if self.calls is None:
+            return text, [], finish
+        self.held += text
+        out = ""
+        if not self.holding:
+            i = self._opening()
+            if i is not None:
+                out, self.held, self.holding = self.held[:i], self.held[i:], True
+            else:   # keep a tail that may be the start of an opener
+                keep = max((n for o in self.calls.fmt.openers for n in range(min(len(o), len(self.held)), 0, -1)
+                            if o.startswith(self.held[-n:])), default=0)
+                out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        if finish is None:
+            return out, [], None
+        content, found = self.calls.read(self.held)
+        if found:
+            return out + (content or ""), found, "tool_calls" if finish == "stop" else finish
+        rest, self.held = self.held, ""
+        return out + rest, [], finish
+
+    def _opening(self) -> int | None:
+        """Where a call may open in the text so far: an opener anywhere, or
+        "{" / "```" as the reply's first characters (a reply that is a call)."""
+        at = [i for o in self.calls.fmt.openers if o not in ("{", "```") and (i := self.held.find(o)) >= 0]
+        head = self.held.lstrip()
+        if any(o in ("{", "```") and head.startswith(o) for o in self.calls.fmt.openers):
+            at.append(len(self.held) - len(head))
+        return min(at) if at else None
 
 
 def plain_message(m: dict) -> dict:
@@ -87,4 +198,25 @@ def plain_message(m: dict) -> dict:
                                "messages")
             texts.append(part["text"])
         m = dict(m, content="".join(texts))
+    if m.get("tool_calls"):   # OpenAI sends arguments as JSON text; templates want the object
+        m = dict(m, tool_calls=[_call_for_template(c) for c in m["tool_calls"]])
     return m
+
+
+def _is_control(tokenizer: Any, text: str) -> bool:
+    """Whether ``text`` is one special token of the vocabulary (``<tool_call>`` in Qwen's)."""
+    find = getattr(tokenizer, "piece_to_id", None)
+    i = find(text) if find is not None else None
+    return i is not None and bool(getattr(tokenizer, "is_special", lambda _: False)(i))
+
+
+def _call_for_template(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        try:
+            args = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            raise ApiError(400, f"a tool call's arguments are not JSON: {fn['arguments'][:80]!r}",
+                           "messages") from None
+        return {**call, "function": {**fn, "arguments": args}}
+    return call

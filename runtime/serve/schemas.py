@@ -61,6 +61,8 @@ class ChatRequest(Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None    # auto, none, required, {"type": "function", ...}
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(Sampling):
@@ -98,7 +100,7 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 # --- responses ----------------------------------------------------------------------------------
@@ -119,7 +121,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None   # OpenAI's: id, type "function", function {name, arguments}
 
 
 class ChatChoice(BaseModel):
@@ -141,6 +144,7 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None   # each with its index in the reply's calls
 
 
 class ChatChunkChoice(BaseModel):
