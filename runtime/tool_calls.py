@@ -231,10 +231,12 @@ def chosen(tools: list[dict[str, Any]], tool_choice: Any) -> tuple[str, str | No
 
 
 def call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], only: str | None, parallel: bool,
-                 special: Callable[[str], bool] = lambda text: True) -> str:
+                 special: Callable[[str], bool] = lambda text: True, lazy: bool = False) -> str:
     """The Lark grammar of a reply that is one call (or several, ``parallel``)
     to ``only`` or to any of ``tools``, each call's body the JSON of its
-    name and arguments, the arguments following the function's parameters."""
+    name and arguments, the arguments following the function's parameters.
+    ``lazy``: free text is allowed too, and calls after it (``auto``; the
+    opener must be a control token, which free text cannot contain)."""
     key = "parameters" if fmt.name == "llama3" else "arguments"
     alts = []
     for t in tools:
@@ -248,6 +250,9 @@ def call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], only: str | None,
         alts.append(fmt.call_rule(json.dumps(schema)))
     many = parallel and only is None   # a named function: one call to it
     rules = [fmt.many_rule(many)] + [f"call: {' | '.join(f'call{i}' for i in range(len(alts)))}"]
+    if lazy:   # free text, or text then the calls: the grammar binds only once a call opens
+        rules[0] = rules[0].replace("start:", "calls:", 1)
+        rules = ["start: FREE | FREE? calls", "FREE: /(?s:.+)/", *rules]
     rules += [f"call{i}: {a}" for i, a in enumerate(alts)]
     out = "\n".join(rules) + "\n"
     for tag in ("<tool_call>", "</tool_call>"):   # a control token where the vocabulary has one, else its text

@@ -84,10 +84,11 @@ def test_format_follows_the_template():
 @pytest.mark.parametrize("fmt", [f.name for f in tc.FORMATS])
 @pytest.mark.parametrize("only,parallel", [(None, True), (None, False), ("calculate", True)])
 def test_call_grammars_compile(fmt, only, parallel):
-    g = tc.call_grammar(FMT[fmt], TOOLS, only, parallel, special=lambda text: False)
-    bad, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(llguidance.LLMatcher.grammar_from_lark(g))
-    assert not bad, msgs
-    assert ("get_weather" in g) == (only is None)
+    for lazy in (False, True):
+        g = tc.call_grammar(FMT[fmt], TOOLS, only, parallel, special=lambda text: False, lazy=lazy)
+        bad, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(llguidance.LLMatcher.grammar_from_lark(g))
+        assert not bad, msgs
+        assert ("get_weather" in g) == (only is None) and ("FREE" in g) == lazy
 
 
 def test_bad_tools_and_choices():

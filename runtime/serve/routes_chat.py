@@ -14,9 +14,7 @@ from frontends.chat_template import ChatTemplateError
 from . import schemas as S
 from .backend import ServingBackend
 from .errors import ApiError
-from .. import grammar as grammar_lib
-from .. import tool_calls
-from ..grammar import Constraint
+from .tool_use import HeldText, ToolUse
 from .generation import backend_of, check_model, events_of, finished, piece, sse, sse_error, start, usage_of, whole
 
 router = APIRouter()
@@ -26,7 +24,7 @@ router = APIRouter()
 async def chat(body: S.ChatRequest, backend: ServingBackend = Depends(backend_of)) -> Any:
     check_model(backend, body)
     messages = [plain_message(m.model_dump(exclude_none=True)) for m in body.messages]
-    calls = ToolUse.of(body, backend.tokenizer)
+    calls = ToolUse.of(body, backend)
     kw = {}
     if calls is not None:
         messages, kw = calls.prompt(messages)
@@ -95,95 +93,6 @@ async def chat(body: S.ChatRequest, backend: ServingBackend = Depends(backend_of
     return out
 
 
-class ToolUse:
-    """A request's tools: how the prompt shows them, the grammar a required
-    or named call follows, and the calls read back from the reply."""
-
-    def __init__(self, body: S.ChatRequest, template_source: str, is_special: Any) -> None:
-        try:
-            self.tools = tool_calls.check_tools(body.tools)
-            self.mode, self.only = tool_calls.chosen(self.tools, body.tool_choice)
-        except tool_calls.ToolCallError as e:
-            raise ApiError(400, str(e), "tool_choice" if "tool_choice" in str(e) else "tools") from None
-        self.fmt = tool_calls.format_for(template_source)
-        self.is_special = is_special
-        self.parallel = body.parallel_tool_calls
-        if self.mode in ("required", "named") and (body.grammar or body.regex or (
-                body.response_format or {}).get("type", "text") != "text"):
-            raise ApiError(400, f"tool_choice {self.mode!r} constrains the reply already: not with "
-                           f"response_format, grammar or regex", "tool_choice")
-
-    @classmethod
-    def of(cls, body: S.ChatRequest, tokenizer: Any) -> "ToolUse | None":
-        if not body.tools:
-            if body.tool_choice not in (None, "none", "auto"):
-                raise ApiError(400, "tool_choice needs tools", "tool_choice")
-            return None
-        use = cls(body, tokenizer.chat_template.source, lambda text: _is_control(tokenizer, text))
-        return None if use.mode == "none" else use
-
-    def prompt(self, messages: list[dict]) -> tuple[list[dict], dict]:
-        """The messages and the template's keywords that show the tools."""
-        if self.fmt.template_renders_tools:
-            return messages, {"tools": self.tools}
-        note = {"role": "system", "content": tool_calls.generic_system_text(self.tools)}
-        if messages and messages[0].get("role") == "system":
-            first = dict(messages[0], content=f"{messages[0].get('content') or ''}\n\n{note['content']}")
-            return [first, *messages[1:]], {}
-        return [note, *messages], {}
-
-    def constraint(self) -> Constraint | None:
-        if self.mode not in ("required", "named"):
-            return None
-        return grammar_lib.lark(tool_calls.call_grammar(self.fmt, self.tools, self.only, self.parallel,
-                                                        self.is_special))
-
-    def read(self, text: str) -> tuple[str | None, list[tool_calls.ToolCall]]:
-        return tool_calls.read_calls(self.fmt, text, self.parallel)
-
-
-class HeldText:
-    """A streamed reply's text, held back from where a tool call may begin
-    (the format's opener, or what could still become it) until the end,
-    when the calls are read out of it."""
-
-    def __init__(self, calls: ToolUse | None) -> None:
-        self.calls = calls
-        self.held = ""
-        self.holding = False
-
-    def feed(self, text: str, finish: str | None) -> tuple[str, list, str | None]:
-        """(text to send now, calls found at the end, finish reason)."""
-        if self.calls is None:
-            return text, [], finish
-        self.held += text
-        out = ""
-        if not self.holding:
-            i = self._opening()
-            if i is not None:
-                out, self.held, self.holding = self.held[:i], self.held[i:], True
-            else:   # keep a tail that may be the start of an opener
-                keep = max((n for o in self.calls.fmt.openers for n in range(min(len(o), len(self.held)), 0, -1)
-                            if o.startswith(self.held[-n:])), default=0)
-                out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
-        if finish is None:
-            return out, [], None
-        content, found = self.calls.read(self.held)
-        if found:
-            return out + (content or ""), found, "tool_calls" if finish == "stop" else finish
-        rest, self.held = self.held, ""
-        return out + rest, [], finish
-
-    def _opening(self) -> int | None:
-        """Where a call may open in the text so far: an opener anywhere, or
-        "{" / "```" as the reply's first characters (a reply that is a call)."""
-        at = [i for o in self.calls.fmt.openers if o not in ("{", "```") and (i := self.held.find(o)) >= 0]
-        head = self.held.lstrip()
-        if any(o in ("{", "```") and head.startswith(o) for o in self.calls.fmt.openers):
-            at.append(len(self.held) - len(head))
-        return min(at) if at else None
-
-
 def plain_message(m: dict) -> dict:
     """A message whose content is a list of parts (OpenAI's newer form) with
     its text parts joined: templates expect a string. Other parts (images,
@@ -201,13 +110,6 @@ def plain_message(m: dict) -> dict:
     if m.get("tool_calls"):   # OpenAI sends arguments as JSON text; templates want the object
         m = dict(m, tool_calls=[_call_for_template(c) for c in m["tool_calls"]])
     return m
-
-
-def _is_control(tokenizer: Any, text: str) -> bool:
-    """Whether ``text`` is one special token of the vocabulary (``<tool_call>`` in Qwen's)."""
-    find = getattr(tokenizer, "piece_to_id", None)
-    i = find(text) if find is not None else None
-    return i is not None and bool(getattr(tokenizer, "is_special", lambda _: False)(i))
 
 
 def _call_for_template(call: Any) -> Any:
