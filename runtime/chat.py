@@ -41,6 +41,8 @@ class ChatSettings:
     sampling: dict[str, Any] = field(default_factory=dict)
     #: every reply follows this constraint (``runtime.grammar``), or None
     grammar: Any = None
+    #: functions the model may call (OpenAI's ``tools``): shown by the template, calls read from replies
+    tools: list[dict[str, Any]] | None = None
 
 
 class ChatSession:
@@ -105,13 +107,13 @@ class ChatSession:
         """Stream the assistant's reply to the conversation as it stands; the
         reply joins the conversation as its pieces arrive, so an interrupted
         reply (Ctrl-C, ``stream.close()``) stays as far as it got."""
-        if not self.messages or self.messages[-1]["role"] != "user":
-            raise RunError("the conversation must end with a user message to be answered")
+        if not self.messages or self.messages[-1]["role"] not in ("user", "tool"):
+            raise RunError("the conversation must end with a user message (or a tool's result) to be answered")
         ids, dropped = self._fit()
         s = self.settings
         t0 = time.perf_counter()
         stream = self.model.complete(ids, s.max_new_tokens, stream=True, stop=s.stop or None, reuse_cache=True,
-                                     grammar=s.grammar, **s.sampling)
+                                     grammar=s.grammar or self._tool_grammar(), **s.sampling)
         comp = stream.completion
         turn = TurnStats(prompt_tokens=len(ids), cached_tokens=comp.cached_tokens,
                          prefilled_tokens=len(ids) - comp.cached_tokens, dropped_messages=dropped)
@@ -132,8 +134,60 @@ class ChatSession:
             finally:
                 stream.close()
                 self._after(turn, comp, ids)
+                self._read_calls(reply)
 
         return TextStream(pieces(), comp)
+
+    def send_tool_result(self, text: str) -> TextStream:
+        """Add a tool's result (to the last reply's first call not yet
+        answered) and stream the reply to it."""
+        calls = [c for m in self.messages if m["role"] == "assistant" for c in m.get("tool_calls") or []]
+        answered = {m.get("tool_call_id") for m in self.messages if m["role"] == "tool"}
+        pending = [c for c in calls if c["id"] not in answered]
+        if not pending:
+            raise RunError("no tool call is waiting for a result")
+        self.messages.append({"role": "tool", "tool_call_id": pending[0]["id"], "content": text})
+        try:
+            return self.reply()
+        except Exception:
+            self.messages.pop()
+            raise
+
+    @property
+    def last_tool_calls(self) -> list[dict[str, Any]]:
+        """The calls the last reply made (OpenAI's form), if any."""
+        last = self.messages[-1] if self.messages else {}
+        return list(last.get("tool_calls") or []) if last.get("role") == "assistant" else []
+
+    def _tool_grammar(self) -> Any:
+        """With tools whose calls open with a control token (Qwen's <tool_call>):
+        free text, or calls that follow the functions' schemas."""
+        from . import grammar, tool_calls
+
+        tools = self.settings.tools
+        tok = self.model.tokenizer
+        if not tools or tool_calls.format_for(tok.chat_template.source).name != "hermes":
+            return None
+        i = tok.piece_to_id("<tool_call>") if hasattr(tok, "piece_to_id") else None
+        if i is None or not tok.is_special(i):
+            return None
+        fmt = tool_calls.format_for(tok.chat_template.source)
+        return grammar.lark(tool_calls.call_grammar(fmt, tools, None, True, lambda text: True, lazy=True))
+
+    def _read_calls(self, reply: dict[str, Any]) -> None:
+        """The reply's tool calls, if it made any, as the message's ``tool_calls``."""
+        from . import tool_calls
+
+        if not self.settings.tools:
+            return
+        fmt = tool_calls.format_for(self.model.tokenizer.chat_template.source)
+        content, calls = tool_calls.read_calls(fmt, reply["content"])
+        if calls:
+            reply["content"] = content or ""
+            reply["tool_calls"] = [c.openai() for c in calls]
+            for c in reply["tool_calls"]:   # the template takes the arguments as an object
+                c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+            self._text = None
 
     def _after(self, turn: TurnStats, comp, ids: list[int]) -> None:
         turn.cached_tokens, turn.prefilled_tokens = comp.cached_tokens, len(ids) - comp.cached_tokens
@@ -173,7 +227,8 @@ class ChatSession:
 
     def _prompt_ids(self) -> list[int]:
         tok = self.model.tokenizer
-        text, pieces = tok.chat_prompt(self.messages, add_generation_prompt=True)
+        kw = {"tools": self.settings.tools} if self.settings.tools else {}
+        text, pieces = tok.chat_prompt(self.messages, add_generation_prompt=True, **kw)
         self._rendered = text
         old = self._text
         if old is not None and text.startswith(old) and self._ids:

@@ -208,3 +208,32 @@ def test_bad_tool_requests_are_400s(qwen_client):
         assert part in str(e.value)
     r = client.chat.completions.create(model=model, messages=WEATHER, max_tokens=4)
     assert r.choices[0].finish_reason == "length"
+
+
+def test_lmc_chat_shows_a_tool_call(tmp_path):
+    """``lmc chat --tools``: the reply's call is shown plainly and, with
+    --json, as OpenAI's tool_calls; a bad tools file is one line, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    from serve_process import ROOT
+
+    tools, msgs = tmp_path / "tools.json", tmp_path / "m.json"
+    tools.write_text(json.dumps(TOOLS))
+    msgs.write_text(json.dumps(WEATHER))
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "-m", "runtime.cli", "chat", instruct_models()[QWEN], "--messages", str(msgs), "--tools",
+           str(tools), "--temp", "0", "-t", "2", "-n", "120"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-1000:]
+    shown = [ln for ln in r.stdout.splitlines() if ln.startswith("[tool call] ")]
+    assert shown and shown[0].startswith("[tool call] get_weather {")
+    r = subprocess.run(cmd + ["--json"], capture_output=True, text=True, env=env, timeout=600)
+    calls = json.loads(r.stdout)["tool_calls"]
+    assert calls[0]["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), PARAMS["get_weather"])
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"x": 1}')
+    r = subprocess.run(cmd[:-6] + ["--tools", str(bad)], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 2 and r.stderr.startswith("lmc: error: --tools ") and r.stderr.count("\n") == 1

@@ -28,6 +28,7 @@ HELP = """commands:
   /save FILE     write the conversation as JSON messages
   /load FILE     read a conversation written by /save (or any JSON message list)
   /stats         tokens and timings of each turn (prefilled = run this turn, cached = kept from the last)
+  /tool RESULT   answer the last reply's tool call with its result (with --tools)
   /exit          leave (Ctrl-D does too)
 Alt+Enter starts a new line; or type \"\"\" alone on a line, then lines, then \"\"\" again.
 Ctrl-C stops the reply being written and keeps what was said."""
@@ -53,6 +54,9 @@ def add_parser(sub) -> None:
     c.add_argument("--json", action="store_true", help="with --messages: print one JSON object")
     speculation_args(c)
     constraint_args(c)
+    c.add_argument("--tools", default=None, metavar="FILE.json",
+                   help="functions the model may call (OpenAI's tools list); a call is shown as [tool call] "
+                        "name {arguments}, and /tool RESULT answers it")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,6 +90,7 @@ def _session(args: argparse.Namespace, status: StatusLine) -> ChatSession:
     settings = ChatSettings(max_new_tokens=args.max_new_tokens, stop=args.stop or [], sampling=sampling_of(args))
     SamplerConfig(**settings.sampling).validate()   # a bad flag is an error now, not at the first turn
     settings.grammar = constraint_of(args)          # every reply follows it
+    settings.tools = _read_tools(args.tools) if args.tools is not None else None
     session = ChatSession(model, args.system, settings)
     if messages is not None:
         session.set_messages(messages)
@@ -100,8 +105,10 @@ def _answer_once(session: ChatSession, args: argparse.Namespace) -> int:
         text = "".join(stream)
         comp = stream.completion
         turn = session.turns[-1]
+        calls = [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+                 for c in session.last_tool_calls]
         print(json.dumps({"prompt_ids": comp.prompt_ids, "generated_ids": comp.generated_ids, "text": text,
-                          "stop_reason": comp.stop_reason,
+                          "stop_reason": comp.stop_reason, "tool_calls": calls or None,
                           "stats": {**comp.stats.as_dict(), "first_token_s": round(turn.first_token_s, 6),
                                     "dropped_messages": turn.dropped_messages,
                                     "chat_template": session.model.tokenizer.chat_template.name}},
@@ -111,7 +118,30 @@ def _answer_once(session: ChatSession, args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    _show_calls(session)
     return 0
+
+
+def _read_tools(path: str) -> list:
+    from ..tool_calls import ToolCallError, check_tools
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            tools = json.load(f)
+        if isinstance(tools, dict) and "tools" in tools:
+            tools = tools["tools"]
+        return check_tools(tools)
+    except OSError as e:
+        raise CliError(f"--tools {path}: {e.strerror}") from None
+    except (json.JSONDecodeError, ToolCallError) as e:
+        raise CliError(f"--tools {path}: {e}") from None
+
+
+def _show_calls(session: ChatSession) -> None:
+    """The last reply's tool calls, plainly."""
+    for c in session.last_tool_calls:
+        fn = c["function"]
+        print(f"[tool call] {fn['name']} {json.dumps(fn['arguments'], ensure_ascii=False)}")
 
 
 def _piped(session: ChatSession) -> int:
@@ -181,6 +211,7 @@ def _interactive(session: ChatSession, args: argparse.Namespace) -> int:
             sys.stdout.write(" [stopped]")
         sys.stdout.write("\n")
         sys.stdout.flush()
+        _show_calls(session)
 
 
 def _multiline(prompt) -> str | None:
@@ -221,6 +252,14 @@ def _command(session: ChatSession, line: str) -> str | None:
             print(f"[{len(session.messages)} messages read from {rest}]")
         elif name == "/stats":
             _print_stats(session)
+        elif name == "/tool":
+            if not rest:
+                raise RunError("/tool RESULT (the result of the last tool call)")
+            for piece in session.send_tool_result(rest):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            _show_calls(session)
         else:
             print(f"[unknown command {name}; /help lists them]")
     except (RunError, OSError, ValueError) as e:
