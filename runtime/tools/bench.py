@@ -278,27 +278,19 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
     return out
 
 
-def compare_with_openvino(r: dict[str, Any], model_path: str, threads: int, runs: int) -> None:
-    """Add OpenVINO GenAI's figures on the same file (``r["openvino"]``, or
-    its error) and our ratios to them to a ``run_bench`` result."""
-    from .openvino_bench import bench_openvino
-
-    ov = bench_openvino(model_path, threads, r["prompt_tokens"], r["gen_tokens"], runs,
-                        int(r.get("vocab_size") or 32000))
-    r["openvino"] = ov
-    if "error" not in ov:
-        r["decode_vs_openvino"] = r["decode_tok_s"] / ov["decode_tok_s"]
-        r["prefill_vs_openvino"] = r["prefill_tok_s"] / ov["prefill_tok_s"]
-
-
-def compare_with_llamacpp(r: dict[str, Any], model_path: str, threads: int, runs: int) -> None:
-    """Add llama.cpp's figures on the same file (``r["llamacpp"]``, or its
-    error) and our ratios to them to a ``run_bench`` result."""
-    from .llamacpp_bench import bench_llamacpp
-
-    lc = bench_llamacpp(model_path, threads, r["prompt_tokens"], r["gen_tokens"], runs,
-                        int(r.get("vocab_size") or 32000))
-    r["llamacpp"] = lc
-    if "error" not in lc:
-        r["decode_vs_llamacpp"] = r["decode_tok_s"] / lc["decode_tok_s"]
-        r["prefill_vs_llamacpp"] = r["prefill_tok_s"] / lc["prefill_tok_s"]
+def compare_with(r: dict[str, Any], peer: str, model_path: str, threads: int, runs: int) -> None:
+    """Add a peer's figures on the same file (``r[peer]``, or its error) and
+    our ratios to them (``decode_vs_<peer>``, ``prefill_vs_<peer>``) to a
+    ``run_bench`` result. ``peer``: ``llamacpp`` (the xllamacpp package) or
+    ``openvino`` (OpenVINO GenAI), each run in a child process."""
+    if peer == "llamacpp":
+        from .llamacpp_bench import bench_llamacpp as bench
+    elif peer == "openvino":
+        from .openvino_bench import bench_openvino as bench
+    else:
+        raise ValueError(f"unknown peer {peer!r}")
+    got = bench(model_path, threads, r["prompt_tokens"], r["gen_tokens"], runs, int(r.get("vocab_size") or 32000))
+    r[peer] = got
+    if "error" not in got:
+        r[f"decode_vs_{peer}"] = r["decode_tok_s"] / got["decode_tok_s"]
+        r[f"prefill_vs_{peer}"] = r["prefill_tok_s"] / got["prefill_tok_s"]

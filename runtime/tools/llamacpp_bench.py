@@ -8,12 +8,10 @@ prompt and generation timings; medians over the runs are returned.
 """
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import subprocess
-import sys
 from typing import Any
+
+from .peer_child import run_peer
 
 _CHILD = r"""
 import json, os, random, sys, urllib.request
@@ -50,14 +48,9 @@ def bench_llamacpp(model_path: str, threads: int, prompt_tokens: int, gen_tokens
         import xllamacpp  # noqa: F401
     except ImportError:
         return {"error": "xllamacpp is not installed (pip install xllamacpp)"}
-    args = [sys.executable, "-c", _CHILD, os.path.abspath(model_path), str(threads), str(prompt_tokens),
-            str(gen_tokens), str(runs), str(vocab)]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=3600)
-    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("@@")), None)
-    if r.returncode != 0 or line is None:
-        tail = (r.stderr.strip().splitlines() or ["no output"])[-1][:200]
-        return {"error": f"llama.cpp did not run: {tail}"}
-    t = json.loads(line[2:])
+    t = run_peer(_CHILD, "llama.cpp", model_path, threads, prompt_tokens, gen_tokens, runs, vocab)
+    if "error" in t:
+        return t
     import xllamacpp as xl
 
     return {

@@ -12,12 +12,10 @@ gives {"error": <its message>}, which the bench prints as one line.
 """
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import subprocess
-import sys
 from typing import Any
+
+from .peer_child import run_peer
 
 _CHILD = r"""
 import json, os, random, sys
@@ -52,15 +50,9 @@ def bench_openvino(model_path: str, threads: int, prompt_tokens: int, gen_tokens
         import openvino_genai  # noqa: F401
     except ImportError:
         return {"error": "openvino-genai is not installed (pip install openvino-genai)"}
-    args = [sys.executable, "-c", _CHILD, os.path.abspath(model_path), str(threads), str(prompt_tokens),
-            str(gen_tokens), str(runs), str(vocab)]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=3600)
-    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("@@")), None)
-    if r.returncode != 0 or line is None:
-        lines = [ln.strip() for ln in r.stderr.splitlines() if ln.strip()]
-        why = next((ln for ln in reversed(lines) if "rror" in ln), lines[-1] if lines else "no output")
-        return {"error": f"OpenVINO GenAI did not run this file: {why[:240]}"}
-    t = json.loads(line[2:])
+    t = run_peer(_CHILD, "OpenVINO GenAI", model_path, threads, prompt_tokens, gen_tokens, runs, vocab)
+    if "error" in t:
+        return t
     return {
         # the time to the first token is the prefill and the first token's sampling
         "prefill_tok_s": prompt_tokens / (statistics.median(x["ttft_ms"] for x in t["runs"]) / 1000),
