@@ -14,7 +14,7 @@ from typing import Any
 from ir.types import KV_TYPES
 
 from ..tools import serve_bench
-from ..tools.bench import compare_with_llamacpp, compare_with_openvino, run_bench
+from ..tools.bench import compare_with, run_bench
 from .common import CliError, memory_args, speculation_args, speculation_of, thread_count, whole_number
 
 #: fields in the order the table prints them, with their labels and formats
@@ -181,9 +181,9 @@ def run(args: argparse.Namespace) -> int:
                   stream=args.stream, stream_io=args.stream_io, speculation=spec, prompt_text=prompt_text,
                   constraint=constraint)
     if args.compare_llamacpp:
-        compare_with_llamacpp(r, args.model, args.threads, args.runs)
+        compare_with(r, "llamacpp", args.model, args.threads, args.runs)
     if args.compare_openvino:
-        compare_with_openvino(r, args.model, args.threads, args.runs)
+        compare_with(r, "openvino", args.model, args.threads, args.runs)
     if args.json:
         print(json.dumps(_jsonable(r)))
     else:
