@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
+from ..grammar import ConstraintError
 from ..sampling import Sampler
 from ..speculative import (MAX_DRAFT_MAX, Draft, Drafter, DraftLength, LookupDrafter, accept, draft_sampler,
                            grammar_checked)
@@ -218,8 +219,6 @@ def _sample(s: Sequence, row: Any, st: StepStats, eos: int) -> int:
     g = s.sampler.grammar
     if g is None:
         return s.sampler.sample(row, s.tokens)
-    from ..grammar import ConstraintError
-
     t0 = g.mask_s
     try:
         tok = s.sampler.sample(row, s.tokens)

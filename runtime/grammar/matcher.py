@@ -7,6 +7,7 @@ sequences its own. llguidance computes a mask in about 50 us for a 128k
 vocabulary with the GIL released."""
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import llguidance
@@ -37,8 +38,6 @@ class GrammarMatcher:
 
     def mask(self) -> np.ndarray:
         """The allowed next tokens: int32 words, bit i % 32 of word i // 32."""
-        import time
-
         t0 = time.perf_counter()
         self.m.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
         self.mask_s += time.perf_counter() - t0

@@ -44,12 +44,8 @@ def bench_llamacpp(model_path: str, threads: int, prompt_tokens: int, gen_tokens
                    vocab: int) -> dict[str, Any]:
     """{"prefill_tok_s", "decode_tok_s", "version"} for llama.cpp, or
     {"error": ...} when it cannot be measured here."""
-    try:
-        import xllamacpp  # noqa: F401
-    except ImportError:
-        return {"error": "xllamacpp is not installed (pip install xllamacpp)"}
-    t = run_peer(_CHILD, "llama.cpp", model_path, threads, prompt_tokens, gen_tokens, runs, vocab)
-    if "error" in t:
+    t = run_peer(_CHILD, "llama.cpp", ("xllamacpp", "xllamacpp"), model_path, threads, prompt_tokens, gen_tokens, runs, vocab)
+    if isinstance(t, dict):   # an error; the child prints a list of runs
         return t
     import xllamacpp as xl
 

@@ -10,9 +10,15 @@ import sys
 from typing import Any
 
 
-def run_peer(script: str, name: str, model_path: str, *args: int) -> Any:
-    """The child's JSON, or ``{"error": ...}``: its stderr's last line that
-    names an error (else its last line), prefixed by what did not run."""
+def run_peer(script: str, name: str, package: tuple[str, str], model_path: str, *args: int) -> Any:
+    """The child's JSON, or ``{"error": ...}``: the peer's package
+    (``(module, pip name)``) is not installed, or the child's stderr's last
+    line that names an error (else its last line)."""
+    import importlib.util
+
+    module, pip_name = package
+    if importlib.util.find_spec(module) is None:
+        return {"error": f"{pip_name} is not installed (pip install {pip_name})"}
     cmd = [sys.executable, "-c", script, os.path.abspath(model_path), *map(str, args)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("@@")), None)
