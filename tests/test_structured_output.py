@@ -309,3 +309,29 @@ def test_served_speculation_keeps_the_constrained_output(smollm2):
             drafted = list(pool.map(ask, [(n, 2) for n in names]))
         assert drafted == plain
         assert metric(s.url, "lmc_draft_tokens_total") > 0
+
+
+def test_bench_measures_the_schema_beside_llamacpps(tmp_path):
+    """``lmc bench --json-schema --compare-llamacpp``: both loops of ours
+    (plain and under the schema, taking turns after the probe) and
+    llama.cpp's server generating under the same schema, in one report;
+    the ratios are what their figures say. Speed itself is not asserted."""
+    pytest.importorskip("xllamacpp", reason="llama.cpp's server is the xllamacpp package (the test extra)")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMAS["person"]))
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("<|im_start|>user\nDescribe a person as JSON.<|im_end|>\n<|im_start|>assistant\n")
+    env = {**os.environ, "PYTHONPATH": ROOT, "LMC_CACHE_DIR": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-m", "runtime.cli", "bench", instruct_models()[SMOLLM2], "--runs", "2",
+                        "--gen-tokens", "24", "--probe-mb", "64", "--json-schema", str(schema), "--prompt-file",
+                        str(prompt), "--compare-llamacpp", "--json"], env=env, capture_output=True, text=True,
+                       timeout=1200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["constraint"] == "json_schema" and got["constrained_loop_tok_s"] > 0
+    assert got["constrained_vs_plain"] > 0 and got["constrained_sample_ms_per_token"] > 0
+    ll = got["llamacpp"]
+    assert "error" not in ll, ll
+    assert ll["constrained_decode_tok_s"] > 0 and 0 < ll["constrained_tokens"] <= 24
+    assert got["constrained_vs_llamacpp"] == pytest.approx(
+        got["constrained_loop_tok_s"] / ll["constrained_decode_tok_s"], rel=1e-4)

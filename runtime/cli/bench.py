@@ -81,6 +81,11 @@ def format_table(r: dict[str, Any]) -> str:
             continue
         rows.append((f"{name} prefill / decode", f"{peer['prefill_tok_s']:.1f} / {peer['decode_tok_s']:.1f} tok/s"))
         rows.append((f"  lmc / {name}", f"prefill {r['prefill_vs_' + key]:.2f}x, decode {r['decode_vs_' + key]:.2f}x"))
+        if "constrained_decode_tok_s" in peer:
+            rows.append((f"  {name} under the JSON schema", f"{peer['constrained_decode_tok_s']:.1f} tok/s, "
+                         f"{peer['constrained_vs_plain']:.2f}x its plain loop"))
+            if r.get("constrained_vs_" + key):
+                rows.append((f"  lmc / {name}, both under it", f"{r['constrained_vs_' + key]:.2f}x"))
     w = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{w}}  {val}" for label, val in rows)
 
@@ -159,14 +164,16 @@ def run(args: argparse.Namespace) -> int:
         if value is not None:
             raise CliError(f"{flag} is a flag of lmc bench --serve")
     spec = speculation_of(args)
-    constraint = None
+    constraint = schema = None
     if args.json_schema is not None:
         from ..grammar import ConstraintError, json_schema
 
         try:
             with open(args.json_schema, encoding="utf-8") as f:
-                constraint = json_schema(f.read())
+                text = f.read()
+            constraint = json_schema(text)
             constraint.grammar()
+            schema = json.loads(text)
         except OSError as e:
             raise CliError(f"--json-schema {args.json_schema}: {e.strerror}") from None
         except ConstraintError as e:
@@ -181,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
                   stream=args.stream, stream_io=args.stream_io, speculation=spec, prompt_text=prompt_text,
                   constraint=constraint)
     if args.compare_llamacpp:
-        compare_with(r, "llamacpp", args.model, args.threads, args.runs)
+        compare_with(r, "llamacpp", args.model, args.threads, args.runs, prompt_text=prompt_text, json_schema=schema)
     if args.compare_openvino:
         compare_with(r, "openvino", args.model, args.threads, args.runs)
     if args.json:

@@ -194,7 +194,7 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
             out["prefill_int8_fraction_spread"] = spread(fr)
 
         decode_s, io_split, plain_loop, spec_loop, spec_stats = [], [], [], [], []
-        constrained, mask_s = [], []
+        constrained, mask_s, pair_ratio = [], [], []
         identical = True
         # the model's own peak, before the bandwidth probe's buffer (probe_bytes) joins it
         model.speculation = None
@@ -202,9 +202,23 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
         out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         probe = ReadProbe(threads, probe_bytes)
         bws = []
-        for _ in range(runs):
+
+        def constrained_run() -> float | None:
+            n_c = len(list(model.generate(ids, gen + 1, temperature=0.0, stop=False, grammar=constraint)))
+            st = model.last_stats
+            if n_c < 2:
+                return None
+            # tokens after the first, each a decode step and a masked choice
+            constrained.append((n_c - 1) / (st.decode_s + st.sample_s))
+            mask_s.append(st.sample_s / n_c)
+            return constrained[-1]
+
+        for i in range(runs):
             bws.append(probe.measure(probe_repeats))
             model.speculation = None
+            # the probe has just pushed the weights out of the caches: the plain
+            # and the constrained runs take turns at being first after it
+            rate = constrained_run() if constraint is not None and i % 2 else None
             got = list(model.generate(ids, gen + 1, temperature=0.0, stop=False))
             st = model.last_stats
             if len(got) != gen + 1 or st.decode_s <= 0:
@@ -213,12 +227,10 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
             plain_loop.append(st.decode_s + st.sample_s)
             if "decode_io_wait_s" in st.extra:
                 io_split.append((st.extra["decode_io_wait_s"], st.extra["read_bytes"], st.extra["read_s"]))
-            if constraint is not None:
-                n_c = len(list(model.generate(ids, gen + 1, temperature=0.0, stop=False, grammar=constraint)))
-                st = model.last_stats
-                if n_c > 1:   # tokens after the first, each a decode step and a masked choice
-                    constrained.append((n_c - 1) / (st.decode_s + st.sample_s))
-                    mask_s.append(st.sample_s / n_c)
+            if constraint is not None and not i % 2:
+                rate = constrained_run()
+            if rate is not None:
+                pair_ratio.append(rate / (gen / plain_loop[-1]))
             if speculation is not None:
                 model.speculation = speculation
                 spec = list(model.generate(ids, gen + 1, temperature=0.0, stop=False))
@@ -233,7 +245,7 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
                                "(--prompt-text) that starts an answer")
             out["plain_loop_tok_s"] = gen / statistics.median(plain_loop)
             out["constrained_loop_tok_s"] = statistics.median(constrained)
-            out["constrained_vs_plain"] = out["constrained_loop_tok_s"] / out["plain_loop_tok_s"]
+            out["constrained_vs_plain"] = statistics.median(pair_ratio) if pair_ratio else None
             out["constrained_sample_ms_per_token"] = 1000 * statistics.median(mask_s)
             out["constraint"] = constraint.kind
         if speculation is not None:
@@ -278,19 +290,29 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
     return out
 
 
-def compare_with(r: dict[str, Any], peer: str, model_path: str, threads: int, runs: int) -> None:
+def compare_with(r: dict[str, Any], peer: str, model_path: str, threads: int, runs: int,
+                 prompt_text: str | None = None, json_schema: dict[str, Any] | None = None) -> None:
     """Add a peer's figures on the same file (``r[peer]``, or its error) and
     our ratios to them (``decode_vs_<peer>``, ``prefill_vs_<peer>``) to a
     ``run_bench`` result. ``peer``: ``llamacpp`` (the xllamacpp package) or
-    ``openvino`` (OpenVINO GenAI), each run in a child process."""
+    ``openvino`` (OpenVINO GenAI), each run in a child process. llama.cpp
+    also takes our prompt text and JSON schema (``constrained_vs_llamacpp``:
+    our decode loop under the schema against its own)."""
     if peer == "llamacpp":
-        from .llamacpp_bench import bench_llamacpp as bench
+        from .llamacpp_bench import bench_llamacpp
+
+        got = bench_llamacpp(model_path, threads, r["prompt_tokens"], r["gen_tokens"], runs,
+                             int(r.get("vocab_size") or 32000), prompt_text=prompt_text, json_schema=json_schema)
     elif peer == "openvino":
-        from .openvino_bench import bench_openvino as bench
+        from .openvino_bench import bench_openvino
+
+        got = bench_openvino(model_path, threads, r["prompt_tokens"], r["gen_tokens"], runs,
+                             int(r.get("vocab_size") or 32000))
     else:
         raise ValueError(f"unknown peer {peer!r}")
-    got = bench(model_path, threads, r["prompt_tokens"], r["gen_tokens"], runs, int(r.get("vocab_size") or 32000))
     r[peer] = got
     if "error" not in got:
         r[f"decode_vs_{peer}"] = r["decode_tok_s"] / got["decode_tok_s"]
         r[f"prefill_vs_{peer}"] = r["prefill_tok_s"] / got["prefill_tok_s"]
+        if "constrained_decode_tok_s" in got and r.get("constrained_loop_tok_s"):
+            r[f"constrained_vs_{peer}"] = r["constrained_loop_tok_s"] / got["constrained_decode_tok_s"]

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 
-def run_peer(script: str, name: str, package: tuple[str, str], model_path: str, *args: int) -> Any:
+def run_peer(script: str, name: str, package: tuple[str, str], model_path: str, *args: int | str) -> Any:
     """The child's JSON, or ``{"error": ...}``: the peer's package
     (``(module, pip name)``) is not installed, or the child's stderr's last
     line that names an error (else its last line)."""
