@@ -62,6 +62,9 @@ class ToolFormat:
     many_rule: Callable[[bool], str]
     #: whether the template renders the tools itself (else a system message describes them)
     template_renders_tools: bool = True
+    #: under ``auto``, a reply that opens with a JSON object (or a ```json fence) is a call written
+    #: without its opener, and is bound by the calls' grammar too (llama.cpp's Hermes triggers)
+    bare_calls: bool = False
 
 
 def _json_objects(text: str) -> list[tuple[int, int, Any]]:
@@ -117,14 +120,20 @@ def _parse_hermes(text: str) -> tuple[str, list[ToolCall]] | None:
             objs = _json_objects(text[i + len("<tool_call>"):])
             c = _call(objs[0][2]) if len(objs) == 1 else None
             return (text[:i].strip(), [c]) if c is not None else None
-        fence = re.fullmatch(r"\s*```(?:json)?\s*(.*?)\s*```\s*", text, re.S)
+        fence = re.fullmatch(r"\s*```(?:json)?\s*(.*?)\s*(?:```\s*)?", text, re.S)
         body = (fence.group(1) if fence else text).strip()
-        objs = _json_objects(body)
-        whole = bool(objs) and objs[0][0] == 0 and objs[-1][1] == len(body) and all(
-            not body[a[1]:b[0]].strip() for a, b in zip(objs, objs[1:]))
-        if not whole or not all(isinstance(v, dict) and "arguments" in v for _, _, v in objs):
+        objs, end = [], 0
+        for a, b, v in _json_objects(body):   # the objects that follow each other from the start
+            if body[end:a].strip():
+                break
+            objs.append(v)
+            end = b
+        # what follows them is nothing, or a last call cut short (max_tokens), not content
+        if not objs or (body[end:].strip() and not body[end:].lstrip().startswith("{")):
             return None
-        calls = [_call(v) for _, _, v in objs]
+        if not all(isinstance(v, dict) and "arguments" in v for v in objs):
+            return None
+        calls = [_call(v) for v in objs]
         return ("", calls) if all(calls) else None
     tail = text[last:]
     if "<tool_call>" in tail:   # a last call cut short (max_tokens): not content
@@ -173,7 +182,7 @@ def _body(schema: str) -> str:
 FORMATS: list[ToolFormat] = [
     ToolFormat("hermes", lambda src: "<tool_call>" in src, ("<tool_call>", "```", "{"), _parse_hermes,
                lambda schema: f'<tool_call> "\\n" {_body(schema)} "\\n" </tool_call>',
-               lambda many: 'start: call ("\\n" call)*' if many else "start: call"),
+               lambda many: 'start: call ("\\n" call)*' if many else "start: call", bare_calls=True),
     ToolFormat("mistral", lambda src: "[TOOL_CALLS]" in src, ("[TOOL_CALLS]",), _parse_mistral,
                lambda schema: _body(schema),
                lambda many: 'start: "[TOOL_CALLS]" "[" call (", " call)* "]"' if many
@@ -236,9 +245,13 @@ def call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], only: str | None,
     to ``only`` or to any of ``tools``, each call's body the JSON of its
     name and arguments, the arguments following the function's parameters.
     ``lazy``: free text is allowed too, and calls after it (``auto``; the
-    opener must be a control token, which free text cannot contain)."""
+    opener must be a control token, which free text cannot contain). A
+    format with ``bare_calls`` also binds calls written without their
+    opener: free text may not open with a JSON object or a ```json fence,
+    so a reply that does is held to the calls' schemas from its first
+    character (as llama.cpp's Hermes grammar triggers on ``{"name"``)."""
     key = "parameters" if fmt.name == "llama3" else "arguments"
-    alts = []
+    bodies = []
     for t in tools:
         fn = t["function"]
         if only is not None and fn["name"] != only:
@@ -247,13 +260,21 @@ def call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], only: str | None,
                   "properties": {"name": {"const": fn["name"]},
                                  key: fn.get("parameters") or {"type": "object"}},
                   "required": ["name", key], "additionalProperties": False}
-        alts.append(fmt.call_rule(json.dumps(schema)))
+        bodies.append(json.dumps(schema))
     many = parallel and only is None   # a named function: one call to it
-    rules = [fmt.many_rule(many)] + [f"call: {' | '.join(f'call{i}' for i in range(len(alts)))}"]
+    names = " | ".join(f"call{i}" for i in range(len(bodies)))
+    rules = [fmt.many_rule(many), f"call: {names}"]
+    rules += [f"call{i}: {fmt.call_rule(b)}" for i, b in enumerate(bodies)]
     if lazy:   # free text, or text then the calls: the grammar binds only once a call opens
         rules[0] = rules[0].replace("start:", "calls:", 1)
-        rules = ["start: FREE | FREE? calls", "FREE: /(?s:.+)/", *rules]
-    rules += [f"call{i}: {a}" for i, a in enumerate(alts)]
+        if fmt.bare_calls:   # free text cannot open with JSON: a reply that does is a bare call
+            rules = ["start: FREE | FREE? calls | bare", "FREE: /(?s:.+)/ & ~/(?s:\\s*(```(json)?\\s*)?\\{.*)/",
+                     'bare: bcalls | "```json\\n" bcalls "\\n```"',
+                     'bcalls: bcall ("\\n" bcall)*' if many else "bcalls: bcall",
+                     f"bcall: {names.replace('call', 'bcall')}",
+                     *[f"bcall{i}: {_body(b)}" for i, b in enumerate(bodies)], *rules]
+        else:
+            rules = ["start: FREE | FREE? calls", "FREE: /(?s:.+)/", *rules]
     out = "\n".join(rules) + "\n"
     for tag in ("<tool_call>", "</tool_call>"):   # a control token where the vocabulary has one, else its text
         if tag in out and not special(tag):

@@ -8,6 +8,7 @@ tool's result fed back for a final answer, an agent loop, and bad tools as
 parameters with ``jsonschema``."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import jsonschema
@@ -89,6 +90,32 @@ def test_call_grammars_compile(fmt, only, parallel):
         bad, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(llguidance.LLMatcher.grammar_from_lark(g))
         assert not bad, msgs
         assert ("get_weather" in g) == (only is None) and ("FREE" in g) == lazy
+
+
+def test_auto_grammar_binds_calls_written_without_their_tag():
+    """Under ``auto`` (Hermes), free text may not open with JSON: a reply
+    that opens with an object or a ```json fence is held to the calls'
+    schemas, as llama.cpp's Hermes grammar triggers on ``{"name"``; text,
+    and text then a tagged call, stay free."""
+    import runtime
+    from runtime.grammar import GrammarMatcher, lark
+
+    tok = runtime.load_tokenizer(instruct_models()[QWEN])
+    special = lambda text: len(tok.encode(text, special=True)) == 1   # noqa: E731
+    g = lark(tc.call_grammar(FMT["hermes"], TOOLS, None, True, special=special, lazy=True))
+
+    def takes(text: str) -> bool:
+        ids = tok.encode(text, special=True)
+        return GrammarMatcher(g, tok, (tok.eos_id,), tok.vocab_size).valid_prefix(ids) == len(ids)
+
+    assert takes("It is sunny, {maybe}.")
+    assert takes('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    assert takes('{"name": "get_weather", "arguments": {"city": "Paris"}}\n{"name": "calculate", "arguments": '
+                 '{"expression": "1+1"}}')
+    assert takes('```json\n{"name": "calculate", "arguments": {"expression": "2*3"}}\n```')
+    assert not takes('{"name": "get_time"')                                          # no such function
+    assert not takes('{"name": "get_weather", "arguments": {"town": "Paris"}}')       # not its parameters
+    assert not takes('{"answer": 42}')
 
 
 def test_bad_tools_and_choices():
@@ -237,3 +264,54 @@ def test_lmc_chat_shows_a_tool_call(tmp_path):
     bad.write_text('{"x": 1}')
     r = subprocess.run(cmd[:-6] + ["--tools", str(bad)], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 2 and r.stderr.startswith("lmc: error: --tools ") and r.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_agents_sdk_loop(qwen_client, streamed):
+    """The openai-agents SDK's own loop (``Runner``, ``function_tool``,
+    ``OpenAIChatCompletionsModel``) against lmc serve: the SDK sends the
+    tools, runs the Python functions on the calls we return, feeds their
+    results back and ends on the model's answer. Tools stay enabled until
+    one has been used (``is_enabled``), so the 0.5B model answers rather
+    than calling again."""
+    agents = pytest.importorskip("agents", reason="the Agents SDK is openai-agents (the test extra)")
+    client, model = qwen_client
+    agents.set_tracing_disabled(True)
+    ran: list[tuple[str, dict]] = []
+
+    def first_round(ctx, agent) -> bool:
+        return not ran
+
+    @agents.function_tool(is_enabled=first_round)
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        ran.append(("get_weather", {"city": city}))
+        return json.dumps({"city": city, "temp_c": 18, "sky": "sunny"})
+
+    @agents.function_tool(is_enabled=first_round)
+    def calculate(expression: str) -> str:
+        """Evaluate an arithmetic expression."""
+        ran.append(("calculate", {"expression": expression}))
+        return "391"
+
+    aclient = openai.AsyncOpenAI(base_url=str(client.base_url), api_key="unused", max_retries=0, timeout=600)
+    agent = agents.Agent(
+        name="assistant", instructions="You are a helpful assistant. After a tool result, answer the user in one "
+                                       "sentence.",
+        tools=[get_weather, calculate], model=agents.OpenAIChatCompletionsModel(model=model, openai_client=aclient),
+        model_settings=agents.ModelSettings(temperature=0, max_tokens=160, parallel_tool_calls=False))
+    question = "What is the weather in Paris?"
+    if streamed:
+        async def run():
+            r = agents.Runner.run_streamed(agent, question, max_turns=4)
+            kinds = [e.item.type async for e in r.stream_events() if e.type == "run_item_stream_event"]
+            return r, kinds
+        result, kinds = asyncio.run(run())
+        assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"], kinds
+    else:
+        result = agents.Runner.run_sync(agent, question, max_turns=4)
+    assert ran == [("get_weather", {"city": "Paris"})]
+    jsonschema.validate(ran[0][1], PARAMS["get_weather"])
+    answer = result.final_output
+    assert isinstance(answer, str) and "<tool_call>" not in answer and not answer.lstrip().startswith("{")
+    assert "18" in answer or "sunny" in answer.lower(), answer
