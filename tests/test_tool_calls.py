@@ -30,6 +30,9 @@ TOOLS = [
         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
                        "required": ["expression"], "additionalProperties": False}}},
 ]
+#: one worker runs them all, so the Qwen server is started once
+pytestmark = pytest.mark.xdist_group("tool_calls")
+
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 FMT = {f.name: f for f in tc.FORMATS}
 

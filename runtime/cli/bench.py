@@ -137,6 +137,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "latency; prints JSON, then a table unless --json")
     b.add_argument("--streams", type=stream_counts, default=None, metavar="N,N,...",
                    help="with --serve: the stream counts (default 1,4,8,16); each client sends two requests")
+    b.add_argument("--replicas", type=whole_number("--replicas", 1), default=None, metavar="N",
+                   help="with --serve: lmc serve --replicas N (engine replicas on Ray Serve, -t threads each)")
     b.add_argument("--parallel", type=whole_number("--parallel", 1), default=None, metavar="P",
                    help="with --serve: lmc serve --parallel, llama.cpp's slots (default: the largest of --streams)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
@@ -160,7 +162,7 @@ def _jsonable(r: dict[str, Any]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     if args.serve:
         return _run_serve(args)
-    for flag, value in (("--streams", args.streams), ("--parallel", args.parallel)):
+    for flag, value in (("--streams", args.streams), ("--parallel", args.parallel), ("--replicas", args.replicas)):
         if value is not None:
             raise CliError(f"{flag} is a flag of lmc bench --serve")
     spec = speculation_of(args)
@@ -209,6 +211,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         extra += ["--kv-type", args.kv_type]
     if args.mem_budget is not None:
         extra += ["--mem-budget", str(args.mem_budget)]
+    if args.replicas is not None:
+        extra += ["--replicas", str(args.replicas)]
     try:
         r = serve_bench.run_serve_bench(args.model, args.tokenizer, args.threads, args.streams or list(serve_bench.DEFAULT_STREAMS),
                             parallel=args.parallel, gen_tokens=args.gen_tokens or serve_bench.DEFAULT_TOKENS,

@@ -72,8 +72,35 @@ def add_parser(sub) -> None:
     s.add_argument("--draft-max", type=whole_number("--draft-max", 1), default=DEFAULT_DRAFT_MAX, metavar="N",
                    help=f"with a drafter: tokens drafted per step at most (default {DEFAULT_DRAFT_MAX}; a request's "
                         f"'draft_max' wins); the step is compiled for --parallel plus this many rows")
+    c = s.add_argument_group("across processes and machines (Ray Serve: pip install -e '.[cluster]')")
+    c.add_argument("--replicas", type=whole_number("--replicas", 1), default=None, metavar="N",
+                   help="N engine replicas on Ray Serve behind this server (the same API), each a whole engine "
+                        "with its KV pool and -t threads; requests go to the replica whose KV cache holds the "
+                        "longest part of their prompt, or the least loaded when loads are uneven")
+    c.add_argument("--autoscale", type=_min_max, default=None, metavar="MIN:MAX",
+                   help="as --replicas, scaled between MIN and MAX on the requests each replica is running")
+    c.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="with --replicas/--autoscale: join this Ray cluster (default: $RAY_ADDRESS, else a local "
+                        "Ray on 127.0.0.1)")
+    c.add_argument("--routing", choices=("cache", "power-of-two"), default="cache",
+                   help="with --replicas/--autoscale: cache (default: the replica holding the longest part of "
+                        "the prompt in its KV cache, unless loads are uneven) or power-of-two (Ray Serve's "
+                        "default: the less loaded of two replicas drawn at random)")
+    c.add_argument("--downscale-delay", type=float, default=60.0, metavar="S",
+                   help="with --autoscale: seconds of low load before a replica is removed (default 60)")
     kv_type_arg(s)
     exec_args(s)
+
+
+def _min_max(text: str) -> tuple[int, int]:
+    """``--autoscale MIN:MAX`` (1 <= MIN <= MAX)."""
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--autoscale takes MIN:MAX (two whole numbers), not {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"--autoscale {text}: needs 1 <= MIN <= MAX")
+    return lo, hi
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,6 +109,13 @@ def run(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"lmc serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     spec = _speculation(args)
+    if not (args.replicas or args.autoscale):
+        for flag, given in (("--ray-address", args.ray_address is not None), ("--routing", args.routing != "cache"),
+                            ("--downscale-delay", args.downscale_delay != 60.0)):
+            if given:
+                raise CliError(f"{flag} goes with --replicas or --autoscale")
+    elif args.downscale_delay <= 0:
+        raise CliError(f"--downscale-delay {args.downscale_delay:g}: must be > 0")
     sock = bind_socket(args.host, args.port)   # before the slow part: a taken port fails at once
     model_path, tok_path = resolve_model(args)
     opts = ServerOptions(model_path, tok_path, ctx=args.ctx, parallel=args.parallel, kv_pool=args.kv_pool,
@@ -92,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
                          draft_max=args.draft_max, speculation=spec)
     status = StatusLine()
     try:
-        serving = build_serving(opts, status)
+        serving = _cluster(args, opts, status) if args.replicas or args.autoscale else build_serving(opts, status)
     finally:
         status.clear()
     host, port = sock.getsockname()[:2]
@@ -100,6 +134,20 @@ def run(args: argparse.Namespace) -> int:
           on_ready=lambda: print(serving.banner(host, port), flush=True))
     print("lmc serve: stopped", flush=True)
     return 0
+
+
+def _cluster(args: argparse.Namespace, opts, status):
+    """The replicas on Ray Serve and the ingress app (``runtime.cluster``)."""
+    if args.replicas and args.autoscale:
+        raise CliError("--replicas and --autoscale: one or the other")
+    try:
+        from ..cluster.deploy import ClusterOptions, build_cluster
+    except ImportError as e:
+        raise CliError(f"--replicas/--autoscale need Ray Serve, which is not installed ({e.name}): "
+                       f"pip install -e '.[cluster]'") from None
+    return build_cluster(opts, ClusterOptions(replicas=args.replicas, autoscale=args.autoscale,
+                                              ray_address=args.ray_address, routing=args.routing,
+                                              downscale_delay_s=args.downscale_delay), status)
 
 
 def _speculation(args: argparse.Namespace) -> Speculation | None:

@@ -85,6 +85,8 @@ class BlockManager:
         #: (parent hash, first r tokens) -> a cached block that starts so, for r < block_size
         self.starts: dict[tuple[bytes, tuple[int, ...]], int] = {}
         self.starts_of: dict[int, list[tuple[bytes, tuple[int, ...]]]] = {}
+        #: bumped whenever ``cached`` gains or loses a block (a replica republishes its hashes then)
+        self.version = 0
 
     # --- counts ----------------------------------------------------------------------------
     def blocks_for(self, n_tokens: int) -> int:
@@ -196,6 +198,7 @@ class BlockManager:
             if h not in self.cached and b not in self.hash_of:
                 self.cached[h] = b
                 self.hash_of[b] = h
+                self.version += 1
                 block = tuple(int(t) for t in tokens[i * bs: (i + 1) * bs])
                 keys = [(parent, block[:r]) for r in range(1, bs)]
                 for k in keys:
@@ -240,6 +243,7 @@ class BlockManager:
         h = self.hash_of.pop(b)
         if self.cached.get(h) == b:
             del self.cached[h]
+            self.version += 1
         for k in self.starts_of.pop(b, ()):
             if self.starts.get(k) == b:
                 del self.starts[k]

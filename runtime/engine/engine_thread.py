@@ -45,6 +45,10 @@ class Engine:
         self._lock = threading.Lock()
         self.draining = False
         self.drain_deadline = float("inf")
+        #: the hashes of the full blocks the pool holds (``block_manager.prefix_hashes``), renewed
+        #: by the engine thread after a step that cached or evicted one: what a replica publishes
+        self.cached_hashes: tuple[bytes, ...] = ()
+        self._hashes_version = 0
         if metrics:
             metrics.observe(self.core.current_load())   # the pool's size is known before the first step
 
@@ -109,6 +113,11 @@ class Engine:
         self._inbox.put(("cancel", req_id))
         self._wake.set()
 
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs (a replica's health check)."""
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
     def start(self) -> "Engine":
         self._thread = threading.Thread(target=self._loop, name="lmc-engine", daemon=True)
         self._thread.start()
@@ -163,6 +172,9 @@ class Engine:
         if self.metrics:
             self.metrics.record(out.stats)
             self.metrics.observe(self.core.current_load())
+        blocks = self.core.blocks
+        if blocks.version != self._hashes_version:
+            self._hashes_version, self.cached_hashes = blocks.version, tuple(blocks.cached)
 
     def _deliver(self, out: StepOutput) -> None:
         self._forget(len(out.finished))

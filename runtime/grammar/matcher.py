@@ -24,6 +24,8 @@ class GrammarMatcher:
                  grammar: str | None = None) -> None:
         """``grammar``: the constraint's compiled grammar when the caller
         already has it (``Constraint.grammar``)."""
+        #: what it enforces (another process builds its own matcher from it: an lmc serve replica)
+        self.constraint = constraint
         llt = ll_tokenizer(tokenizer, stop_ids, vocab_size)
         self.m = llguidance.LLMatcher(llt, grammar or constraint.grammar(), log_level=0, limits=parser_limits())
         if self.m.is_error():

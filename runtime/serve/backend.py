@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Awaitable, Protocol
 
 from ..engine import Engine, Request
 from ..speculative import DEFAULT_DRAFT_MAX
@@ -41,7 +41,9 @@ class ServingBackend(Protocol):
     #: encode, decode, chat_ids, token_to_piece
     tokenizer: Any
 
-    def submit(self, req: Request) -> None: ...
+    def submit(self, req: Request) -> "None | Awaitable[None]":
+        """Take ``req`` or raise EngineError / EngineBusy; a backend whose
+        engines live elsewhere returns an awaitable that raises them."""
 
     def cancel(self, req_id: str) -> None: ...
 

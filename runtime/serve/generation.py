@@ -5,6 +5,7 @@ API's pieces (log-probabilities, usage, server-sent events)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import uuid
 from typing import Any, AsyncIterator
@@ -108,7 +109,9 @@ async def start(backend: ServingBackend, ids: list[int], body: S.Sampling, max_t
                   lookup=info.lookup if body.lookup is None else body.lookup,
                   draft_max=info.draft_max if body.draft_max is None else body.draft_max, grammar=grammar)
     try:
-        backend.submit(req)
+        submitted = backend.submit(req)
+        if inspect.isawaitable(submitted):   # a backend in another process answers when the request is taken
+            await submitted
     except EngineBusy as e:
         raise ApiError(503, f"{e}; try again shortly", kind="server_busy") from None
     except EngineError as e:

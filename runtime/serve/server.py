@@ -67,6 +67,8 @@ class Serving:
     parallel: int
     #: what drafts for every request, for the banner ("" when nothing does)
     drafting: str
+    #: what the app serves: the engine, tokenizer, model info and metrics
+    backend: EngineBackend
 
     def banner(self, host: str, port: int) -> str:
         url_host = f"[{host}]" if ":" in host else host
@@ -81,8 +83,6 @@ def build_serving(o: ServerOptions, status: Callable[[str], None] | None = None)
     """Load, size, compile and assemble everything ``o`` asks for; a
     setting that cannot work is a RunError (one line) before anything is
     compiled. ``status(text)`` hears about the slow steps."""
-    from frontends.chat_template import resolve_chat_template
-
     loaded = load_model(o.model, o.tokenizer)
     ctx = o.ctx or min(loaded.config.seq_len, DEFAULT_CTX)
     if ctx > loaded.config.seq_len:
@@ -103,12 +103,7 @@ def build_serving(o: ServerOptions, status: Callable[[str], None] | None = None)
                              batch=BatchOptions(o.block_size, n_blocks,
                                                 o.parallel + (o.draft_max if o.lookup or spec else 0)))
     drafter = build_drafter(model, spec, draft_loaded) if spec is not None else None
-    tok = model.tokenizer
-    if o.chat_template is not None:
-        tok.chat_template = resolve_chat_template(o.chat_template, tok.model_chat_template,
-                                                  os.path.basename(o.model))
-    else:
-        tok.chat_template   # a broken template is an error now, not at the first request
+    tok = with_template(model.tokenizer, o)
     metrics = ServerMetrics()
     engine = Engine(model, o.parallel, prefill_chunk=o.prefill_chunk, metrics=metrics, max_queue=o.queue,
                     drafter=drafter)
@@ -119,8 +114,22 @@ def build_serving(o: ServerOptions, status: Callable[[str], None] | None = None)
                            "block_size": o.block_size, "kv_type": kv, "backend": o.backend,
                            "drafter": drafting or None},
                      lookup=o.lookup, draft_max=o.draft_max, stop_ids=tuple(model.config.stop_ids))
-    app = create_app(EngineBackend(engine, tok, info, metrics), api_key=o.api_key)
-    return Serving(app, engine, model, model_id, n_blocks, o.block_size, kv, o.parallel, drafting)
+    backend = EngineBackend(engine, tok, info, metrics)
+    app = create_app(backend, api_key=o.api_key)
+    return Serving(app, engine, model, model_id, n_blocks, o.block_size, kv, o.parallel, drafting, backend)
+
+
+def with_template(tok: Any, o: ServerOptions) -> Any:
+    """The tokenizer with the chat template ``o`` asks for (the model's own
+    by default); a broken template is an error now, not at the first request."""
+    from frontends.chat_template import resolve_chat_template
+
+    if o.chat_template is not None:
+        tok.chat_template = resolve_chat_template(o.chat_template, tok.model_chat_template,
+                                                  os.path.basename(o.model))
+    else:
+        tok.chat_template
+    return tok
 
 
 def drafter_text(spec: Speculation | None, draft_max: int) -> str:
