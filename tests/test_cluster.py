@@ -208,7 +208,11 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after():
             for w in work:
                 w.result(timeout=300)
         assert 2 in seen, seen
-        deadline = time.monotonic() + 120
+        up = time.monotonic() - (stop - 150)
+        idle = time.monotonic()
+        deadline = idle + 120
         while time.monotonic() < deadline and len(_replicas(s)) != 1:
             time.sleep(2)
         assert len(_replicas(s)) == 1
+        print(f"\nautoscaling: 2 replicas {up:.0f} s after the load began, back to 1 {time.monotonic() - idle:.0f} s "
+              f"after it ended")

@@ -93,6 +93,21 @@ class ClusterServing:
                 f"{m.get('block_size')} {m.get('kv_type')}, {self.threads} threads)")
 
 
+def check_reachable(address: str, what: str = "--ray-address") -> None:
+    """A cluster address (``host:port`` or ``ray://host:port``) that nothing
+    answers at is one clear error now (Ray itself retries for minutes)."""
+    import socket
+
+    hostport = address.split("://", 1)[-1]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        return   # "auto" and other forms: Ray resolves them
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as e:
+        raise RunError(f"{what} {address}: no Ray there ({e.strerror or e})") from None
+
+
 def replica_threads(opts: ServerOptions, c: ClusterOptions) -> int:
     """Threads per replica: ``-t``, else the cores split between the replicas that start."""
     if opts.threads:
@@ -125,6 +140,8 @@ def build_cluster(opts: ServerOptions, c: ClusterOptions, status: Callable[[str]
     address = c.ray_address or os.environ.get("RAY_ADDRESS") or None
     env = {k: v for k, v in os.environ.items() if k.startswith("LMC_")}
     started = not ray.is_initialized()
+    if started and address is not None:
+        check_reachable(address, "--ray-address" if c.ray_address else "$RAY_ADDRESS")
     if started:
         say("starting Ray" if address is None else f"joining Ray at {address}")
         kw: dict[str, Any] = {"include_dashboard": False, "logging_level": "WARNING", "log_to_driver": False,
