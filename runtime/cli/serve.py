@@ -49,6 +49,9 @@ def add_parser(sub) -> None:
     s.add_argument("--api-key", default=os.environ.get("LMC_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
                         "$LMC_API_KEY, else none)")
+    s.add_argument("--no-webui", dest="webui", action="store_false",
+                   help="do not serve the chat page at / (by default a browser opened on the server's URL "
+                        "chats with the model)")
     s.add_argument("--alias", default=None, help="the model's id in the API (default: the file's name)")
     s.add_argument("--chat-template", default=None, metavar="FILE|NAME",
                    help="a jinja template file, or chatml, llama2, llama3, gemma, phi3, plain (default: the "
@@ -123,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
                          prefill_chunk=args.prefill_chunk, kv_type=args.kv_type, backend=args.backend,
                          threads=args.threads, use_cache=not args.no_cache, alias=args.alias,
                          chat_template=args.chat_template, api_key=args.api_key, lookup=args.lookup,
-                         draft_max=args.draft_max, speculation=spec)
+                         draft_max=args.draft_max, speculation=spec, webui=args.webui)
     status = StatusLine()
     try:
         serving = _cluster(args, opts, status) if args.replicas or args.autoscale else build_serving(opts, status)

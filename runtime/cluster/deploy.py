@@ -186,7 +186,7 @@ def build_cluster(opts: ServerOptions, c: ClusterOptions, status: Callable[[str]
     replicas = f"{c.replicas} replicas" if c.replicas else f"autoscaling {c.autoscale[0]}..{c.autoscale[1]} replicas"
     info.meta = {**(info.meta or {}), "replicas": c.replicas, "autoscale": list(c.autoscale) if c.autoscale else None}
     backend = RayBackend(handle, tok, info, IngressMetrics())
-    app = create_app(backend, api_key=opts.api_key)
+    app = create_app(backend, api_key=opts.api_key, webui=opts.webui)
     where = ray.get_runtime_context().gcs_address
     return ClusterServing(app, ReplicaSet(backend, started), info.model_id, replicas, where, info, threads,
                           opts.parallel)

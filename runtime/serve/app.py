@@ -9,7 +9,8 @@ queue, and answered whole or streamed as server-sent events ending in
 its KV blocks. Every refusal is a 4xx with an OpenAI-style JSON error
 (``errors``), and the server stays up. The routes hold no state of their
 own: another app (a deployment with replicas) can mount the same routers
-over its own backend.
+over its own backend. With ``webui`` (the default) it also serves the chat
+page at ``/`` (``routes_webui``), whose files load without the API key.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from .routes_chat import router as chat_router
 from .routes_completions import router as completions_router
 from .routes_info import router as info_router
 from .routes_tokens import router as tokens_router
+from .routes_webui import install_webui, is_public
 
 #: request bodies larger than this are refused (413) before they are read whole
 MAX_BODY_BYTES = 8 << 20
@@ -32,8 +34,9 @@ MAX_BODY_BYTES = 8 << 20
 ROUTERS: tuple[APIRouter, ...] = (info_router, tokens_router, chat_router, completions_router)
 
 
-def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
-    """The API over ``backend``; ``api_key``: required on every endpoint but /health."""
+def create_app(backend: ServingBackend, api_key: str | None = None, webui: bool = True) -> FastAPI:
+    """The API over ``backend``; ``api_key``: required on every endpoint but
+    /health (and the chat page's files); ``webui``: serve the chat page at /."""
     app = FastAPI(title="lmc", docs_url=None, redoc_url=None)
     app.state.backend = backend
     install_error_handlers(app, backend)
@@ -44,7 +47,8 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
             backend.count_error(413)
             return error_response(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
-        if api_key is not None and request.url.path != "/health":
+        path = request.url.path
+        if api_key is not None and path != "/health" and not (webui and is_public(path)):
             if request.headers.get("authorization", "") != f"Bearer {api_key}":
                 backend.count_error(401)
                 return error_response(401, "invalid or missing API key (Authorization: Bearer KEY)",
@@ -53,4 +57,6 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
 
     for router in ROUTERS:
         app.include_router(router)
+    if webui:
+        install_webui(app)
     return app

@@ -51,6 +51,8 @@ class ServerOptions:
     draft_max: int = DEFAULT_DRAFT_MAX
     #: the model drafter for every request (``draft`` or ``draft_layers``), or None
     speculation: Speculation | None = None
+    #: serve the chat page at / (``--no-webui``: off)
+    webui: bool = True
 
 
 @dataclass
@@ -115,7 +117,7 @@ def build_serving(o: ServerOptions, status: Callable[[str], None] | None = None)
                            "drafter": drafting or None},
                      lookup=o.lookup, draft_max=o.draft_max, stop_ids=tuple(model.config.stop_ids))
     backend = EngineBackend(engine, tok, info, metrics)
-    app = create_app(backend, api_key=o.api_key)
+    app = create_app(backend, api_key=o.api_key, webui=o.webui)
     return Serving(app, engine, model, model_id, n_blocks, o.block_size, kv, o.parallel, drafting, backend)
 
 
