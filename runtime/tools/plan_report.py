@@ -30,6 +30,7 @@ def memory_report(model: LoadedModel, opts: NativeOptions) -> dict[str, Any]:
                          "ratio": round(p.ratio(), 4), "strategy": p.strategy}
                      for n, p in planned.plans.items()}
     out["_decode_plan"] = planned.plans["decode"]
+    out["_schedule"] = planned.schedule   # the stream schedule itself (None: nothing streams), for lmc viz
     loaded = resident_bytes()
     if loaded is not None:   # this process has loaded the model as the compile child will
         need = compile_peak_estimate(loaded)
