@@ -557,7 +557,8 @@ function scheduleRender(conv, reply) {
 function fitInput() {
   const input = $("input");
   input.style.height = "auto";
-  input.style.height = `${Math.min(input.scrollHeight, window.innerHeight * 0.4)}px`;
+  const borders = input.offsetHeight - input.clientHeight;   // border-box: the height includes them
+  input.style.height = `${Math.min(input.scrollHeight + borders, window.innerHeight * 0.4)}px`;
 }
 
 // ---------------------------------------------------------------- settings
