@@ -110,13 +110,18 @@ def open_page(driver, url: str, model_id: str | None = MODEL_ID) -> None:
 
 
 def text(driver, selector: str) -> str:
-    els = driver.find_elements(By.CSS_SELECTOR, selector)
-    return els[-1].text if els else ""
+    """The shown text of the last element ``selector`` finds ("" if none), read in one
+    script: the page re-renders as a reply streams, and a found element may be gone
+    by the time it is read."""
+    return driver.execute_script(
+        "const els = document.querySelectorAll(arguments[0]); return els.length ? els[els.length - 1].innerText : ''",
+        selector)
 
 
 def shown(driver, selector: str) -> bool:
-    els = driver.find_elements(By.CSS_SELECTOR, selector)
-    return bool(els) and els[-1].is_displayed()
+    return driver.execute_script(
+        "const els = document.querySelectorAll(arguments[0]); const el = els[els.length - 1];"
+        "return Boolean(el) && !el.closest('[hidden]') && el.getClientRects().length > 0", selector)
 
 
 def send(driver, message: str) -> None:
