@@ -32,7 +32,7 @@ from ..models import BUNDLED_MODEL as DEFAULT_MODEL, BUNDLED_TOKENIZER as DEFAUL
 
 #: the sub-commands in the order ``lmc --help`` lists them; each is a module of this package
 COMMAND_NAMES = ("run", "chat", "serve", "loadtest", "compile", "synth", "bench", "perplexity", "inspect",
-                 "convert", "kernel", "tokenize", "ir", "plan", "profile")
+                 "convert", "kernel", "tokenize", "ir", "viz", "plan", "profile")
 
 
 def _command(name: str):
