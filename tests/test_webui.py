@@ -361,3 +361,48 @@ def test_the_page_and_every_file_it_links_are_served(server):
         asset = httpx.get(f"{server.url}/{path}")
         assert asset.status_code == 200 and asset.content, path
     assert httpx.get(f"{server.url}/webui/missing.js").status_code == 404
+
+
+class _Stub:
+    """The least backend the app needs for these paths (no model)."""
+
+    def __init__(self) -> None:
+        from runtime.serve.backend import ModelInfo
+
+        self.info = ModelInfo("stub", ctx=64, vocab=10, meta={"n_ctx": 64})
+        self.errors: list[int] = []
+
+    def count_error(self, status: int) -> None:
+        self.errors.append(status)
+
+
+def test_only_the_pages_files_skip_the_api_key():
+    from fastapi.testclient import TestClient
+
+    from runtime.serve.app import create_app
+
+    c = TestClient(create_app(_Stub(), api_key="K"))
+    for path in ("/", "/webui/app.js", "/webui/vendor/dompurify/purify.min.js"):
+        assert c.get(path).status_code == 200, path
+    for path in ("/v1/models", "/metrics", "/webui", "/webuix/app.js", "/index.html"):
+        r = c.get(path)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
+    assert c.get("/v1/models", headers={"Authorization": "Bearer K"}).json()["data"][0]["id"] == "stub"
+    assert c.get("/webui/%2e%2e/app.py").status_code == 404   # nothing outside the page's folder
+
+    off = TestClient(create_app(_Stub(), api_key="K", webui=False))
+    assert off.get("/").status_code == 401 and off.get("/webui/app.js").status_code == 401
+    off = TestClient(create_app(_Stub(), webui=False))
+    assert off.get("/").status_code == 404 and off.get("/webui/app.js").status_code == 404
+
+
+def test_each_vendored_library_has_its_license_and_is_listed():
+    from runtime.serve.routes_webui import WEBUI_DIR
+
+    vendor = WEBUI_DIR / "vendor"
+    readme = (vendor / "README.md").read_text()
+    libraries = [p for p in vendor.iterdir() if p.is_dir()]
+    assert {p.name for p in libraries} == {"marked", "dompurify", "highlight.js"}
+    for lib in libraries:
+        assert any(f.name.startswith("LICENSE") for f in lib.iterdir()), lib
+        assert f"`{lib.name}/`" in readme, lib
