@@ -263,6 +263,22 @@ def test_a_refused_request_is_shown_plainly_and_the_message_kept(server, browser
     assert shown(d, "#send") and not shown(d, "#stop")
 
 
+def test_a_huge_message_is_refused_plainly_and_the_server_stays_up(server, browser):
+    """9 MiB pasted into the box: the server refuses the body (413) before
+    reading it whole, the page says so, and the next message is answered."""
+    d = browser
+    open_page(d, server.url)
+    d.execute_script("document.getElementById('input').value = 'x'.repeat(9 << 20)")
+    d.find_element(By.ID, "send").click()
+    banner = wait_until(lambda: shown(d, "#banner") and text(d, "#banner"), "the error banner")
+    assert banner.startswith("HTTP 413: the request body is larger than 8 MiB"), banner[:200]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    d.execute_script("document.getElementById('input').value = ''")
+    settings(d, temperature="0", max_tokens="8")
+    send(d, "Hi")
+    assert finished_reply(d)["text"]
+
+
 def test_settings_refuse_values_out_of_range(server, browser):
     d = browser
     open_page(d, server.url)
