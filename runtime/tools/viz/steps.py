@@ -12,6 +12,7 @@ import copy
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from compiler.driver import CompileOptions, LoadedModel, model_graph, pass_names
 from compiler.pipeline import run_pipeline
@@ -44,6 +45,17 @@ def pass_doc(name: str) -> str:
     return lines[0] if lines else ""
 
 
+def copy_graph(g: Graph) -> Graph:
+    """A deep copy of ``g``, its nodes copied in order: each one's inputs are
+    then copied already, so the copy does not recurse along the whole chain
+    of producers (``copy.deepcopy(g)`` alone exceeds Python's recursion
+    limit on a 30-layer model)."""
+    memo: dict[int, Any] = {}
+    for n in g.nodes:
+        copy.deepcopy(n, memo)
+    return copy.deepcopy(g, memo)
+
+
 def record_steps(model: LoadedModel, mode: str, options: CompileOptions,
                  split_rows: dict[str, int] | None = None) -> list[Step]:
     """The frontend's graph of ``mode`` and the graph after every pass of
@@ -54,12 +66,12 @@ def record_steps(model: LoadedModel, mode: str, options: CompileOptions,
     if split_rows:
         graph.meta["split_rows"] = dict(split_rows)
         names = names + ("split_rows",)
-    steps = [Step(0, FRONTEND, "the graph as the model's frontend built it", copy.deepcopy(graph), 0.0)]
+    steps = [Step(0, FRONTEND, "the graph as the model's frontend built it", copy_graph(graph), 0.0)]
     clock = [time.perf_counter()]
 
     def keep(name: str, g: Graph) -> None:
         now = time.perf_counter()
-        steps.append(Step(len(steps), name, pass_doc(name), copy.deepcopy(g), now - clock[0]))
+        steps.append(Step(len(steps), name, pass_doc(name), copy_graph(g), now - clock[0]))
         clock[0] = time.perf_counter()   # the copy is not the next pass's time
 
     run_pipeline(graph, names, on_pass=keep)
