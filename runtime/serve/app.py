@@ -14,7 +14,7 @@ page at ``/`` (``routes_webui``), whose files load without the API key.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from fastapi import APIRouter, FastAPI, Request as HttpRequest
 from fastapi.responses import Response
@@ -25,7 +25,7 @@ from .routes_chat import router as chat_router
 from .routes_completions import router as completions_router
 from .routes_info import router as info_router
 from .routes_tokens import router as tokens_router
-from .routes_webui import install_webui, is_public
+from .routes_webui import install_viz, install_webui, is_public
 
 #: request bodies larger than this are refused (413) before they are read whole
 MAX_BODY_BYTES = 8 << 20
@@ -34,9 +34,12 @@ MAX_BODY_BYTES = 8 << 20
 ROUTERS: tuple[APIRouter, ...] = (info_router, tokens_router, chat_router, completions_router)
 
 
-def create_app(backend: ServingBackend, api_key: str | None = None, webui: bool = True) -> FastAPI:
+def create_app(backend: ServingBackend, api_key: str | None = None, webui: bool = True,
+               viz: Callable[[], Any] | None = None) -> FastAPI:
     """The API over ``backend``; ``api_key``: required on every endpoint but
-    /health (and the chat page's files); ``webui``: serve the chat page at /."""
+    /health (and the pages' files); ``webui``: serve the chat page at /;
+    ``viz``: with ``webui``, the compiler viewer at /viz/ over the session
+    ``viz()`` builds at its first request (``runtime.tools.viz``)."""
     app = FastAPI(title="lmc", docs_url=None, redoc_url=None)
     app.state.backend = backend
     install_error_handlers(app, backend)
@@ -59,4 +62,6 @@ def create_app(backend: ServingBackend, api_key: str | None = None, webui: bool 
         app.include_router(router)
     if webui:
         install_webui(app)
+        if viz is not None:
+            install_viz(app, viz)
     return app

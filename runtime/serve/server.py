@@ -117,8 +117,24 @@ def build_serving(o: ServerOptions, status: Callable[[str], None] | None = None)
                            "drafter": drafting or None},
                      lookup=o.lookup, draft_max=o.draft_max, stop_ids=tuple(model.config.stop_ids))
     backend = EngineBackend(engine, tok, info, metrics)
-    app = create_app(backend, api_key=o.api_key, webui=o.webui)
+    app = create_app(backend, api_key=o.api_key, webui=o.webui, viz=viz_builder(o, ctx, kv))
     return Serving(app, engine, model, model_id, n_blocks, o.block_size, kv, o.parallel, drafting, backend)
+
+
+def viz_builder(o: ServerOptions, ctx: int, kv: str) -> Callable[[], Any]:
+    """What builds the compiler viewer's session of the served model (its
+    decode graph at this context and KV type), when /viz/ is first asked for."""
+
+    def build() -> Any:
+        from compiler.native import NativeOptions
+
+        from ..tools.viz.session import VizOptions, build_session
+
+        native = NativeOptions(ctx=ctx, kv_type=kv, threads=o.threads, use_cache=o.use_cache)
+        return build_session(load_model(o.model, o.tokenizer),
+                             VizOptions(o.model, o.tokenizer, "decode", native, threads=o.threads))
+
+    return build
 
 
 def with_template(tok: Any, o: ServerOptions) -> Any:

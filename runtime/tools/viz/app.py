@@ -43,13 +43,15 @@ malformed query, 500 when drawing fails.
 """
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from ...errors import RunError
@@ -132,3 +134,36 @@ def create_app(session: Session) -> FastAPI:
         return session.profile()
 
     return app
+
+
+class LazyViewer:
+    """An ASGI app serving the viewer of a ``Session`` made by ``build()`` on
+    the first request (``lmc serve`` mounts it at ``/viz``): running the
+    passes takes seconds, so it runs once, in a worker thread, while later
+    requests wait for it. A failure is kept and every request answers it as
+    a JSON 500 (the server around it stays up)."""
+
+    def __init__(self, build: Callable[[], Session]) -> None:
+        self._build = build
+        self._app: FastAPI | None = None
+        self._error: str | None = None
+        self._lock = asyncio.Lock()
+
+    async def _ready(self) -> FastAPI | None:
+        if self._app is None and self._error is None:
+            async with self._lock:
+                if self._app is None and self._error is None:
+                    try:
+                        self._app = create_app(await run_in_threadpool(self._build))
+                    except Exception as e:   # any failure: said in the answer, never the server's end
+                        self._error = f"cannot build the compiler viewer: {type(e).__name__}: {e}"
+        return self._app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        app = await self._ready()
+        if app is None:
+            await _error(500, self._error or "cannot build the compiler viewer")(scope, receive, send)
+            return
+        await app(scope, receive, send)

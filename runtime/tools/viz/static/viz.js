@@ -34,11 +34,26 @@ function el(tag, attrs, ...children) {
   return e;
 }
 
+// Paths are relative to the page, so it works at / (lmc viz) and at /viz/ (lmc serve).
+// Under lmc serve --api-key, the key is the one the chat page stored in its settings.
+function apiKey() {
+  try { return (JSON.parse(localStorage.getItem("lmc.settings") || "{}") || {}).api_key || ""; }
+  catch (e) { return ""; }
+}
+
 async function api(path) {
-  const r = await fetch(path);
+  const key = apiKey();
+  const r = await fetch(path, key ? { headers: { Authorization: `Bearer ${key}` } } : {});
   const isJson = (r.headers.get("content-type") || "").includes("json");
   const body = isJson ? await r.json() : await r.text();
-  if (!r.ok) throw new Error(isJson && body.error ? body.error : `${r.status} ${r.statusText}`);
+  if (r.status === 401) {
+    throw new Error(key ? "The API key stored by the chat page was refused (HTTP 401): correct it in the chat page's Settings, then reload."
+                        : "This server needs an API key (HTTP 401): enter it in the chat page's Settings, then reload.");
+  }
+  if (!r.ok) {
+    const msg = isJson && body.error ? (typeof body.error === "string" ? body.error : body.error.message) : null;
+    throw new Error(msg || `${r.status} ${r.statusText}`);
+  }
   return body;
 }
 
@@ -93,7 +108,7 @@ async function selectStep(index) {
   state.step = index;
   markActivePass();
   try {
-    state.stepData = await api(`/api/step/${index}`);
+    state.stepData = await api(`api/step/${index}`);
   } catch (e) {
     showError($("diff-summary"), e);
     return;
@@ -161,7 +176,7 @@ async function loadGraph() {
   $("graph-status").textContent = "drawing…";
   let text;
   try {
-    text = await api(`/api/graph/${state.step}.svg?${q}`);
+    text = await api(`api/graph/${state.step}.svg?${q}`);
   } catch (e) {
     if (token === state.loadToken) showError($("graph"), e);
     return;
@@ -311,7 +326,7 @@ async function selectNode(name, reveal_it) {
   $("node-hint").classList.add("hidden");
   let n;
   try {
-    n = await api(`/api/node/${state.step}/${encodeURIComponent(name)}`);
+    n = await api(`api/node/${state.step}/${encodeURIComponent(name)}`);
   } catch (e) {
     showError($("node"), e);
     return;
@@ -387,7 +402,7 @@ async function loadKernel(name) {
   box.replaceChildren(el("p", { class: "muted" }, "compiling the kernel…"));
   let k;
   try {
-    k = await api(`/api/kernel/${state.step}/${encodeURIComponent(name)}`);
+    k = await api(`api/kernel/${state.step}/${encodeURIComponent(name)}`);
   } catch (e) {
     showError(box, e);
     return;
@@ -436,7 +451,7 @@ async function loadPlan() {
   if (planLoaded) return;
   let p;
   try {
-    p = await api("/api/plan");
+    p = await api("api/plan");
   } catch (e) {
     showError($("plan-text"), e);
     return;
@@ -514,7 +529,7 @@ async function start() {
   setupToolbar();
   setupKeys();
   try {
-    [state.info, state.passes] = await Promise.all([api("/api/info"), api("/api/passes")]);
+    [state.info, state.passes] = await Promise.all([api("api/info"), api("api/passes")]);
   } catch (e) {
     showError($("graph"), e);
     return;
@@ -525,7 +540,7 @@ async function start() {
   document.title = `lmc viz: ${i.model}`;
   for (let l = 0; l < i.n_layers; l++) $("layer").append(el("option", { value: l }, `layer ${l}`));
   if (i.profile) {
-    try { state.profile = await api("/api/profile"); } catch (e) { state.profile = null; }
+    try { state.profile = await api("api/profile"); } catch (e) { state.profile = null; }
   }
   $("profile-tab").disabled = !state.profile;
   $("profile-tab").title = state.profile ? "" : "start lmc viz with --profile";
