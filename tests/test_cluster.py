@@ -90,6 +90,10 @@ def test_greedy_replies_equal_lmc_chat_and_the_single_process_server(cluster, tm
     assert r.returncode == 0, r.stderr[-2000:]
     want = json.loads(r.stdout.strip().splitlines()[-1])["text"]
     ours = _client(cluster)
+    # the ingress serves the same app: the chat page and the compiler viewer of the served model too
+    assert "<html" in urllib.request.urlopen(f"{cluster.url}/", timeout=60).read().decode().lower()
+    passes = json.loads(urllib.request.urlopen(f"{cluster.url}/viz/api/passes", timeout=600).read())
+    assert passes[0]["name"] == "frontend" and len(passes) > 3
     with serve(instruct_models()[SMOLLM2], "-t", "1", "-c", "2048") as single:
         one = _client(single)
         for stream in (False, True):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import RunError
-from ..serve.server import ServerOptions, with_template
+from ..serve.server import ServerOptions, viz_builder, with_template
 
 #: seconds between a replica's published stats (block hashes, load, metrics) reaching the router
 STATS_PERIOD_S = 0.5
@@ -186,7 +186,8 @@ def build_cluster(opts: ServerOptions, c: ClusterOptions, status: Callable[[str]
     replicas = f"{c.replicas} replicas" if c.replicas else f"autoscaling {c.autoscale[0]}..{c.autoscale[1]} replicas"
     info.meta = {**(info.meta or {}), "replicas": c.replicas, "autoscale": list(c.autoscale) if c.autoscale else None}
     backend = RayBackend(handle, tok, info, IngressMetrics())
-    app = create_app(backend, api_key=opts.api_key, webui=opts.webui)
+    app = create_app(backend, api_key=opts.api_key, webui=opts.webui,
+                     viz=viz_builder(opts, info.ctx, (info.meta or {}).get("kv_type") or "f32"))
     where = ray.get_runtime_context().gcs_address
     return ClusterServing(app, ReplicaSet(backend, started), info.model_id, replicas, where, info, threads,
                           opts.parallel)
