@@ -438,7 +438,8 @@ def _draft_rows(drafter, table: list[int], n: int) -> np.ndarray:
     ex = drafter.executor
     bs = ex.block_size
     out = []
-    for name, nb in ex.manifest["batch"]["block_bytes"].items():
+    # by name: a manifest read back from the cache lists its states in another order than a fresh one
+    for name, nb in sorted(ex.manifest["batch"]["block_bytes"].items()):
         base, row = int(ex.manifest["state_offsets"][name]), nb // bs
         for p in range(n):
             at = base + table[p // bs] * nb + p % bs * row
