@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 
@@ -68,3 +68,15 @@ def serve(model: str, *args: str, timeout: float = 600) -> Iterator[Server]:
             code, out, err = server.stop()
             assert code == 0, err
             assert "lmc serve: stopped" in out, (out, err)
+
+
+def wait_until(cond: Callable[[], Any], what: str, timeout: float = 60.0, every: float = 0.05) -> Any:
+    """Poll ``cond`` until it is truthy; its value, or an AssertionError naming ``what``."""
+    end = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(every)

@@ -22,10 +22,12 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import httpx
 import pytest
+
+from serve_process import wait_until
 
 from compiler.driver import CompileOptions, load_model
 from compiler.pipeline import default_pipeline
@@ -52,18 +54,6 @@ N_LAYERS = 3
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 SCREENSHOT = "/tmp/viz.png"
-
-
-def wait_until(cond: Callable[[], Any], what: str, timeout: float = 60.0, every: float = 0.05) -> Any:
-    """Poll ``cond`` until it is truthy; its value, or an AssertionError naming ``what``."""
-    end = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(every)
 
 
 class Viewer:

@@ -17,13 +17,12 @@ import json
 import re
 import shutil
 import time
-from typing import Any, Callable
 
 import httpx
 import pytest
 
 from runtime.cli import DEFAULT_MODEL, DEFAULT_TOKENIZER
-from serve_process import serve
+from serve_process import serve, wait_until
 from shared_data import SMOLLM2, instruct_models
 
 try:
@@ -47,18 +46,6 @@ PROMPT = "Write a Python function that reverses a string, with a short explanati
 #: greedy, this prompt runs past 400 tokens (checked in the test itself)
 LONG_PROMPT = "Write a very long, detailed essay about the history of computers, with many sections."
 SCREENSHOT = "/tmp/webui_chat.png"
-
-
-def wait_until(cond: Callable[[], Any], what: str, timeout: float = 60.0, every: float = 0.05) -> Any:
-    """Poll ``cond`` until it is truthy; its value, or an AssertionError naming ``what``."""
-    end = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(every)
 
 
 def metric(url: str, name: str) -> float:

@@ -18,25 +18,14 @@ from typing import Callable
 
 from fastapi import FastAPI
 
-from ...errors import RunError
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (port 0: any free one)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise RunError(f"--host {host}: {e.strerror}") from None
-    family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(addr)
-    except OSError as e:
-        sock.close()
-        raise RunError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
-    sock.listen(128)
-    return sock
+    """A listening TCP socket on ``host:port`` (port 0: any free one): the
+    server's own, so a bad host or a taken port reads the same in both."""
+    from ...serve.server import bind_socket
+
+    return bind_socket(host, port)
 
 
 def url_of(sock: socket.socket) -> str:
