@@ -67,7 +67,7 @@ class Model:
         (``compiler.pipeline.default_pipeline``). ``mem_budget``: bytes of
         peak resident memory for the whole process (llvm backend): weights
         may stream from disk and the KV cache shrink to fit. ``kv_type``: KV
-        cache storage, f32 (the default), f16 or q8; None lets a budget choose.
+        cache storage, f16 (the default), f32 or q8; None lets a budget choose.
         ``status(text)`` is told of slow steps (a terminal's status line).
         ``speculation``: decode speculatively (``runtime.speculative``): a
         drafter proposes tokens and one ``verify`` step checks them."""
@@ -182,7 +182,7 @@ class Model:
         ``reuse`` (at least the last token, whose logits are needed)."""
         start = 0
         if reuse:
-            start = min(common_prefix(ids, self._kv), len(ids) - 1)
+            start = self.executor.reusable(min(common_prefix(ids, self._kv), len(ids) - 1))
         if start == 0:
             self.executor.reset()
         self._kv = ids[:start]   # rows past start are overwritten from here on

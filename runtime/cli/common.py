@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from ir.types import KV_TYPES
+from ir.types import DEFAULT_KV_TYPE, KV_TYPES
 from passes.memory_budget import BudgetError, parse_size
 
 
@@ -81,8 +81,8 @@ def thread_count(s: str) -> int:
 def kv_type_arg(p: argparse.ArgumentParser) -> None:
     """``--kv-type``: how the KV cache stores keys and values."""
     p.add_argument("--kv-type", choices=list(KV_TYPES), default=None,
-                   help="KV cache storage: f32 (default), f16 (half the memory) or q8 (blocks of 32 int8 with "
-                        "an f16 scale, 34/128 of f32; needs head_dim a multiple of 32)")
+                   help="KV cache storage: f16 (default), f32 (twice the memory) or q8 (blocks of 32 int8 with "
+                        "an f16 scale, 34/64 of f16; needs head_dim a multiple of 32)")
 
 
 def exec_args(p: argparse.ArgumentParser) -> None:
@@ -105,7 +105,7 @@ def native_options(args: argparse.Namespace, m, default_ctx: int):
     """NativeOptions from the flags of ``compile`` and ``plan``."""
     from compiler.native import NativeOptions
 
-    o = NativeOptions(ctx=args.ctx or min(m.config.seq_len, default_ctx), kv_type=args.kv_type or "f32",
+    o = NativeOptions(ctx=args.ctx or min(m.config.seq_len, default_ctx), kv_type=args.kv_type or DEFAULT_KV_TYPE,
                       mem_budget=args.mem_budget, stream=args.stream, threads=getattr(args, "threads", None),
                       stream_io=args.stream_io)
     o.auto_ctx = args.ctx is None and args.mem_budget is not None

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from compiler.driver import BatchOptions, load_model
+from ir.types import DEFAULT_KV_TYPE
 
 from ..engine import BatchModel, Engine, load_batch_model
 from ..errors import RunError
@@ -89,7 +90,7 @@ def build_serving(o: ServerOptions, status: Callable[[str], None] | None = None)
     ctx = o.ctx or min(loaded.config.seq_len, DEFAULT_CTX)
     if ctx > loaded.config.seq_len:
         raise RunError(f"-c {ctx}: more than the model's context {loaded.config.seq_len}")
-    kv = o.kv_type or "f32"
+    kv = o.kv_type or DEFAULT_KV_TYPE
     try:
         n_blocks = pool_blocks(loaded, ctx, o.parallel, o.block_size, kv, o.mem_budget, os_threads(o.threads))
     except PoolError as e:
