@@ -93,9 +93,11 @@ class OutputProcessor:
 
 def usage(s: Sequence, generated: int) -> dict[str, int]:
     """OpenAI's counts; with the engine's context shift also the shifts of
-    the sequence and the tokens they dropped (``context_shifts``, ``shifted_tokens``)."""
-    u = {"prompt_tokens": s.n_prompt, "completion_tokens": generated,
-         "total_tokens": s.n_prompt + generated, "cached_tokens": s.cached_prompt}
+    the sequence and the tokens they dropped (``context_shifts``, ``shifted_tokens``); a prompt a shift
+    cut to fit counts as it came."""
+    n_prompt = s.n_prompt + s.req.shifted_prompt
+    u = {"prompt_tokens": n_prompt, "completion_tokens": generated,
+         "total_tokens": n_prompt + generated, "cached_tokens": s.cached_prompt}
     if s.context_shifts is not None:
         u.update(context_shifts=s.context_shifts, shifted_tokens=s.shifted_tokens)
     return u
