@@ -51,8 +51,9 @@ def chat_keep(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Any = N
     conversation has no user message."""
     system = [dict(m) for m in messages if m.get("role") == "system"][:1]
     kw = {"tools": tools} if tools else {}
-    a = tokenizer.chat_ids(system + [{"role": "user", "content": "a"}], True, **kw)
-    b = tokenizer.chat_ids(system + [{"role": "user", "content": "b"}], True, **kw)
+    # probes no template writes itself (the contents are found in the rendered text)
+    a = tokenizer.chat_ids(system + [{"role": "user", "content": "Xylophones?"}], True, **kw)
+    b = tokenizer.chat_ids(system + [{"role": "user", "content": "Quasars!"}], True, **kw)
     return common_prefix(a, b)
 
 
