@@ -19,7 +19,7 @@ def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, ba
          stream: str | None = None,
          kv_type: str | None = None, stream_io: str = "pread",
          status: Callable[[str], None] | None = None,
-         speculation: Speculation | None = None, context_shift: bool = False,
+         speculation: Speculation | None = None, context_shift: bool | str = False,
          keep: int | None = None) -> Model:
     """Load a model file (llama2.c .bin, GGUF, QSF) or a compiled artifact
     (``lmc compile``) and make it ready to run; native code comes from the
@@ -30,7 +30,8 @@ def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, ba
     greedy output is plain decoding's, token for token.
     ``context_shift=True`` goes on past the context (``runtime.context_shift``):
     the first ``keep`` tokens stay (None: 0 for ``complete``, the system
-    prompt's for ``chat``), the oldest half of the rest goes. Batched serving
+    prompt's for ``chat``), the oldest half of the rest goes; ``"rotate"``
+    turns the kept keys instead of recomputing them (``runtime.kv_rotate``). Batched serving
     (a paged KV pool for many sequences) is ``runtime.engine.load_batch_model``."""
     if status is not None:
         status(loading_text(os.fspath(path)))

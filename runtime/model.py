@@ -63,7 +63,7 @@ class Model:
                  use_cache: bool = True, passes: tuple[str, ...] | None = None,
                  mem_budget: int | None = None, stream: str | None = None, kv_type: str | None = None,
                  stream_io: str = "pread", status: Callable[[str], None] | None = None,
-                 speculation: Speculation | None = None, context_shift: bool = False,
+                 speculation: Speculation | None = None, context_shift: bool | str = False,
                  keep: int | None = None) -> None:
         """``passes``: the compiler's pass list; None for the backend's default
         (``compiler.pipeline.default_pipeline``). ``mem_budget``: bytes of
@@ -77,7 +77,10 @@ class Model:
         context keeps its first ``keep`` tokens, drops the oldest half of
         the rest and goes on (``runtime.context_shift``); ``keep`` None:
         0 for ``generate``/``complete``, the system prompt's tokens for
-        ``chat`` (``context_shift.chat_keep``)."""
+        ``chat`` (``context_shift.chat_keep``). ``context_shift="rotate"``:
+        a shift while generating moves the kept rows and turns their keys
+        (``runtime.kv_rotate``, llama.cpp's way: cheap, not exact) where
+        the cache allows, else recomputes."""
         full_ctx = check_run_options(loaded, ctx, threads, kv_type)
         if speculation is not None:
             try:
@@ -102,8 +105,13 @@ class Model:
         self.compile_info = built.compile_info
         self.backend = backend
         check_keep(keep, self.ctx)
+        shift_by = "recompute" if context_shift is True else context_shift or None
+        if shift_by not in (None, "recompute", "rotate"):
+            raise RunError(f"context_shift={context_shift!r}: True, 'recompute' or 'rotate'")
         #: go on past the context (``runtime.context_shift``), keeping the first ``keep`` tokens
-        self.context_shift = bool(context_shift)
+        self.context_shift = shift_by is not None
+        self.shift_by = shift_by
+        self._rotator = None   # a runtime.kv_rotate.KVRotator, or why there is none (made at the first shift)
         self.keep = keep
         self.last_stats = GenerationStats()
         self.last_completion: Completion | None = None
@@ -219,15 +227,36 @@ class Model:
         place, and the rows past ``keep`` are recomputed (one prefill, exact
         with every KV type); the logits after the pending token."""
         kept, dropped = shift_tokens(history, keep, self.ctx - 1)
-        history[:] = kept
         st = comp.stats
         st.extra["context_shifts"] += 1
         st.extra["shifted_tokens"] += dropped
+        comp.shifted_ids = history
+        if self.shift_by == "rotate" and self._kv == history[:-1] and self._rotate(keep, dropped, len(history) - 1,
+                                                                                    st):
+            history[:] = kept
+            self._kv = kept[:-1]
+            logits = self.executor.decode(kept[-1], len(kept) - 1)
+            self._kv.append(kept[-1])
+            return logits
+        history[:] = kept
         cached = comp.cached_tokens   # the prompt's count, not the shift's
         logits = self._prefill(history, True)
         comp.cached_tokens = cached
-        comp.shifted_ids = history
         return logits
+
+    def _rotate(self, keep: int, n: int, rows: int, st: GenerationStats) -> bool:
+        """Shift the cache's rows by rotation (``runtime.kv_rotate``); False
+        where it cannot (``last_stats.extra["shift_by"]`` says why)."""
+        from .kv_rotate import KVRotator
+
+        if self._rotator is None:
+            self._rotator = KVRotator.of(self)
+        if isinstance(self._rotator, str):
+            st.extra["shift_by"] = f"recompute ({self._rotator})"
+            return False
+        self._rotator.shift(keep, n, rows)
+        st.extra["shift_by"] = "rotate"
+        return True
 
     def _generate(self, ids: list[int], n: int, sampler: Sampler, stop: bool, reuse: bool,
                   comp: "Completion", keep: int | None = None) -> Iterator[int]:

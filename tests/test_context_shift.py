@@ -285,3 +285,50 @@ def test_lmc_serve_with_context_shift_answers_a_conversation_longer_than_its_con
                                       extra_body={"n_keep": 4})
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 200
         assert r.usage.model_extra["context_shifts"] >= 1
+
+
+# --- rotation (llama.cpp's way), measured against recompute ------------------------------------------
+
+@pytest.mark.parametrize("kv, tol", [("f32", 1e-4), ("f16", 2e-3)])
+def test_rotated_rows_are_the_recomputed_ones_in_the_first_layer(smollm2, kv, tol):
+    """Rotation moves rows and turns keys: in the first layer, where a row
+    depends on its token and position alone, it gives the recompute's rows
+    (keys to rounding, values exactly); above it, rows keep what the dropped
+    tokens added, which is why recompute is the default."""
+    import numpy as np
+
+    from runtime.kv_rotate import KVRotator
+
+    a = runtime.load(smollm2, ctx=CTX, threads=2, kv_type=kv)
+    b = runtime.load(smollm2, ctx=CTX, threads=2, kv_type=kv)
+    hist = a.encode(" ".join([PROMPT] * 8))[:CTX + 1]
+    keep = 9
+    kept, n = shift_tokens(hist, keep, CTX - 1)
+    a.executor.prefill(hist[:CTX], 0)
+    rot = KVRotator.of(a)
+    rot.shift(keep, n, CTX)
+    b.executor.prefill(kept, 0)
+    rows = {}
+    for r in rot.rows:
+        va, vb = (np.ndarray((CTX, r.width), r.dtype, buffer=m.executor.state, offset=r.offset)[:len(kept) - 1]
+                  .astype(np.float32) for m in (a, b))
+        rows[r.name] = float(np.abs(va - vb).max() / np.abs(vb).max())
+    assert rows["k_cache.0"] < tol and rows["v_cache.0"] == 0.0
+    assert rows["k_cache.0"] > 0 or kv == "f32"       # f16 rounds once more
+    assert max(rows.values()) > 100 * tol               # deeper layers differ: rotation is not exact
+
+
+def test_rotate_mode_generates_and_falls_back_to_recompute_where_it_cannot(smollm2, shifting):
+    prompt = shifting.encode(PROMPT)
+    want = list(shifting.generate(prompt, 160, stop=False, keep=8))
+    first_shift = CTX + 1 - len(prompt)
+    rot = runtime.load(smollm2, ctx=CTX, threads=2, context_shift="rotate")
+    got = list(rot.generate(prompt, 160, stop=False, keep=8))
+    assert len(got) == 160 and rot.last_stats.extra["shift_by"] == "rotate"
+    assert got[:first_shift] == want[:first_shift]
+    assert rot.last_stats.extra["context_shifts"] == shifting.last_stats.extra["context_shifts"]
+    q8 = runtime.load(smollm2, ctx=CTX, threads=2, context_shift="rotate", kv_type="q8")
+    exact = runtime.load(smollm2, ctx=CTX, threads=2, context_shift=True, kv_type="q8")
+    assert list(q8.generate(prompt, 160, stop=False, keep=8)) == list(exact.generate(prompt, 160, stop=False,
+                                                                                      keep=8))
+    assert q8.last_stats.extra["shift_by"].startswith("recompute (rotation needs an f32 or f16 cache")

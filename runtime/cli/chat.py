@@ -51,6 +51,10 @@ def add_parser(sub) -> None:
                    help="end a reply at STR (not shown); repeatable")
     c.add_argument("-c", "--ctx", type=int, default=None, help="context length (default: the model's, at most 4096)")
     context_shift_args(c, "the system prompt's tokens, as the template renders them")
+    c.add_argument("--shift-by", choices=("recompute", "rotate"), default="recompute",
+                   help="with --context-shift: recompute the kept tokens' KV rows (exact, the default), or move "
+                        "them and turn their keys (llama.cpp's way: cheaper, not exact; f32/f16 caches, else it "
+                        "recomputes)")
     kv_type_arg(c)
     exec_args(c)
     c.add_argument("--json", action="store_true", help="with --messages: print one JSON object")
@@ -80,11 +84,13 @@ def _session(args: argparse.Namespace, status: StatusLine) -> ChatSession:
     from frontends.chat_template import resolve_chat_template
 
     check_context_shift(args)
+    if args.shift_by != "recompute" and not args.context_shift:
+        raise CliError("--shift-by goes with --context-shift")
     model_path, tok_path = resolve_model(args)
     messages = read_messages(args.messages) if args.messages is not None else None
     model = load(model_path, tok_path, backend=args.backend, ctx=args.ctx, threads=args.threads,
                  use_cache=not args.no_cache, kv_type=args.kv_type, status=status, speculation=speculation_of(args),
-                 context_shift=args.context_shift, keep=args.keep)
+                 context_shift=args.context_shift and args.shift_by, keep=args.keep)
     tok = model.tokenizer
     if args.chat_template is not None:
         tok.chat_template = resolve_chat_template(args.chat_template, tok.model_chat_template,
