@@ -233,11 +233,14 @@ def test_the_engine_shifts_as_the_single_stream_does():
     want = [list(single.generate(p, n, stop=False, keep=k)) for p, n, k in zip(prompts, ns, keeps)]
     metrics = ServerMetrics()
     engine = Engine(pooled, 4, prefill_chunk=16, metrics=metrics, context_shift=True)
-    cs = [_Collect() for _ in prompts]
-    reqs = [Request(list(p), n, SamplerConfig(temperature=0.0), c, id=str(i), ignore_eos=True, keep=k)
+    cs = [_Collect() for _ in range(3)]
+    reqs = [Request(list(p), n, SamplerConfig(temperature=0.0), c, id=str(i), ignore_eos=True, keep=k, draft_max=0)
             for i, (p, n, k, c) in enumerate(zip(prompts, ns, keeps, cs))]
+    # and one that drafts (prompt lookup): its drafts stop at the context, the shift follows
+    reqs.append(Request(list(prompts[0]), ns[0], SamplerConfig(temperature=0.0), cs[2], id="2", ignore_eos=True,
+                        keep=keeps[0], lookup=2, draft_max=4))
     _run(engine, reqs)
-    for c, w, n in zip(cs, want, ns):
+    for c, w, n in zip(cs, [*want, want[0]], [*ns, ns[0]]):
         last = c.events[-1]
         assert c.ids == w and last.finish_reason == "length" and last.usage["completion_tokens"] == n
         assert last.usage["context_shifts"] >= 2 and last.usage["shifted_tokens"] > 0
