@@ -113,6 +113,25 @@ def native_options(args: argparse.Namespace, m, default_ctx: int):
     return o
 
 
+def context_shift_args(p: argparse.ArgumentParser, keep_default: str) -> None:
+    """``--context-shift`` and ``--keep N`` (``runtime.context_shift``), as llama.cpp's."""
+    p.add_argument("--context-shift", action="store_true",
+                   help="go on past the context: keep the first --keep tokens, drop the oldest half of the rest "
+                        "and recompute the kept ones at their new positions (default: off, a reply ends at the "
+                        "end of the context)")
+    p.add_argument("--keep", type=whole_number("--keep", 0), default=None, metavar="N",
+                   help=f"with --context-shift: tokens at the start that every shift keeps (default: {keep_default})")
+
+
+def check_context_shift(args: argparse.Namespace) -> None:
+    """--keep is a setting of --context-shift (it must be smaller than the
+    context, which the model checks once it knows it)."""
+    if args.keep is not None and not args.context_shift:
+        raise CliError("--keep goes with --context-shift")
+    if args.keep is not None and args.ctx is not None and args.keep >= args.ctx - 1:
+        raise CliError(f"--keep {args.keep}: must be smaller than the context -c {args.ctx} minus 1")
+
+
 def sampling_args(p: argparse.ArgumentParser, temp: float, top_p: float, top_k: int, min_p: float) -> None:
     """The sampler's flags, with the command's defaults."""
     p.add_argument("--temp", type=float, default=temp, help=f"temperature; 0 = greedy (default {temp:g})")
