@@ -14,7 +14,7 @@ from frontends.qsf_codecs import read_region
 from ir.graph import Graph
 from ir.interp import WeightStore, new_state, run
 
-from .paged import PagedBatch, PoolShape, single_stream_only
+from .paged import PagedBatch, PoolShape, single_stream_only, sliding_window
 from .ring_reach import RingReach
 
 
@@ -36,7 +36,7 @@ class InterpExecutor(PagedBatch, RingReach):
             m = first.meta
             vocab = int(graphs["batch"].outputs[0].type.shape[-1])
             self.pool = PoolShape(int(m["block_size"]), int(m["n_blocks"]), int(m["max_blocks"]), self.ctx, vocab,
-                                  max_rows, m.get("max_batch"))
+                                  max_rows, m.get("max_batch"), sliding_window(graphs["batch"]))
 
     def reset(self) -> None:
         for buf in self.state.values():

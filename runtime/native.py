@@ -136,7 +136,8 @@ class NativeExecutor(PagedBatch, RingReach):
         if m.get("batch"):
             bm = m["batch"]
             self.pool = PoolShape(int(bm["block_size"]), int(bm["n_blocks"]), int(bm["max_blocks_per_seq"]),
-                                  self.ctx, self.vocab, int(bm["max_rows"]), int(bm["max_batch"]))
+                                  self.ctx, self.vocab, int(bm["max_rows"]), int(bm["max_batch"]),
+                                  int(bm.get("window", 0)))
         self._threads: list[threading.Thread] = []
         for tid in range(1, self.threads):
             t = threading.Thread(target=self._worker, args=(self._ctl_ptr, tid), daemon=True,

@@ -35,6 +35,15 @@ class PoolShape:
     vocab: int
     max_rows: int | None   # rows one step can take (the compiled plan's T); None: any
     max_batch: int | None = None   # decode rows one step can take (sequences); None: max_rows
+    #: every layer attends to at most this many positions (Mistral's window), 0 when some
+    #: layer sees the whole sequence: blocks wholly before the window are never read again
+    window: int = 0
+
+
+def sliding_window(graph) -> int:
+    """The window all attention nodes of ``graph`` slide by, 0 if any sees everything."""
+    wins = [int(n.attrs.get("window") or 0) for n in graph.nodes if n.op in ("attention", "attention_paged")]
+    return max(wins) if wins and min(wins) > 0 else 0
 
 
 def check_batch(pool: PoolShape, tokens, positions, tables) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -299,7 +299,7 @@ def test_native_batch_greedy_equals_single_decode(paths, name):
     steps = 32 if name == "stories" else 24   # the synthetic models' context is 64
     ex = native(paths, name, "f32")
     got = greedy_batched(ex, prompts, steps, join=[0, 0, 3, 9], decode="batch_decode" in ex.entries)
-    single = runtime.load(paths[name][0], paths[name][1], ctx=CTX, threads=2)
+    single = runtime.load(paths[name][0], paths[name][1], ctx=CTX, threads=2, kv_type="f32")   # the pool's
     for p, g in zip(prompts, got):
         assert g == list(single.generate(p, steps, temperature=0.0, stop=False))
         assert len(set(g)) > steps // 4   # a model that repeats one token would compare nothing
@@ -310,11 +310,11 @@ def singles_and_batch(paths, name: str, backend: str):
     """(the batch executor, a maker of single-stream executors) with int_dot."""
     m = loaded(paths, name)
     if backend == "interp":
-        graphs = build_graphs(m, CompileOptions(ctx=CTX, passes=INT_PASSES))
+        graphs = build_graphs(m, CompileOptions(ctx=CTX, passes=INT_PASSES, kv_type="f32"))
         ex = interp_batch(paths, name, "f32", passes=INT_PASSES)
         assert "batch_decode" in ex.graphs
         return ex, lambda: InterpExecutor(graphs)
-    art = compile_native(m, NativeOptions(ctx=CTX, passes=INT_PASSES)).artifact
+    art = compile_native(m, NativeOptions(ctx=CTX, passes=INT_PASSES, kv_type="f32")).artifact
     ex = native(paths, name, "f32", passes=INT_PASSES)
     assert "batch_decode" in ex.entries
     return ex, lambda: NativeExecutor(art, m.path, threads=2)
@@ -387,7 +387,7 @@ def test_native_decode_rows_greedy_equals_generate(paths, name):
     prompts = [[1] + [int(t) for t in rng.integers(3, VOCAB, n)] for n in (4, 11, 1, 7)]
     got = greedy_batched(native(paths, name, "f32", passes=INT_PASSES), prompts, 24, join=[0, 0, 3, 9],
                          decode=True)
-    single = runtime.load(paths[name][0], ctx=CTX, threads=2, passes=INT_PASSES)
+    single = runtime.load(paths[name][0], ctx=CTX, threads=2, passes=INT_PASSES, kv_type="f32")
     for p, g in zip(prompts, got):
         assert g == list(single.generate(p, 24, temperature=0.0, stop=False))
         assert len(set(g)) > 6
@@ -560,7 +560,7 @@ def test_artifact_manifest_and_cache_key(paths):
     assert art["entries"]["batch_sel"]["output_shape"] == [4, m.config.vocab_size]
     assert art["io_bytes"] == rows_at + 64          # each input on a cache line
     cfg = m.config
-    assert art["state_bytes"] == 2 * cfg.n_layers * NB * BS * cfg.kv_dim * 4
+    assert art["state_bytes"] == 2 * cfg.n_layers * NB * BS * cfg.kv_dim * 2    # f16, the default
     assert sum(b["block_bytes"].values()) * NB == art["state_bytes"]
 
 
@@ -587,7 +587,7 @@ def test_load_batch_model(paths):
         assert m.batch == BatchOptions(8, 2 * CTX // 8, 2)
         ex = m.executor
         assert (ex.block_size, ex.n_blocks, ex.max_blocks_per_seq) == (8, 16, 8)
-        assert m.kv_bytes == 2 * m.config.n_layers * 16 * 8 * m.config.kv_dim * 4
+        assert m.kv_bytes == 2 * m.config.n_layers * 16 * 8 * m.config.kv_dim * 2   # f16, the default
         assert ex.batch([1, 1], [0, 0], [[0], [1]]).shape == (2, 512)
         assert not any(hasattr(m, name) for name in ("generate", "logits", "complete", "chat"))
         with pytest.raises(BatchError, match="batched serving"):

@@ -277,7 +277,8 @@ def test_lmc_serve_with_context_shift_answers_a_conversation_longer_than_its_con
         assert r.choices[0].message.content
         # a reply past the context goes on to max_tokens, streamed, and usage says it shifted
         stream = client.chat.completions.create(model=model, messages=conversation[:2], max_tokens=250,
-                                                temperature=0, stream=True, stream_options={"include_usage": True})
+                                                temperature=0, stream=True, stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True})
         chunks = list(stream)
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         usage = chunks[-1].usage

@@ -184,3 +184,58 @@ def test_mistral_window_agrees_with_llama_cpp_by_shift_invariance(tmp_path):
     assert int(np.argmax(last)) == tail[0][0]
     assert centred_gap(tail) <= 1e-2
     assert centred_gap(whole) > 0.1          # llama.cpp saw every token: it does not slide
+
+
+def test_served_window_gives_blocks_back(tmp_path):
+    """Serving a model whose every layer slides (Mistral): blocks wholly
+    before a sequence's window go back to the pool as it advances; the
+    tokens are those the same engine gives keeping every block (sampled),
+    and the single stream's (greedy)."""
+    import dataclasses
+
+    from frontends.arch import ModelConfig, expected_shapes
+    from frontends.gguf_writer import write_gguf
+    from llamacpp_oracle import printable_vocab, random_tensor
+    from runtime.engine import load_batch_model
+    from test_scheduler import engine_for, request, run_all
+
+    W, BS = 24, 8
+    cfg = ModelConfig(arch="llama", dim=128, hidden_dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300,
+                      seq_len=256, rope_theta=10000.0, tied_output=False, extra={"sliding_window": W})
+    path = tmp_path / "mistral-like.gguf"
+    write_gguf(path, cfg, random_tensor(expected_shapes(cfg), 1), "F32", vocab=printable_vocab(300),
+               metadata={"llama.attention.sliding_window": W})
+    pooled = load_batch_model(path, ctx=256, threads=2, batch=runtime.BatchOptions(block_size=BS, max_batch=4))
+    assert pooled.executor.pool.window == W
+    ids = [1] + [int(t) for t in np.random.default_rng(4).integers(131, 300, 60)]
+
+    def serve(slide: bool, **sampling) -> tuple[list[list[int]], int]:
+        """Two requests sharing the prompt (the second shares its cached blocks); the most
+        blocks a sequence held after a step."""
+        engine = engine_for(pooled, max_batch=4, chunk=16)
+        sched = engine.core.scheduler
+        if not slide:
+            sched.limits = dataclasses.replace(sched.limits, window=0)
+        held = [0]
+        real_update = sched.update
+
+        def update(u):
+            real_update(u)
+            s = engine.blocks.seqs.get(u.seq.key)
+            if s is not None:
+                held[0] = max(held[0], len(s.table) - s.slid)
+
+        sched.update = update
+        reqs = [request(ids, 120, seed=k, **sampling) for k in (1, 2)]
+        run_all(engine, [r for r, _ in reqs])
+        assert engine.blocks.used == 0
+        return [c.ids for _, c in reqs], held[0]
+
+    slid, most = serve(True, temperature=0.8)
+    kept, all_blocks = serve(False, temperature=0.8)
+    assert slid == kept
+    # the prompt's blocks (taken at admission), then the window's and the one being written: not the
+    # whole sequence's 23
+    assert most <= max(-(-61 // BS), (W + 16) // BS + 2) < all_blocks == -(-(61 + 120 - 1) // BS)
+    greedy, _ = serve(True, temperature=0.0)
+    assert greedy[0] == list(runtime.load(path, ctx=256, threads=2).generate(ids, 120, temperature=0.0))

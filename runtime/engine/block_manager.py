@@ -40,6 +40,9 @@ class SeqBlocks:
     table: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)   # of table[i] for each full block i, in order
     copies: list[tuple[int, int]] = field(default_factory=list)   # (src, dst) to make before its prefill
+    #: leading table entries given back (``slide``): a window has passed them; their numbers stay
+    #: in the table (never read) so positions keep their blocks' indices
+    slid: int = 0
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -208,8 +211,23 @@ class BlockManager:
     def release(self, seq: int) -> None:
         """The sequence is done: its blocks go back (cached ones stay cached)."""
         s = self.seqs.pop(seq)
-        for b in s.table:
+        for b in s.table[s.slid:]:
             self._unref(b)
+
+    def slide(self, seq: int, first_needed: int) -> int:
+        """Give back the blocks of ``seq`` that lie wholly before position
+        ``first_needed`` (a sliding window has passed them: no later step
+        reads them). Cached ones stay cached, as a finished sequence's do.
+        Returns how many blocks went back."""
+        s = self.seqs[seq]
+        # committed blocks only: ``commit`` hashes a block by its table entry, never a given-back one
+        n = min(max(0, first_needed) // self.block_size, len(s.hashes))
+        gone = 0
+        while s.slid < n:
+            self._unref(s.table[s.slid])
+            s.slid += 1
+            gone += 1
+        return gone
 
     def table(self, seq: int) -> list[int]:
         return self.seqs[seq].table

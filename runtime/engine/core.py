@@ -67,7 +67,8 @@ class EngineCore:
             max_batch=max_batch, prefill_chunk=prefill_chunk, max_rows=rows,
             max_decode_rows=executor.max_batch or max_batch, ctx=self.ctx,
             can_select=getattr(executor, "can_select", False), engine_drafter=drafter is not None,
-            draft_rows_lag=self.keeper is not None, context_shift=self.context_shift))
+            draft_rows_lag=self.keeper is not None, context_shift=self.context_shift,
+            window=int(getattr(executor.pool, "window", 0) or 0)))
         self.output = OutputProcessor(tokenizer, stop_ids, self.ctx, self.context_shift)
         #: what a sequence whose grammar admits nothing more gets: its end
         self.eos = next(iter(stop_ids), 0)

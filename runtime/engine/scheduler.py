@@ -68,6 +68,9 @@ class SchedulerLimits:
     draft_rows_lag: bool = False
     #: a sequence that fills the context is shifted and goes on (else it ends with ``length``)
     context_shift: bool = False
+    #: every layer attends to the last ``window`` positions only (Mistral): the blocks a
+    #: sequence's window has passed go back to the pool as it advances (0: none do)
+    window: int = 0
 
 
 class Scheduler:
@@ -300,6 +303,9 @@ class Scheduler:
         # only the full blocks both pools hold (a draft model's rows may lag by its last accepted draft)
         n = min(s.computed, s.draft_kv) if self.limits.draft_rows_lag else s.computed
         self.blocks.commit(s.key, u.committed[:n])
+        if self.limits.window and u.finish is None:
+            # the next row (at position n at the earliest) reads from n - window + 1 on
+            self.blocks.slide(s.key, n - self.limits.window + 1)
         s.tokens += u.tokens
         s.generated += len(u.tokens)
         if u.finish is not None:
