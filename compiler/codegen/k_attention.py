@@ -37,7 +37,7 @@ Vectors over head_dim have the largest power-of-two width <= the target's
 that divides head_dim, so any head_dim works without a scalar tail (8 ->
 <8 x float>, 24 -> 3 x <8 x float>, 6 -> 3 x <2 x float>).
 
-The cache holds f32, f16 or q8 (``--kv-type``). f16 rows are widened as
+The cache holds f32, f16, q8, q4 or q2 (``--kv-type``). f16 rows are widened as
 they are loaded (fpext). A q8 row is Q8_0 blocks (float16 scale d, 32 int8 q;
 head_dim is a multiple of 32, so a head is whole blocks): k_j . q is summed
 per block over the integers (sitofp) and scaled by d once per block, and the
