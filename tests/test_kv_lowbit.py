@@ -15,13 +15,19 @@ keep relative.
 """
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from shared_data import ROOT, SMOLLM2, instruct_models
+from test_gguf_frontend import float_native, tiny
+from test_kernels_attention import WIDTHS, act, act_type, close, run
+from test_kernels_paged import lens_ks, make_batch
 
 import runtime
 from compiler.codegen.harness import sig_for
@@ -30,10 +36,6 @@ from ir import kv_codec, kv_lowbit, ops
 from ir.interp import new_state, state_array
 from ir.types import f32, i32, kv_cache_type
 from runtime.cli import DEFAULT_MODEL, DEFAULT_TOKENIZER
-from shared_data import ROOT, SMOLLM2, instruct_models
-from test_gguf_frontend import float_native, tiny
-from test_kernels_attention import WIDTHS, act, act_type, close, run
-from test_kernels_paged import lens_ks, make_batch
 
 LOWBIT = ["q4", "q4-plain", "q2", "q2-plain"]
 rng = np.random.default_rng(34)
@@ -237,14 +239,14 @@ def test_rope_kv_write_kernel(kv, T, hd, heads, pos, paged, nt, vw):
     both); against the reference, native sin/cos may move a rotated value
     by an ulp and so a code by a step: within one step of the reference."""
     n, rows = hd * heads, T or 1
-    attrs = dict(head_dim=hd, theta=10000.0, style="neox")
+    attrs = {"head_dim": hd, "theta": 10000.0, "style": "neox"}
     if paged:
         b = make_batch([pos + rows], [rows], 4, share=False)
         S, rows = b.n_blocks * 4, len(b.positions)
         T = rows
         ops_in = [b.positions, b.tables]
         types = [i32("T"), i32("T", b.tables.shape[1])]
-        extra = dict(block_size=4)
+        extra = {"block_size": 4}
     else:
         S = pos + rows + 2
         ops_in, types, extra = [pos], [i32()], {}
@@ -295,7 +297,7 @@ def test_attention_kernel(kv, T, hd, kvh, group, past, window, nt, vw, vscale):
         poison(c, slice(past + rows, None))
         if window:
             poison(c, slice(0, max(0, past + 1 - window)))
-    attrs = dict(n_heads=H, n_kv_heads=kvh, head_dim=hd, scale=1.0 / math.sqrt(hd), window=window)
+    attrs = {"n_heads": H, "n_kv_heads": kvh, "head_dim": hd, "scale": 1.0 / math.sqrt(hd), "window": window}
     ct = kv_cache_type(kv, S, kvh * hd, hd)
     sig = sig_for("attention", [act_type(T, H * hd), ct, ct, i32()], **attrs)
     got = run(sig, [q, kc, vc, past], pos=past, T=rows, nthreads=nt, vw=vw)
@@ -322,7 +324,7 @@ def test_attention_paged_kernel(kv, spec, hd, kvh, group, bs, share, nt, vw):
         pools.append(c)
     kc, vc = pools
     q = rng.standard_normal((T, H * hd)).astype(np.float32)
-    attrs = dict(n_heads=H, n_kv_heads=kvh, head_dim=hd, scale=1.0 / math.sqrt(hd), window=0, block_size=bs)
+    attrs = {"n_heads": H, "n_kv_heads": kvh, "head_dim": hd, "scale": 1.0 / math.sqrt(hd), "window": 0, "block_size": bs}
     ct = kv_cache_type(kv, b.n_blocks * bs, kvh * hd, hd)
     sig = sig_for("attention_paged", [f32("T", H * hd), ct, ct, i32("T"), i32("T", b.tables.shape[1])], **attrs)
     want = ops.attention_paged_ref(q, kc, vc, b.positions, b.tables, **attrs)
@@ -338,7 +340,7 @@ def test_attention_long_context(kv):
     S = past + 3
     q = act(3, H * hd)
     kc, vc = filled(kv, S, kvh * hd, hd, 1.0), filled(kv, S, kvh * hd, hd, 1.0)
-    attrs = dict(n_heads=H, n_kv_heads=kvh, head_dim=hd, scale=1.0 / math.sqrt(hd), window=0)
+    attrs = {"n_heads": H, "n_kv_heads": kvh, "head_dim": hd, "scale": 1.0 / math.sqrt(hd), "window": 0}
     ct = kv_cache_type(kv, S, kvh * hd, hd)
     got = run(sig_for("attention", [act_type(3, H * hd), ct, ct, i32()], **attrs), [q, kc, vc, past], pos=past, T=3,
               nthreads=2, vw=WIDTHS[-1])
@@ -403,8 +405,8 @@ def test_rotated_types_need_power_of_two_head_dim(tmp_path):
         with pytest.raises(ModelError, match=f"--kv-type {kv}: .*head_dim 8.*power of two"):
             runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, kv_type=kv)
         r = subprocess.run([sys.executable, "-m", "runtime.cli", "run", str(DEFAULT_MODEL), "-z",
-                            str(DEFAULT_TOKENIZER), "-n", "4", "--kv-type", kv], capture_output=True, text=True,
-                           cwd=ROOT, timeout=600)
+                            str(DEFAULT_TOKENIZER), "-n", "4", "--kv-type", kv], check=False, capture_output=True,
+                           text=True, cwd=ROOT, timeout=600)
         assert r.returncode == 2 and r.stdout == ""
         assert r.stderr.count("\n") == 1 and "head_dim 8" in r.stderr and "--kv-type" in r.stderr
     p, _ = tiny(tmp_path, "Q8_0", dim=192, n_heads=2, n_kv_heads=1)    # head_dim 96
@@ -416,8 +418,32 @@ def test_rotated_types_need_power_of_two_head_dim(tmp_path):
 def test_shape_rules():
     ct = kv_cache_type("q4", 8, 128, 64)
     with pytest.raises(ops.ShapeError, match="rotated over 64"):
-        ops.get_op("attention").infer([f32(128), ct, ct, i32()], dict(n_heads=4, n_kv_heads=4, head_dim=32))
+        ops.get_op("attention").infer([f32(128), ct, ct, i32()], {"n_heads": 4, "n_kv_heads": 4, "head_dim": 32})
     with pytest.raises(ops.ShapeError, match="rotated over 64"):
-        ops.get_op("rope_kv_write").infer([ct, f32(128), i32()], dict(head_dim=32, theta=1e4, style="neox"))
+        ops.get_op("rope_kv_write").infer([ct, f32(128), i32()], {"head_dim": 32, "theta": 1e4, "style": "neox"})
     assert ops.get_op("attention").infer([f32(128), ct, ct, i32()],
-                                         dict(n_heads=2, n_kv_heads=2, head_dim=64)) == f32(128)
+                                         {"n_heads": 2, "n_kv_heads": 2, "head_dim": 64}) == f32(128)
+
+
+def test_cli_perplexity_kv_type(tmp_path):
+    """``lmc perplexity --kv-type`` really stores the cache that way: q4's
+    perplexity differs from f16's, by little (a short Python text, SmolLM2);
+    q2 by more; the JSON and the text name the type."""
+    path = instruct_models()[SMOLLM2]
+    f = tmp_path / "t.py"
+    f.write_text((ROOT / "ir" / "kv_lowbit.py").read_text()[:2500])
+    ppl = {}
+    for kv in ("f16", "q4", "q2"):
+        r = subprocess.run([sys.executable, "-m", "runtime.cli", "perplexity", path, "--text", str(f), "-c", "256",
+                            "--kv-type", kv, "-t", "2", "--json"], check=False, capture_output=True, text=True, cwd=ROOT,
+                           timeout=900)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["kv_type"] == kv
+        ppl[kv] = out["perplexity"]
+    print(ppl)
+    assert ppl["q4"] != ppl["f16"] and abs(ppl["q4"] / ppl["f16"] - 1) < 0.15
+    assert abs(ppl["q2"] / ppl["f16"] - 1) > abs(ppl["q4"] / ppl["f16"] - 1)
+    r = subprocess.run([sys.executable, "-m", "runtime.cli", "perplexity", path, "--text", str(f), "-c", "256",
+                        "--kv-type", "q4", "-t", "2"], check=False, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert r.returncode == 0 and "KV cache q4" in r.stdout, r.stderr

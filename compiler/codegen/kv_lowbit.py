@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-import llvmlite.ir as ir
+from llvmlite import ir
 
 from ir.kv_lowbit import GROUP, LowBit
 

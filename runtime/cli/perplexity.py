@@ -50,5 +50,6 @@ def run(args) -> int:
                           "kv_type": model.kv_type,
                           **res.as_dict()}))
     else:
-        sys.stdout.write(res.format_text(f"{os.path.basename(model_path)} on {args.text} ({model.backend})"))
+        sys.stdout.write(res.format_text(f"{os.path.basename(model_path)} on {args.text} ({model.backend}, KV cache "
+                                         f"{model.kv_type})"))
     return 0
