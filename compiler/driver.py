@@ -12,6 +12,7 @@ from frontends.arch import ModelError, build_graph
 from frontends.loader import LoadedModel, load_model
 from ir.graph import Graph
 from ir.printer import print_graph
+from ir.types import DEFAULT_KV_TYPE
 
 from .pipeline import default_pipeline, run_pipeline
 
@@ -53,12 +54,15 @@ class CompileOptions:
     passes: tuple[str, ...] | None = None   # default: default_pipeline(backend)
     dump_dir: str | None = None
     dump_after: str | None = None     # with dump_dir: one pass's input and output only, or "all"
-    kv_type: str = "f32"              # KV cache storage: f32, f16, q8, q4, q2 ... (ir.types.KV_TYPES)
+    kv_type: str = DEFAULT_KV_TYPE    # KV cache storage: f16, f32, q8, q4, q2 ... (ir.types.KV_TYPES)
     split_rows: dict[str, int] | None = None  # weights streamed in row blocks (memory plan)
     batch: BatchOptions | None = None  # build the paged batch graphs instead of decode/prefill
     verify: bool = False               # also the ``verify`` graph (speculative decoding)
     #: tile width of repacked weights (``passes/repack``; ``repack_width()``), None: none repacked
     repack_width: int | None = None
+    #: the most rows a decode/prefill step takes (the native prompt chunk): sliding-window
+    #: layers then keep a ring of window + max_rows positions (``build_graph``); None: whole caches
+    max_rows: int | None = None
 
 
 def repack_width(vector_width: int | None = None) -> int | None:
@@ -97,8 +101,9 @@ def model_graph(model: LoadedModel, mode: str, options: CompileOptions | None = 
         paged = dict(block_size=bo.block_size, n_blocks=bo.n_blocks)
     if select:
         paged["select"] = bo.max_batch
+    rows = {"max_rows": options.max_rows} if mode != "batch" and options.max_rows else {}
     g = build_graph(model.config, model.weights, mode, ctx=options.ctx, all_logits=all_logits, name=model.name,
-                    kv_type=options.kv_type, **paged)
+                    kv_type=options.kv_type, **paged, **rows)
     if mode == "batch":
         g.meta.update(max_batch=bo.max_batch, decode_rows=decode_rows)
     if options.repack_width:

@@ -25,6 +25,7 @@ from frontends.loader import LoadedModel
 from ir.graph import packed_regions
 from ir.ops import get_op
 from ir.printer import print_graph
+from ir.types import DEFAULT_KV_TYPE
 from passes.plan_arena import plan_arena
 
 from . import cache, key_memo, repack_cache
@@ -52,7 +53,7 @@ class NativeOptions:
     dump_dir: str | None = None
     dump_after: str | None = None   # with dump_dir: one pass's input and output only, or "all"
     passes: tuple[str, ...] | None = None   # default: default_pipeline("llvm")
-    kv_type: str = "f32"    # KV cache storage: f32, f16, q8, q4, q2 ... (ir.types.KV_TYPES)
+    kv_type: str = DEFAULT_KV_TYPE    # KV cache storage: f16, f32, q8, q4, q2 ... (ir.types.KV_TYPES)
     profile: bool = False   # time every op (lmc profile); never served to a normal run
     mem_budget: int | None = None   # bytes of peak RSS the process may use (passes/memory_budget)
     stream: str | None = None       # "layers" / "all": stream at least these weights, budget or not
@@ -128,8 +129,9 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
                 "codegen": codegen_fingerprint(), "llvmlite": llvmlite.__version__}
     # a warm start skips planning when it compiled these inputs before (the
     # planned graphs are then not returned: dumps and profiles plan anyway)
-    # (the repack width follows the host and LMC_REPACK, not the options)
-    memo = (key_memo.memo_key(model, o, {**versions, "repack": repack_width(o.vector_width)})
+    # (the repack width follows the host and LMC_REPACK, rings LMC_KV_RING, not the options)
+    memo = (key_memo.memo_key(model, o, {**versions, "repack": repack_width(o.vector_width),
+                                         "rings": ring_rows_for(1) is not None})
             if o.use_cache and not (o.dump_dir or o.profile) else None)
     known = key_memo.recall(memo) if memo else None
     if known is not None:
@@ -197,6 +199,7 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
         "ctx": ctx,
         "kv_type": next(iter(graphs.values())).meta.get("kv_type", "f32"),
         "prefill_chunk": chunk,
+        "ring_slack": next(iter(graphs.values())).meta.get("ring_slack"),
         "entries": {n: {"index": e.index, "output_offset": e.output_offset,
                         "output_shape": list(e.output_shape), "inputs": e.inputs} for n, e in entries.items()},
         "io_bytes": max(e.io_bytes for e in entries.values()),
@@ -294,6 +297,12 @@ class NativePlan:
     batch: BatchOptions | None = None
 
 
+def ring_rows_for(chunk: int) -> int | None:
+    """The rows a step writes, for sizing sliding-window rings; None with
+    ``LMC_KV_RING=0`` (whole caches: for comparisons, as LMC_REPACK=0)."""
+    return None if os.environ.get("LMC_KV_RING", "1") == "0" else chunk
+
+
 def plan_native(model: LoadedModel, o: NativeOptions) -> NativePlan:
     """The planning half of ``compile_native`` (``lmc plan`` stops here)."""
     ctx = o.ctx or model.config.seq_len
@@ -306,7 +315,8 @@ def plan_native(model: LoadedModel, o: NativeOptions) -> NativePlan:
     rw = repack_width(o.vector_width)
     graphs = build_graphs(model, CompileOptions(backend="llvm", ctx=ctx, dump_dir=o.dump_dir, passes=o.passes,
                                                 kv_type=o.kv_type, dump_after=o.dump_after, batch=batch,
-                                                verify=o.verify and batch is None, repack_width=rw))
+                                                verify=o.verify and batch is None, repack_width=rw,
+                                                max_rows=ring_rows_for(chunk)))
     # a batch step takes a decode row per sequence or one sequence's prompt chunk
     symbols = {"T": max(chunk, batch.max_batch) if batch is not None else chunk}
     plans = {name: plan_arena(g, symbols) for name, g in graphs.items()}
@@ -347,7 +357,7 @@ def _fit_budget(model: LoadedModel, o: NativeOptions, graphs: dict, plans: dict,
         graphs = build_graphs(model, CompileOptions(backend="llvm", ctx=mp.ctx, dump_dir=o.dump_dir,
                                                     passes=o.passes, kv_type=mp.kv_type, split_rows=split,
                                                     dump_after=o.dump_after, verify=o.verify,
-                                                    repack_width=repack_width))
+                                                    repack_width=repack_width, max_rows=ring_rows_for(symbols["T"])))
         plans = {name: plan_arena(g, symbols) for name, g in graphs.items()}
     repacked = repack_cache.repack_regions(packed_regions(w.ref for g in graphs.values() for w in g.weights.values()))
     sched = build_schedule(graphs, mp.stream_layers, mp.stream_head, o.stream_io,

@@ -14,7 +14,8 @@ import numpy as np
 
 from ir.graph import Graph, Value, WeightRef
 from ir.quant import get_layout
-from ir.types import KV_TYPES, TensorType, kv_cache_type
+from ir.ops.attention import ring_rows
+from ir.types import DEFAULT_KV_TYPE, KV_TYPES, TensorType, kv_cache_type
 
 
 class ModelError(ValueError):
@@ -330,8 +331,8 @@ class _Builder:
 
 def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "decode",
                 ctx: int | None = None, all_logits: bool = False, name: str = "model",
-                kv_type: str = "f32", block_size: int | None = None, n_blocks: int | None = None,
-                select: int | None = None) -> Graph:
+                kv_type: str = DEFAULT_KV_TYPE, block_size: int | None = None, n_blocks: int | None = None,
+                select: int | None = None, max_rows: int | None = None) -> Graph:
     """The token-step graph. ``decode`` takes one ``token``; ``prefill`` takes
     ``tokens[T]`` (matrix-matrix products), returning the last row's logits or,
     with ``all_logits``, one row per token. The KV cache holds ``ctx`` positions
@@ -347,7 +348,13 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
     of one sequence); with ``select`` = R, the rows that an input
     ``rows[R]`` names (a step mixing decode rows and prompt chunks needs
     logits for the decode rows and each finished prompt's last row only:
-    the head, the largest matmul, runs for those alone)."""
+    the head, the largest matmul, runs for those alone).
+
+    ``max_rows``: the most rows a decode or prefill step takes (the native
+    plan's prompt chunk). With it, a sliding-window layer whose window plus
+    that is shorter than ``ctx`` keeps a ring of that many positions instead
+    of the whole context (``ir.ops.attention``): Gemma 3's 15 local layers
+    hold 512 + 128 positions, not 32,768."""
     if mode not in ("decode", "prefill", "batch"):
         raise ValueError(f"unknown graph mode {mode!r}")
     if select is not None and (mode != "batch" or all_logits or not (isinstance(select, int) and select > 0)):
@@ -391,11 +398,16 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
     eps = float(cfg.norm_eps)
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        kc = g.add_state(f"k_cache.{i}", kv_cache_type(kv_type, pool, cfg.kv_dim, cfg.head_dim))
-        vc = g.add_state(f"v_cache.{i}", kv_cache_type(kv_type, pool, cfg.kv_dim, cfg.head_dim))
-        glob = not s.swa_every or (i + 1) % s.swa_every == 0
+        glob, window = layer_window(cfg, i)
+        ring = ring_rows(window, max_rows) if window and max_rows and not paged else 0
+        ring = ring if ring and ring < ctx else 0
+        rows = ring or pool
+        kc = g.add_state(f"k_cache.{i}", kv_cache_type(kv_type, rows, cfg.kv_dim, cfg.head_dim))
+        vc = g.add_state(f"v_cache.{i}", kv_cache_type(kv_type, rows, cfg.kv_dim, cfg.head_dim))
         theta = cfg.rope_theta if glob else float(cfg.extra.get("rope_local_theta", cfg.rope_theta))
-        window = 0 if glob else int(cfg.extra.get("sliding_window", 0))
+        in_ring = {"ring": ring} if ring else {}
+        if ring:
+            g.meta["ring_slack"] = ring - window
 
         h = b.norm(x, p + "attn_norm", eps)
         q = b.linear(h, p + "attn_q")
@@ -423,9 +435,9 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
             vc = b.op("kv_write_paged", vc, v, pos, tables, **paged)
             a = b.op("attention_paged", q, kc, vc, pos, tables, **att, **paged)
         else:
-            kc = b.op("kv_write", kc, k, pos)
-            vc = b.op("kv_write", vc, v, pos)
-            a = b.op("attention", q, kc, vc, pos, **att)
+            kc = b.op("kv_write", kc, k, pos, **in_ring)
+            vc = b.op("kv_write", vc, v, pos, **in_ring)
+            a = b.op("attention", q, kc, vc, pos, **att, **in_ring)
         o = b.linear(a, p + "attn_output")
         if s.post_norms:
             o = b.op("rmsnorm", o, b.w(p + "post_attention_norm"), eps=eps)
@@ -450,6 +462,18 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
     logits.name = "logits"
     g.set_outputs(logits)
     return g
+
+
+def layer_window(cfg: ModelConfig, i: int) -> tuple[bool, int]:
+    """Layer i's kind: (global, its sliding window in positions, 0 for none).
+    Gemma 2/3 alternate local and global layers (``swa_every``); a family
+    without a pattern whose file gives a window (Mistral) slides every layer."""
+    s = cfg.spec
+    window = int(cfg.extra.get("sliding_window", 0) or 0)
+    if s.swa_every:
+        glob = (i + 1) % s.swa_every == 0
+        return glob, 0 if glob else window
+    return window == 0, window
 
 
 def check_kv_type(cfg: ModelConfig, kv_type: str, name: str = "model") -> None:

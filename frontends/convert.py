@@ -143,7 +143,7 @@ def _header(cfg: ModelConfig, qtype: str, pad_id: int) -> Header:
     flags = ((FLAG_TIED if cfg.tied_output else 0) | (FLAG_QKV_BIAS if s.qkv_bias else 0)
              | (FLAG_QK_NORM if s.qk_norm else 0) | (FLAG_POST_NORMS if s.post_norms else 0)
              | (FLAG_EMBED_SCALE if s.embed_scale else 0))
-    window = int(cfg.extra.get("sliding_window", 0)) if s.swa_every else 0
+    window = int(cfg.extra.get("sliding_window", 0) or 0)   # Gemma's local layers, or every layer (Mistral)
     return Header(
         version=1, arch=cfg.arch, qtype=qtype, activation=s.ffn_act, norm=QSF_NORMS[s.norm],
         position=QSF_POSITIONS[s.rope_style], flags=flags,

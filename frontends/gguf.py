@@ -283,8 +283,9 @@ def load_gguf(path: str | os.PathLike) -> GGUFModel:
         if spec.local_rope_theta:
             extra["rope_local_theta"] = spec.local_rope_theta
     elif window and arch != "phi3":  # llama.cpp turns Phi-3's window off (its converters set it wrongly)
-        raise ModelError(f"{path}: metadata {arch}.attention.sliding_window = {window}: sliding-window attention "
-                         f"is not implemented for lmc's {FAMILIES[arch]} family")
+        # Mistral's window: every layer attends to the last `window` positions (Hugging Face's
+        # MistralAttention); llama.cpp's llama architecture ignores the key (see tests/test_kv_ring.py)
+        extra["sliding_window"] = window
     if spec.softcap:  # llama.cpp's defaults when a Gemma 2 file leaves them out
         extra["attn_softcap"] = float(meta("attn_logit_softcapping", 50.0))
         extra["final_softcap"] = float(meta("final_logit_softcapping", 30.0))

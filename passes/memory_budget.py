@@ -5,8 +5,8 @@ The planner decides, from sizes alone, which weights stay resident
 which stream from disk through two buffers (``passes/stream_schedule``), and
 the KV cache's dtype and length. Preferences, in order: keep weights
 resident (fastest), then stream the layers, then the output head too (split
-into row blocks by ``passes/split_rows``), all with an f32 KV cache at the
-requested context; then a shorter context; only then a KV cache of f16 or q8.
+into row blocks by ``passes/split_rows``), all with the default f16 KV cache
+at the requested context; then a shorter context; only then a q8 KV cache.
 Streaming and a shorter context leave every output as it was without a
 budget (within the context); a less precise KV cache does not. The
 runtime's own floor (Python, numpy, the tokenizer, the native code) is part
@@ -86,6 +86,15 @@ class ModelSizes:
     #: the largest compressed layer's stored bytes (0: none): streamed, it is
     #: read into a staging buffer and decompressed into a stream buffer
     packed_layer_bytes: int = 0
+    #: per layer, the positions its ring keeps (a sliding-window layer: window
+    #: + chunk), 0 for a layer that keeps the whole context; empty: no rings
+    ring_rows: tuple[int, ...] = ()
+
+    def kv_positions(self, ctx: int) -> int:
+        """Cache rows (positions) of all layers together at a context of ``ctx``."""
+        if not self.ring_rows:
+            return self.n_layers * ctx
+        return sum(min(r, ctx) if r else ctx for r in self.ring_rows)
 
 
 @dataclass
@@ -100,6 +109,8 @@ class MemoryPlan:
     categories: dict[str, int] = field(default_factory=dict)
     arena_lower_bound: int = 0
     notes: list[str] = field(default_factory=list)
+    #: as ``ModelSizes.ring_rows``: the layers whose cache is a ring, and its positions
+    ring_rows: tuple[int, ...] = ()
 
     @property
     def total(self) -> int:
@@ -117,7 +128,9 @@ class MemoryPlan:
             what.append(f"streams {', '.join(self.stream_head)} in blocks of {self.head_rows} rows")
         if not what:
             what.append("keeps every weight resident")
-        return f"{' and '.join(what)}, KV cache {self.kv_type} x {self.ctx} positions"
+        rings = [r for r in self.ring_rows if r and r < self.ctx]
+        ring = f" ({len(rings)} sliding-window layers keep a ring of {max(rings)})" if rings else ""
+        return f"{' and '.join(what)}, KV cache {self.kv_type} x {self.ctx} positions{ring}"
 
 
 def runtime_floor(vocab_size: int, code_bytes: int) -> int:
@@ -154,7 +167,7 @@ def _evaluate(s: ModelSizes, threads: int, stream_layers: bool, stream_head: boo
             resident += w.nbytes                      # every page read each token
         elif w.lookup_only or w.looked_up:
             resident += min(w.nbytes, ctx * PAGE)     # embedding rows: a page per token at most
-    kv = int(2 * s.n_layers * ctx * s.kv_dim * KV_BYTES[kv_type])
+    kv = int(2 * s.kv_positions(ctx) * s.kv_dim * KV_BYTES[kv_type])
     scratch = threads * (s.scratch_fixed + s.scratch_bytes_per_ctx * ctx)
     cats = {
         "resident weights": resident,
@@ -167,11 +180,11 @@ def _evaluate(s: ModelSizes, threads: int, stream_layers: bool, stream_head: boo
     if stream_layers and s.packed_layer_bytes:   # compressed layers are read here, then decompressed
         cats["stream staging"] = s.packed_layer_bytes + DECOMPRESSOR_BYTES
     return MemoryPlan(None, stream_layers, [w.name for w in heads], head_rows, seg, kv_type, ctx, cats,
-                      s.arena_lower_bound)
+                      s.arena_lower_bound, ring_rows=tuple(s.ring_rows))
 
 
 def kv_types(head_dim: int) -> list[str]:
-    return ["f32", "f16"] + (["q8"] if head_dim % 32 == 0 else [])
+    return ["f16"] + (["q8"] if head_dim % 32 == 0 else [])
 
 
 def plan_memory(s: ModelSizes, budget: int | None, threads: int, ctx: int | None = None,
@@ -198,7 +211,7 @@ def plan_memory(s: ModelSizes, budget: int | None, threads: int, ctx: int | None
         if not shapes:
             raise BudgetError("--stream all: the output head's layout cannot be split into row blocks")
     ctxs = [want_ctx] if ctx else _shorter(want_ctx)
-    # exact plans first (weights resident or streamed, f32 KV: the same
+    # exact plans first (weights resident or streamed, f16 KV: the same
     # numbers as without a budget), the full context before a shorter one;
     # only then a KV cache of less precision
     exact = kvs[:1]

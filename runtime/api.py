@@ -19,24 +19,29 @@ def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, ba
          stream: str | None = None,
          kv_type: str | None = None, stream_io: str = "pread",
          status: Callable[[str], None] | None = None,
-         speculation: Speculation | None = None) -> Model:
+         speculation: Speculation | None = None, context_shift: bool | str = False,
+         keep: int | None = None) -> Model:
     """Load a model file (llama2.c .bin, GGUF, QSF) or a compiled artifact
     (``lmc compile``) and make it ready to run; native code comes from the
     compile cache when it can. ``status(text)`` hears about the slow steps
     of a cold start (``runtime.status.StatusLine`` draws them on a terminal).
     ``speculation`` (``Speculation(lookup=3)``, ``(draft="small.gguf")``,
     ``(draft_layers=6)``) makes generate/complete/chat decode speculatively:
-    greedy output is plain decoding's, token for token. Batched serving
+    greedy output is plain decoding's, token for token.
+    ``context_shift=True`` goes on past the context (``runtime.context_shift``):
+    the first ``keep`` tokens stay (None: 0 for ``complete``, the system
+    prompt's for ``chat``), the oldest half of the rest goes; ``"rotate"``
+    turns the kept keys instead of recomputing them (``runtime.kv_rotate``). Batched serving
     (a paged KV pool for many sequences) is ``runtime.engine.load_batch_model``."""
     if status is not None:
         status(loading_text(os.fspath(path)))
     if is_artifact(path):
         art, loaded = read_artifact(path, tokenizer, backend, kv_type)
         return Model(loaded, "llvm", ctx=art.manifest["ctx"], threads=threads, artifact=art, speculation=speculation,
-                     mem_budget=mem_budget)
+                     mem_budget=mem_budget, context_shift=context_shift, keep=keep)
     return Model(load_model(path, tokenizer), backend=backend, ctx=ctx, threads=threads, use_cache=use_cache,
                  passes=passes, mem_budget=mem_budget, stream=stream, kv_type=kv_type, stream_io=stream_io,
-                 status=status, speculation=speculation)
+                 status=status, speculation=speculation, context_shift=context_shift, keep=keep)
 
 
 def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None) -> Any:

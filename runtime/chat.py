@@ -8,7 +8,11 @@ new ids are the old ones (prompt and generated, exactly as run) followed by
 the new text's ids, and the model's cache already holds every old row; the
 time to the first token of turn N does not grow with the history. When the
 conversation outgrows the context, the oldest turns (never the system
-message) are dropped and the caller is told.
+message) are dropped and the caller is told; with the model's context shift
+on (``runtime.context_shift``) the messages all stay and tokens go instead:
+the first ``keep`` (the system prompt's by default) stay, the oldest half of
+the rest goes, the cache keeps the ids as shifted, and the next turn starts
+from them.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
+from .context_shift import chat_keep, shift_tokens
 from .errors import RunError
 from .model import Model, TextStream
 
@@ -32,6 +37,9 @@ class TurnStats:
     decode_tok_s: float | None = None
     stop_reason: str | None = None
     dropped_messages: int = 0
+    #: context shifts this turn (of the prompt and while replying), and the tokens they dropped
+    context_shifts: int = 0
+    shifted_tokens: int = 0
 
 
 @dataclass
@@ -109,14 +117,20 @@ class ChatSession:
         reply (Ctrl-C, ``stream.close()``) stays as far as it got."""
         if not self.messages or self.messages[-1]["role"] not in ("user", "tool"):
             raise RunError("the conversation must end with a user message (or a tool's result) to be answered")
-        ids, dropped = self._fit()
+        keep = self._keep()
+        ids, dropped, shifted = self._fit(keep)
         s = self.settings
         t0 = time.perf_counter()
+        shift = {"keep": keep} if keep is not None else {}
         stream = self.model.complete(ids, s.max_new_tokens, stream=True, stop=s.stop or None, reuse_cache=True,
-                                     grammar=s.grammar or self._tool_grammar(), **s.sampling)
+                                     grammar=s.grammar or self._tool_grammar(), **shift, **s.sampling)
         comp = stream.completion
+        if shifted:   # the prompt's shift, counted with the reply's
+            comp.stats.extra["context_shifts"] += 1
+            comp.stats.extra["shifted_tokens"] += shifted
         turn = TurnStats(prompt_tokens=len(ids), cached_tokens=comp.cached_tokens,
                          prefilled_tokens=len(ids) - comp.cached_tokens, dropped_messages=dropped)
+        self._count_shifts(turn, comp)
         self.turns.append(turn)
         reply = {"role": "assistant", "content": ""}
         self.messages.append(reply)
@@ -133,6 +147,7 @@ class ChatSession:
                     yield piece
             finally:
                 stream.close()
+                self._count_shifts(turn, comp)
                 self._after(turn, comp, ids)
                 self._read_calls(reply)
 
@@ -201,19 +216,43 @@ class ChatSession:
             tok = self.model.tokenizer
             end = tok.chat_special_text(comp.generated_ids[-1]) if comp.stop_reason == "eos" else ""
             self._text = self._rendered + comp.text + end
-            self._ids = ids + comp.generated_ids
+            self._ids = comp.context_ids   # ids + the reply's, unless a context shift dropped some
 
-    def _fit(self) -> tuple[list[int], int]:
-        """Ids of the conversation with a generation prompt, dropping the
-        oldest turns until it leaves room for a reply (a quarter of the
-        context, or max_new_tokens if smaller)."""
+    def _keep(self) -> int | None:
+        """With context shift: the tokens each shift keeps (the model's
+        ``keep``, else the system prompt's: ``context_shift.chat_keep``);
+        None without."""
+        m = self.model
+        if not getattr(m, "context_shift", False):
+            return None
+        if m.keep is not None:
+            return m.keep
+        return chat_keep(m.tokenizer, self.messages, self.settings.tools)
+
+    @staticmethod
+    def _count_shifts(turn: TurnStats, comp) -> None:
+        turn.context_shifts = comp.stats.extra.get("context_shifts", 0)
+        turn.shifted_tokens = comp.stats.extra.get("shifted_tokens", 0)
+
+    def _fit(self, keep: int | None = None) -> tuple[list[int], int, int]:
+        """Ids of the conversation with a generation prompt that leave room
+        for a reply (a quarter of the context, or max_new_tokens if
+        smaller): with context shift (``keep`` not None) its tokens are
+        shifted to fit; else the oldest turns are dropped. Also the
+        messages dropped and the tokens shifted out."""
         ctx = self.model.ctx
         room = min(self.settings.max_new_tokens, max(1, ctx // 4))
         dropped = 0
+        if keep is not None:
+            ids = self._prompt_ids()
+            if len(ids) + room <= ctx:
+                return ids, 0, 0
+            ids, shifted = shift_tokens(ids, keep, ctx - room)
+            return ids, 0, shifted
         while True:
             ids = self._prompt_ids()
             if len(ids) + room <= ctx:
-                return ids, dropped
+                return ids, dropped, 0
             first = 1 if self.system else 0
             if len(self.messages) - first <= 1:
                 raise RunError(f"the message is {len(ids)} tokens with the template; with room for a reply it "

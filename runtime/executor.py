@@ -15,9 +15,10 @@ from ir.graph import Graph
 from ir.interp import WeightStore, new_state, run
 
 from .paged import PagedBatch, PoolShape, single_stream_only
+from .ring_reach import RingReach
 
 
-class InterpExecutor(PagedBatch):
+class InterpExecutor(PagedBatch, RingReach):
     """Runs graphs with ``ir.interp`` (numpy references, one op at a time).
     ``max_rows``: rows a batch step may take (as a native plan's T), None
     for any number."""
@@ -30,6 +31,7 @@ class InterpExecutor(PagedBatch):
         first = next(iter(graphs.values()))
         self.state = new_state(first)
         self.ctx = int(first.meta.get("ctx", 0))
+        self.ring_slack = first.meta.get("ring_slack")
         if "batch" in graphs:
             m = first.meta
             vocab = int(graphs["batch"].outputs[0].type.shape[-1])
@@ -39,18 +41,23 @@ class InterpExecutor(PagedBatch):
     def reset(self) -> None:
         for buf in self.state.values():
             buf.fill(0)
+        self.forget_writes()
 
     def prefill(self, ids: list[int], pos: int, all_logits: bool = False) -> np.ndarray:
         if "prefill" not in self.graphs:
             raise single_stream_only("prefill")
         g = self.graphs["prefill_all" if all_logits else "prefill"]
-        out = run(g, {"tokens": np.asarray(ids, np.int32), "pos": np.int32(pos)}, self.state, self.weights)
-        return out["logits"]
+        self.wrote(pos + len(ids))
+        step = self.ring_slack or len(ids)   # a ring takes at most its slack of rows a step
+        outs = [run(g, {"tokens": np.asarray(ids[i: i + step], np.int32), "pos": np.int32(pos + i)}, self.state,
+                    self.weights)["logits"] for i in range(0, len(ids), step)]
+        return np.concatenate(outs) if all_logits else outs[-1]
 
     def verify(self, ids: list[int], pos: int) -> np.ndarray:
         """As ``NativeExecutor.verify``: every row as decode computes it."""
         if "verify" not in self.graphs:
             return np.stack([np.array(self.decode(t, pos + i)) for i, t in enumerate(ids)])
+        self.wrote(pos + len(ids))
         out = run(self.graphs["verify"], {"tokens": np.asarray(ids, np.int32), "pos": np.int32(pos)}, self.state,
                   self.weights)
         return out["logits"]
@@ -58,6 +65,7 @@ class InterpExecutor(PagedBatch):
     def decode(self, token: int, pos: int) -> np.ndarray:
         if "decode" not in self.graphs:
             raise single_stream_only("decode")
+        self.wrote(pos + 1)
         out = run(self.graphs["decode"], {"token": np.int32(token), "pos": np.int32(pos)}, self.state,
                   self.weights)
         return out["logits"]

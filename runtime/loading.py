@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from compiler.artifact import Artifact
 from compiler.driver import BatchOptions, CompileOptions, LoadedModel, build_graphs, load_model
-from ir.types import KV_TYPES
+from ir.types import DEFAULT_KV_TYPE, KV_TYPES
 
 from .errors import RunError
 from .executor import InterpExecutor
@@ -74,7 +74,7 @@ def build_executor(loaded: LoadedModel, build: BuildOptions, ctx: int, *, artifa
     artifact's own context wins). ``mem_budget``: bytes of peak resident
     memory for the whole process (llvm backend): weights may stream from
     disk and, unless ``user_ctx``, the context shrink to fit. ``kv_type``:
-    f32 (the default), f16 or q8; None lets a budget choose. ``batch``:
+    f16 (the default), f32 or q8; None lets a budget choose. ``batch``:
     the paged batch steps (``runtime.paged``) instead of decode/prefill.
     ``verify``: also the speculative ``verify`` step."""
     if batch is not None:
@@ -86,9 +86,9 @@ def build_executor(loaded: LoadedModel, build: BuildOptions, ctx: int, *, artifa
         from compiler.native import DEFAULT_PREFILL_CHUNK
 
         graphs = build_graphs(loaded, CompileOptions(backend="interp", ctx=ctx, passes=build.passes,
-                                                     kv_type=kv_type or "f32", batch=batch, verify=verify))
+                                                     kv_type=kv_type or DEFAULT_KV_TYPE, batch=batch, verify=verify))
         ex = InterpExecutor(graphs, max_rows=max(DEFAULT_PREFILL_CHUNK, batch.max_batch) if batch else None)
-        return BuiltExecutor(ex, ctx, kv_type or "f32", sum(int(a.nbytes) for a in ex.state.values()), batch)
+        return BuiltExecutor(ex, ctx, kv_type or DEFAULT_KV_TYPE, sum(int(a.nbytes) for a in ex.state.values()), batch)
     if build.backend != "llvm":
         raise RunError(f"--backend {build.backend}: unknown backend (available: llvm, interp)")
     from compiler.native import NativeOptions, compile_native
@@ -97,7 +97,7 @@ def build_executor(loaded: LoadedModel, build: BuildOptions, ctx: int, *, artifa
 
     info: dict = {}
     if artifact is None:
-        opts = NativeOptions(ctx=ctx, use_cache=build.use_cache, passes=build.passes, kv_type=kv_type or "f32",
+        opts = NativeOptions(ctx=ctx, use_cache=build.use_cache, passes=build.passes, kv_type=kv_type or DEFAULT_KV_TYPE,
                              progress=build.status, batch=batch, verify=verify)
         if mem_budget is not None or stream:
             opts.mem_budget, opts.auto_ctx, opts.threads = mem_budget, not user_ctx, build.threads

@@ -12,6 +12,7 @@ import numpy as np
 from compiler.artifact import Artifact
 from compiler.driver import LoadedModel
 
+from .context_shift import chat_keep, check_keep, shift_tokens
 from .errors import RunError
 from .loading import DEFAULT_CTX, BuildOptions, build_executor, check_run_options, return_freed_memory
 from .prefix import common_prefix
@@ -62,15 +63,24 @@ class Model:
                  use_cache: bool = True, passes: tuple[str, ...] | None = None,
                  mem_budget: int | None = None, stream: str | None = None, kv_type: str | None = None,
                  stream_io: str = "pread", status: Callable[[str], None] | None = None,
-                 speculation: Speculation | None = None) -> None:
+                 speculation: Speculation | None = None, context_shift: bool | str = False,
+                 keep: int | None = None) -> None:
         """``passes``: the compiler's pass list; None for the backend's default
         (``compiler.pipeline.default_pipeline``). ``mem_budget``: bytes of
         peak resident memory for the whole process (llvm backend): weights
         may stream from disk and the KV cache shrink to fit. ``kv_type``: KV
-        cache storage, f32 (the default), f16 or q8; None lets a budget choose.
+        cache storage, f16 (the default), f32 or q8; None lets a budget choose.
         ``status(text)`` is told of slow steps (a terminal's status line).
         ``speculation``: decode speculatively (``runtime.speculative``): a
-        drafter proposes tokens and one ``verify`` step checks them."""
+        drafter proposes tokens and one ``verify`` step checks them.
+        ``context_shift``: a generation (or a prompt) that would pass the
+        context keeps its first ``keep`` tokens, drops the oldest half of
+        the rest and goes on (``runtime.context_shift``); ``keep`` None:
+        0 for ``generate``/``complete``, the system prompt's tokens for
+        ``chat`` (``context_shift.chat_keep``). ``context_shift="rotate"``:
+        a shift while generating moves the kept rows and turns their keys
+        (``runtime.kv_rotate``, llama.cpp's way: cheap, not exact) where
+        the cache allows, else recomputes."""
         full_ctx = check_run_options(loaded, ctx, threads, kv_type)
         if speculation is not None:
             try:
@@ -94,6 +104,15 @@ class Model:
         self.kv_bytes = built.kv_bytes
         self.compile_info = built.compile_info
         self.backend = backend
+        check_keep(keep, self.ctx)
+        shift_by = "recompute" if context_shift is True else context_shift or None
+        if shift_by not in (None, "recompute", "rotate"):
+            raise RunError(f"context_shift={context_shift!r}: True, 'recompute' or 'rotate'")
+        #: go on past the context (``runtime.context_shift``), keeping the first ``keep`` tokens
+        self.context_shift = shift_by is not None
+        self.shift_by = shift_by
+        self._rotator = None   # a runtime.kv_rotate.KVRotator, or why there is none (made at the first shift)
+        self.keep = keep
         self.last_stats = GenerationStats()
         self.last_completion: Completion | None = None
         self._kv: list[int] = []   # the ids whose K/V rows the cache holds, from position 0
@@ -139,7 +158,7 @@ class Model:
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repeat_penalty: float = 1.0,
                  seed: int | None = None, stop: bool = True, reuse_cache: bool = False,
-                 grammar: "Constraint | None" = None) -> Iterator[int]:
+                 grammar: "Constraint | None" = None, keep: int | None = None) -> Iterator[int]:
         """Yield new token ids. The prompt goes through one prefill pass; a
         sampled stop token is yielded and ends generation. Generation also
         ends when the context is full, whatever ``max_new_tokens`` says (as
@@ -149,8 +168,17 @@ class Model:
         call and prefill only the rest (a chat's earlier turns). ``grammar``:
         the output follows this constraint (``runtime.grammar``: a JSON
         schema, a Lark grammar, a regex); generation ends (``stop``) once
-        it is complete and nothing more can follow."""
+        it is complete and nothing more can follow. With ``context_shift``
+        on, the context does not end generation: the first ``keep`` tokens
+        (None: the model's ``keep``, else 0) stay, the oldest half of the
+        rest goes (a prompt longer than the context is cut so too), and
+        ``last_stats.extra`` counts ``context_shifts`` and ``shifted_tokens``."""
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        shift_keep, prompt_shift = None, 0
+        if self.context_shift:
+            shift_keep = keep if keep is not None else (self.keep or 0)
+            check_keep(shift_keep, self.ctx, "keep")
+            ids, prompt_shift = shift_tokens(ids, shift_keep, self.ctx)
         ids = self._check_ids(ids)
         if max_new_tokens < 0:
             raise RunError(f"-n {max_new_tokens}: must be >= 0")
@@ -159,13 +187,15 @@ class Model:
         cfg.validate()
         sampler = Sampler(cfg, self.config.vocab_size, self._matcher(grammar))
         # positions P-1 .. ctx-1 each give one token: at most ctx - P + 1
-        n = min(max_new_tokens, self.ctx - len(ids) + 1)
+        n = min(max_new_tokens, self.ctx - len(ids) + 1) if shift_keep is None else max_new_tokens
         comp = self.last_completion = Completion(prompt_ids=ids)
         self.last_stats = comp.stats
+        if shift_keep is not None:
+            comp.stats.extra.update(keep=shift_keep, context_shifts=int(prompt_shift > 0), shifted_tokens=prompt_shift)
         if self.drafter is not None and self.speculation is not None:
             seq = StreamSeq(list(ids), draft_sampler(cfg, self.config.vocab_size))
-            return self._generate_speculative(seq, n, sampler, stop, reuse_cache, comp)
-        return self._generate(ids, n, sampler, stop, reuse_cache, comp)
+            return self._generate_speculative(seq, n, sampler, stop, reuse_cache, comp, shift_keep)
+        return self._generate(ids, n, sampler, stop, reuse_cache, comp, shift_keep)
 
     def _matcher(self, grammar: "Constraint | None") -> "GrammarMatcher | None":
         if grammar is None:
@@ -182,7 +212,7 @@ class Model:
         ``reuse`` (at least the last token, whose logits are needed)."""
         start = 0
         if reuse:
-            start = min(common_prefix(ids, self._kv), len(ids) - 1)
+            start = self.executor.reusable(min(common_prefix(ids, self._kv), len(ids) - 1))
         if start == 0:
             self.executor.reset()
         self._kv = ids[:start]   # rows past start are overwritten from here on
@@ -191,8 +221,45 @@ class Model:
         self.last_completion.cached_tokens = start
         return logits
 
+    def _shift(self, history: list[int], keep: int, comp: "Completion") -> np.ndarray:
+        """The context is full: ``history`` (what it holds and the pending
+        token) loses the oldest half after its first ``keep`` tokens, in
+        place, and the rows past ``keep`` are recomputed (one prefill, exact
+        with every KV type); the logits after the pending token."""
+        kept, dropped = shift_tokens(history, keep, self.ctx - 1)
+        st = comp.stats
+        st.extra["context_shifts"] += 1
+        st.extra["shifted_tokens"] += dropped
+        comp.shifted_ids = history
+        if self.shift_by == "rotate" and self._kv == history[:-1] and self._rotate(keep, dropped, len(history) - 1,
+                                                                                    st):
+            history[:] = kept
+            self._kv = kept[:-1]
+            logits = self.executor.decode(kept[-1], len(kept) - 1)
+            self._kv.append(kept[-1])
+            return logits
+        history[:] = kept
+        cached = comp.cached_tokens   # the prompt's count, not the shift's
+        logits = self._prefill(history, True)
+        comp.cached_tokens = cached
+        return logits
+
+    def _rotate(self, keep: int, n: int, rows: int, st: GenerationStats) -> bool:
+        """Shift the cache's rows by rotation (``runtime.kv_rotate``); False
+        where it cannot (``last_stats.extra["shift_by"]`` says why)."""
+        from .kv_rotate import KVRotator
+
+        if self._rotator is None:
+            self._rotator = KVRotator.of(self)
+        if isinstance(self._rotator, str):
+            st.extra["shift_by"] = f"recompute ({self._rotator})"
+            return False
+        self._rotator.shift(keep, n, rows)
+        st.extra["shift_by"] = "rotate"
+        return True
+
     def _generate(self, ids: list[int], n: int, sampler: Sampler, stop: bool, reuse: bool,
-                  comp: "Completion") -> Iterator[int]:
+                  comp: "Completion", keep: int | None = None) -> Iterator[int]:
         st = comp.stats
         if n == 0:
             comp.stop_reason = "length"
@@ -226,10 +293,14 @@ class Model:
             if comp.stop_reason is not None:
                 return
             t0 = time.perf_counter()
-            logits = self.executor.decode(tok, pos)
-            self._kv.append(tok)
+            if pos >= self.ctx and keep is not None:   # full: shift and go on
+                logits = self._shift(history, keep, comp)
+                pos = len(history)
+            else:
+                logits = self.executor.decode(tok, pos)
+                self._kv.append(tok)
+                pos += 1
             st.decode_s += time.perf_counter() - t0
-            pos += 1
             if streams:  # the compute / I/O split of the decode steps so far
                 io = self.executor.stream_stats()
                 wait = io["io_wait_s"] - io1["io_wait_s"]
@@ -238,7 +309,7 @@ class Model:
                                 read_s=round(io["read_s"] - io0["read_s"], 6))
 
     def _generate_speculative(self, seq: StreamSeq, n: int, sampler: Sampler, stop: bool, reuse: bool,
-                              comp: "Completion") -> Iterator[int]:
+                              comp: "Completion", keep: int | None = None) -> Iterator[int]:
         """``_generate`` with a drafter: the first token comes from the
         prefill as plain decoding's does; then each step drafts up to
         ``draft_max`` tokens and runs the pending token and the drafts
@@ -283,9 +354,18 @@ class Model:
                 yield t
                 if comp.stop_reason is not None:
                     return
+            if len(history) > self.ctx and keep is not None:   # full: shift, and the next token from there
+                t0 = time.perf_counter()
+                logits = self._shift(history, keep, comp)
+                t2 = time.perf_counter()
+                pending = [sampler.sample(logits, history)]
+                st.decode_s += t2 - t0
+                st.sample_s += time.perf_counter() - t2
+                continue
             tok = history[-1]
             pos = len(history) - 1
-            k = min(length.next(), limit, n - st.generated_tokens - 1)
+            # the verified rows pos .. pos + k stay inside the context
+            k = min(length.next(), limit, n - st.generated_tokens - 1, self.ctx - 1 - pos)
             t0 = time.perf_counter()
             draft = drafter.propose([seq], [k], ONE_STREAM)[0] if k > 0 else None
             if draft is not None and sampler.grammar is not None:   # drafts the grammar refuses are not verified
@@ -336,8 +416,11 @@ class Model:
         rendered with the model's chat template (``tokenizer.chat_template``);
         the template's text may hold control tokens, the messages' text never
         does. The KV cache keeps the conversation: a next turn prefills only
-        what is new. Otherwise as ``complete``."""
+        what is new. Otherwise as ``complete``; with ``context_shift`` the
+        kept tokens are by default the system prompt's (``chat_keep``)."""
         ids = self.tokenizer.chat_ids(messages, add_generation_prompt=True, tools=tools)
+        if self.context_shift and sampling.get("keep") is None:
+            sampling["keep"] = self.keep if self.keep is not None else chat_keep(self.tokenizer, messages, tools)
         return self._text(ids, max_new_tokens, stop, stream, reuse_cache, sampling)
 
     def _text(self, ids: list[int], n: int, stops, stream: bool, reuse: bool, sampling: dict
@@ -383,10 +466,21 @@ class Completion:
     stop_reason: str | None = None
     stop_string: str | None = None
     cached_tokens: int = 0     # prompt tokens whose KV rows came from the last call
+    #: after a context shift, the tokens the context holds (the pending one last); None: no shift
+    shifted_ids: list[int] | None = None
     stats: GenerationStats = field(default_factory=lambda: GenerationStats())
 
     def __post_init__(self) -> None:
         self.stats.prompt_tokens = len(self.prompt_ids)
+
+    @property
+    def context_ids(self) -> list[int]:
+        """The tokens the context holds at the end, in order (the last one's
+        row not yet computed): the prompt and the reply, unless a context
+        shift dropped some."""
+        if self.shifted_ids is None:
+            return self.prompt_ids + self.generated_ids
+        return list(self.shifted_ids)
 
 
 class TextStream:

@@ -22,6 +22,7 @@ from compiler.codegen.jit import LoadedCode
 from compiler.codegen.ctl import IO_ERR_DECOMPRESS, PROFILE_HEADER, Ctl, StreamSlots as S
 
 from .paged import PagedBatch, PoolShape, single_stream_only
+from .ring_reach import RingReach
 
 _RUN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _WORKER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
@@ -64,7 +65,7 @@ def _shutdown(stop, ctl: np.ndarray, threads: list[threading.Thread], keep: tupl
         os.close(fd)
 
 
-class NativeExecutor(PagedBatch):
+class NativeExecutor(PagedBatch, RingReach):
     """Same interface as ``InterpExecutor``: prefill, decode, reset; or, for
     an artifact built for batched serving, batch and copy_block."""
 
@@ -105,6 +106,7 @@ class NativeExecutor(PagedBatch):
                 self._map = map_weights(model_path)
             self._weights = np.frombuffer(self._map, np.uint8)
         self.chunk = int(m["prefill_chunk"])
+        self.ring_slack = m.get("ring_slack")
         self.arena = _aligned(max(64, int(m["arena_bytes"])))
         if state is not None and state.nbytes < int(m["state_bytes"]):
             raise ValueError(f"a shared KV cache of {state.nbytes} bytes is smaller than {m['state_bytes']}")
@@ -224,6 +226,7 @@ class NativeExecutor(PagedBatch):
 
     def reset(self) -> None:
         """Nothing to clear: attention only reads cache rows below the position."""
+        self.forget_writes()
 
     def _step(self, entry: str, pos: int, T: int) -> np.ndarray:
         e = self.entries[entry]
@@ -253,12 +256,14 @@ class NativeExecutor(PagedBatch):
         if not (0 <= token < self.vocab and 0 <= pos < self.ctx):
             self._check([token], pos)
         self._tokens[0] = token
+        self.wrote(pos + 1)
         return self._step("decode", pos, 1)
 
     def prefill(self, ids: list[int], pos: int, all_logits: bool = False) -> np.ndarray:
         if "prefill" not in self.entries:
             raise single_stream_only("prefill")
         self._check(ids, pos)
+        self.wrote(pos + len(ids))
         rows = []
         out = None
         for start in range(0, len(ids), self.chunk):
@@ -280,6 +285,7 @@ class NativeExecutor(PagedBatch):
         if "verify" not in self.entries:
             return np.stack([self.decode(t, pos + i).copy() for i, t in enumerate(ids)])
         self._check(ids, pos)
+        self.wrote(pos + len(ids))
         self._tokens[: len(ids)] = ids
         return self._step("verify", pos, len(ids))
 

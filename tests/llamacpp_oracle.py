@@ -149,10 +149,10 @@ def assert_agrees_f32(path: Path | str, prompt_ids: list[int], ref: Greedy, name
     interpreter."""
     import runtime
 
-    native = runtime.load(path, threads=2, ctx=ctx)
+    native = runtime.load(path, threads=2, ctx=ctx, kv_type="f32")   # as the child's llama.cpp
     rows = {"prefill": compare(native.logits, prompt_ids, ref),
             "decode": compare(lambda seq: decode_logits(native, seq, len(prompt_ids)), prompt_ids, ref),
-            "interp": compare(runtime.load(path, backend="interp", ctx=ctx).logits, prompt_ids, ref)}
+            "interp": compare(runtime.load(path, backend="interp", ctx=ctx, kv_type="f32").logits, prompt_ids, ref)}
     for how, a in rows.items():
         print(a.row(f"{name} {how}"))
         assert a.argmax_equal == a.positions == n, a.row(how)

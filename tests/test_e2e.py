@@ -23,7 +23,8 @@ def lmc(*args: str) -> subprocess.CompletedProcess:
 def run_case_args(model: str, case: dict, backend: str = "interp") -> list[str]:
     n = case["steps"] - len(case["prompt_ids"]) + 1
     args = ["run", str(MODELS / model), "-z", str(MODELS / "tok512.bin"), "-p", case["prompt"], "-n", str(n),
-            "--temp", str(case["temperature"]), "--top-p", str(case["top_p"]), "--json", "--backend", backend]
+            "--temp", str(case["temperature"]), "--top-p", str(case["top_p"]), "--json", "--backend", backend,
+            "--kv-type", "f32"]   # run.c keeps its KV cache in f32
     if case["seed"] is not None:
         args += ["--seed", str(case["seed"])]
     return args
@@ -137,7 +138,7 @@ def test_runq_arithmetic_explains_the_q8_reference():
 
 @needs_shared
 def test_python_api():
-    m = runtime.load(MODELS / "stories260K.bin", tokenizer=MODELS / "tok512.bin")
+    m = runtime.load(MODELS / "stories260K.bin", tokenizer=MODELS / "tok512.bin", kv_type="f32")  # run.c's cache
     case = RUNC[0]
     assert m.encode(case["prompt"]) == case["prompt_ids"]
     ids = list(m.generate(case["prompt"], 20, temperature=0.0))

@@ -117,7 +117,7 @@ def test_n_beyond_the_context_stops_at_its_end_as_run_c(tmp_path):
     cfg = dataclasses.replace(src.config, seq_len=256)
     path = tmp_path / "stories260K-256.bin"
     write_llama2c(path, cfg, lambda n: WeightData(store.raw(src.weights[n].ref), src.weights[n].type).to_f32())
-    m = runtime.load(path, MODELS / "tok512.bin", threads=2)
+    m = runtime.load(path, MODELS / "tok512.bin", threads=2, kv_type="f32")   # run.c's cache
     assert m.ctx == 256
     cases = [c for c in RUNC if c["steps"] == 256]
     assert len(cases) >= 4

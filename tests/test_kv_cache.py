@@ -290,8 +290,8 @@ def test_q8_needs_head_dim_multiple_of_32():
 
 # --- plumbing ---------------------------------------------------------------------------------
 def test_load_kv_type_and_manifest(tmp_path):
-    f32m = runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, threads=1)
-    f16m = runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, threads=1, kv_type="f16")
+    f32m = runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, threads=1, kv_type="f32")
+    f16m = runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, threads=1)      # the default
     assert (f32m.kv_type, f16m.kv_type) == ("f32", "f16")
     assert f16m.kv_bytes * 2 == f32m.kv_bytes
     assert f16m.executor.manifest["kv_type"] == "f16"
@@ -347,7 +347,7 @@ def test_synthetic_gguf_native_matches_interpreter(tmp_path, arch, kv):
     scale = max(1.0, float(np.abs(a).max()))
     assert np.abs(a - b).max() <= 1e-3 * scale
     # the cache type is really in effect: rounding moves the logits, a little
-    full = runtime.load(p, backend="interp").logits(ids)
+    full = runtime.load(p, backend="interp", kv_type="f32").logits(ids)
     assert 1e-6 * scale < np.abs(a - full).max() < 0.05 * scale
     assert list(ref.generate(ids, 24, temperature=0.0)) == list(nat.generate(ids, 24, temperature=0.0))
     assert nat.kv_bytes == ref.kv_bytes == 2 * cfg.n_layers * cfg.seq_len * cfg.kv_dim * {"f16": 2, "q8": 34 / 32}[kv]

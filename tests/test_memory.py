@@ -81,17 +81,16 @@ def test_budget_planner_prefers_resident_then_layers_then_head():
     s = _sizes()
     floor = runtime_floor(s.vocab_size, s.code_bytes)
     p = plan_memory(s, 10 << 30, threads=2)
-    assert not p.streaming and p.kv_type == "f32" and p.ctx == 2048
+    assert not p.streaming and p.kv_type == "f16" and p.ctx == 2048
     full = p.total
     p = plan_memory(s, full - 1, threads=2)      # one byte less: stream (exact) before a lossy KV cache
-    assert p.stream_layers and not p.stream_head and p.kv_type == "f32" and p.ctx == 2048
-    # streaming everything at the full context does not fit: a shorter f32 context before f16
-    # (on this model, streaming all with f32 KV needs floor + 45 MiB at 2048
-    # positions, + 33 at 1024; f16 at 2048 would need + 37 -- still f32 first)
-    p = plan_memory(s, floor + 36 * MiB, threads=2)
-    assert p.stream_head and p.kv_type == "f32" and p.ctx == 1024 and "shortened" in p.notes[0]
-    p = plan_memory(s, floor + 23.5 * MiB, threads=2)   # f32 needs + 24 even at 256 positions
-    assert p.kv_type == "f16" and p.ctx == 256
+    assert p.stream_layers and not p.stream_head and p.kv_type == "f16" and p.ctx == 2048
+    # streaming everything at the full context does not fit: a shorter f16 context before q8
+    every = {c: plan_memory(s, None, threads=2, stream="all", ctx=c, kv_type="f16").total for c in (2048, 256)}
+    p = plan_memory(s, every[2048] - 1, threads=2)
+    assert p.stream_head and p.kv_type == "f16" and p.ctx == 1024 and "shortened" in p.notes[0]
+    p = plan_memory(s, every[256] - 1, threads=2)   # f16 does not fit even at 256 positions
+    assert p.kv_type == "q8" and p.ctx == 256
     p = plan_memory(s, floor + 60 * MiB + 30 * MiB, threads=2)
     assert p.stream_layers and not p.stream_head and p.total <= floor + 90 * MiB
     p = plan_memory(s, floor + 30 * MiB, threads=2)
@@ -100,6 +99,18 @@ def test_budget_planner_prefers_resident_then_layers_then_head():
     # the user's context and KV type are kept, or the budget is refused
     with pytest.raises(BudgetError, match="smallest workable budget"):
         plan_memory(s, floor + 5 * MiB, threads=2, ctx=2048, kv_type="f32")
+
+
+def test_rings_shrink_the_planned_cache():
+    """Sliding-window layers' rings count their own positions, not the context's."""
+    s = _sizes()
+    ringed = ModelSizes(**{**s.__dict__, "ring_rows": (0, 300, 300, 300)})
+    whole = plan_memory(s, None, threads=2)
+    p = plan_memory(ringed, None, threads=2)
+    per_position = 2 * s.kv_dim * 2       # K and V, f16
+    assert whole.categories["kv cache"] == 4 * 2048 * per_position
+    assert p.categories["kv cache"] == (2048 + 3 * 300) * per_position
+    assert "3 sliding-window layers keep a ring of 300" in p.describe()
 
 
 def test_budget_messages():
@@ -176,7 +187,8 @@ def test_streaming_reproduces_runc(i):
     """Layers and head streamed; pread and mmap modes take turns over the cases."""
     case = RUNC[i]
     io = ("pread", "mmap")[i % 2]
-    m = runtime.load(MODELS / "stories260K.bin", MODELS / "tok512.bin", threads=2, stream="all", stream_io=io)
+    m = runtime.load(MODELS / "stories260K.bin", MODELS / "tok512.bin", threads=2, stream="all", stream_io=io,
+                     kv_type="f32")   # run.c's cache
     assert m.executor.stream
     n = case["steps"] - len(case["prompt_ids"]) + 1
     got = list(m.generate(case["prompt_ids"], n, temperature=case["temperature"], top_p=case["top_p"],

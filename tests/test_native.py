@@ -34,8 +34,9 @@ def lmc(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_llvm_logits_match_interpreter(threads):
-    ref = runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, backend="interp")
-    nat = runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, backend="llvm", threads=threads)
+    # f32 caches: the kernels' numbers, not f16's rounding of their last bits
+    ref = runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, backend="interp", kv_type="f32")
+    nat = runtime.load(DEFAULT_MODEL, DEFAULT_TOKENIZER, backend="llvm", threads=threads, kv_type="f32")
     ids = ref.encode("Once upon a time") + list(ref.generate("Once upon a time", 45, temperature=0.0))
     ids = ids[:50]
     a, b = ref.logits(ids), nat.logits(ids)
@@ -50,7 +51,8 @@ def test_llvm_logits_match_interpreter(threads):
 @needs_shared
 @pytest.mark.parametrize("case", RUNC, ids=[f"{c['prompt'][:12]!r}-seed{c['seed']}" for c in RUNC])
 def test_llvm_reproduces_runc(case):
-    m = runtime.load(MODELS / "stories260K.bin", MODELS / "tok512.bin", backend="llvm", threads=2)
+    m = runtime.load(MODELS / "stories260K.bin", MODELS / "tok512.bin", backend="llvm", threads=2,
+                     kv_type="f32")   # run.c's cache
     n = case["steps"] - len(case["prompt_ids"]) + 1
     got = list(m.generate(case["prompt_ids"], n, temperature=case["temperature"], top_p=case["top_p"],
                           seed=case["seed"]))
@@ -59,8 +61,8 @@ def test_llvm_reproduces_runc(case):
 
 @needs_shared
 def test_q8_checkpoint_runs_native():
-    interp = runtime.load(MODELS / "stories260K-q8.bin", MODELS / "tok512.bin", backend="interp")
-    nat = runtime.load(MODELS / "stories260K-q8.bin", MODELS / "tok512.bin", backend="llvm")
+    interp = runtime.load(MODELS / "stories260K-q8.bin", MODELS / "tok512.bin", backend="interp", kv_type="f32")
+    nat = runtime.load(MODELS / "stories260K-q8.bin", MODELS / "tok512.bin", backend="llvm", kv_type="f32")
     ids = interp.encode("Lily and Tom went to the park")
     a, b = interp.logits(ids), nat.logits(ids)
     assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()

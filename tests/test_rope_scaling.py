@@ -141,8 +141,6 @@ REFUSED = {
                                          "llama.rope.scaling.yarn_beta_fast": 16.0}),
                           "yarn_beta_fast = 16.0: it sets custom YaRN correction dimensions"),
     "experts": (dict(metadata={"llama.expert_count": 8}), "expert_count = 8: mixture-of-experts"),
-    "sliding window on llama": (dict(metadata={"llama.attention.sliding_window": 64}),
-                                "sliding-window attention is not implemented for lmc's llama family"),
 }
 
 

@@ -9,7 +9,9 @@ rows once per head (``heads_per_unit``: 7 of Qwen2.5-0.5B's 14 heads, 2 of
 Gemma 3's 4, so a decode step still has a unit per thread). Each head's
 arithmetic is the same operations in the same order either way. Row t sits
 at position pos+t and sees cache positions [start, pos+t] with
-start = max(0, pos+t+1-window) when a window is set, else 0.
+start = max(0, pos+t+1-window) when a window is set, else 0. A sliding-
+window layer's cache may be a ring of R rows (attribute ``ring``):
+position p at row p % R, the visible run wrapping at most once.
 
 ``attention_paged`` is the same kernel with two things swapped (``_Rows``):
 row t's position is positions[t], and position p of its sequence is read
@@ -138,8 +140,9 @@ class _Rows:
 
     strided = False   # threads take one contiguous share of the units
 
-    def __init__(self, kb: KernelBuilder) -> None:
+    def __init__(self, kb: KernelBuilder, ring: int = 0) -> None:
         self.kb = kb
+        self.ring = ring
 
     def end(self, t: ir.Value) -> ir.Value:
         """One past row t's position."""
@@ -150,6 +153,16 @@ class _Rows:
         """j -> pointer to row t's visible position start + j in ``cache``,
         at element (or byte) offset ``head`` within the row."""
         b = self.kb.b
+        if self.ring:   # row (start + j) % R: start's row once, then one compare a row
+            R = i64(self.ring)
+            r0 = b.urem(start, R)
+            base = self.kb.gep(cache, head)
+
+            def at(j: ir.Value) -> ir.Value:
+                r = b.add(r0, j)
+                r = b.select(b.icmp_unsigned(">=", r, R), b.sub(r, R), r)
+                return self.kb.gep(base, b.mul(r, i64(row_step)))
+            return at
         base = self.kb.gep(cache, b.add(b.mul(start, i64(row_step)), head))
         return lambda j: self.kb.gep(base, b.mul(j, i64(row_step)))
 
@@ -177,7 +190,7 @@ class _PagedRows(_Rows):
 
 @kernel("attention")
 def emit_attention(kb: KernelBuilder, sig: KernelSig) -> None:
-    _emit_attention(kb, sig, _Rows(kb))
+    _emit_attention(kb, sig, _Rows(kb, int(sig.attr.get("ring") or 0)))
 
 
 @kernel("attention_paged")

@@ -311,7 +311,7 @@ def emit_rope_kv_write(kb: KernelBuilder, sig: KernelSig) -> None:
         cache_row = rows.own_row
     else:
         def cache_row(r: ir.Value) -> ir.Value:
-            return b.add(kb.pos, r)
+            return _ring_row(kb, sig, b.add(kb.pos, r))
 
     low = lowbit(ct.layout)
     if low is not None:
@@ -407,9 +407,21 @@ def emit_take_rows(kb: KernelBuilder, sig: KernelSig) -> None:
 UnitIndex = Callable[[ir.Value], ir.Value]
 
 
-def _contiguous(kb: KernelBuilder, per: int) -> UnitIndex:
-    """kv_write: x's rows go to cache rows pos, pos + 1, ..."""
-    return lambda u: kb.b.add(kb.b.mul(kb.pos, i64(per)), u)
+def _ring_row(kb: KernelBuilder, sig: KernelSig, p: ir.Value) -> ir.Value:
+    """The cache row of position p: p itself, or p % R in a ring of R rows
+    (a sliding-window layer's cache, ``ir.ops.attention``)."""
+    ring = int(sig.attr.get("ring") or 0)
+    return kb.b.urem(p, i64(ring)) if ring else p
+
+
+def _contiguous(kb: KernelBuilder, sig: KernelSig, per: int) -> UnitIndex:
+    """kv_write: x's rows go to cache rows pos, pos + 1, ... (a ring's
+    rows wrap)."""
+    b = kb.b
+    if sig.attr.get("ring"):
+        return lambda u: b.add(b.mul(_ring_row(kb, sig, b.add(kb.pos, b.udiv(u, i64(per)))), i64(per)),
+                               b.urem(u, i64(per)))
+    return lambda u: b.add(b.mul(kb.pos, i64(per)), u)
 
 
 def _paged(kb: KernelBuilder, sig: KernelSig, per: int) -> UnitIndex:
@@ -434,7 +446,7 @@ def emit_kv_write(kb: KernelBuilder, sig: KernelSig) -> None:
     d = int(ct.shape[1])
 
     def index(per: int) -> UnitIndex:
-        return _paged(kb, sig, per) if sig.op == "kv_write_paged" else _contiguous(kb, per)
+        return _paged(kb, sig, per) if sig.op == "kv_write_paged" else _contiguous(kb, sig, per)
 
     low = lowbit(ct.layout)
     if low is not None:
@@ -447,7 +459,7 @@ def emit_kv_write(kb: KernelBuilder, sig: KernelSig) -> None:
         return
     if ct.dtype != "f16":
         _check_f32(ct, "kv_write cache")
-        if sig.op == "kv_write":
+        if sig.op == "kv_write" and not sig.attr.get("ring"):
             _kv_copy(kb, d, xt)
             return
     _kv_write_vectors(kb, d, xt, index(d // pow2_divisor(d, kb.vw)), HALF if ct.dtype == "f16" else F32)

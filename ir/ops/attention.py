@@ -1,14 +1,21 @@
 """Attention against the KV cache and the ops that write it: one
 sequence's contiguous cache (``kv_write``, ``attention``, and RoPE fused
 with the write), and a pool of blocks shared by a batch of sequences, each
-addressing its own through a block table (the ``_paged`` ops)."""
+addressing its own through a block table (the ``_paged`` ops).
+
+A sliding-window layer's contiguous cache may be a ring (attribute
+``ring`` = R on its write and its attention): position p lives in row
+p % R, so the cache holds R positions however long the context (llama.cpp's
+SWA cache). R is the window plus the most rows one step writes: a step
+writes all its rows before any attends, and its first row still needs the
+window before it (``ring_rows``)."""
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
 
-from ..kv_codec import KV_BLOCK, kv_decode, kv_read, kv_rotation, kv_row_width, kv_store
+from ..kv_codec import KV_BLOCK, kv_decode, kv_rotation, kv_row_width, kv_store
 from ..kv_lowbit import fwht, lowbit
 from ..types import Dim, TensorType
 from .elementwise import softcap_ref
@@ -32,7 +39,26 @@ def _kv_write(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     cache, x, pos = ts
     need(cache.rank == 2 and x.shape[-1] == cache.shape[1], f"kv_write: {x} does not fit cache {cache}")
     _kv_cache_ok(cache, "kv_write")
+    _ring_ok(cache, attrs, "kv_write")
     return cache
+
+
+def _ring_ok(cache: TensorType, attrs: dict[str, Any], what: str) -> None:
+    """A ring holds exactly its R rows."""
+    ring = attrs.get("ring")
+    need(ring is None or (isinstance(ring, int) and ring > 0 and cache.shape[0] == ring),
+          f"{what}: ring {ring!r} does not match a cache of {cache.shape[0]} rows")
+
+
+def ring_rows(window: int, max_rows: int) -> int:
+    """Rows of a sliding-window layer's ring: its window plus the rows one
+    step writes (a prompt chunk, a speculative check) before attending."""
+    return int(window) + int(max_rows)
+
+
+def cache_rows(p0: int, p1: int, ring: int | None) -> np.ndarray | slice:
+    """Cache rows of positions p0..p1-1 (a ring wraps them)."""
+    return np.arange(p0, p1) % ring if ring else slice(p0, p1)
 
 
 def _attention(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -41,6 +67,9 @@ def _attention(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     need(q.shape[-1] == h * hd, f"attention: {q} is not {h} heads of {hd}")
     need(kc == vc and kc.shape[-1] == kvh * hd, f"attention: caches {kc}, {vc} do not fit")
     _kv_cache_ok(kc, "attention")
+    _ring_ok(kc, attrs, "attention")
+    need(not attrs.get("ring") or 0 < int(attrs.get("window") or 0) < int(attrs["ring"]),
+          f"attention: a ring of {attrs.get('ring')} rows needs a window shorter than it")
     need(kc.layout is None or hd % KV_BLOCK == 0, f"attention: a {kc.layout} cache needs head_dim a multiple of {KV_BLOCK}")
     rot = lowbit(kc.layout).rotate if lowbit(kc.layout) else 0
     need(not rot or rot == hd, f"attention: a {kc.layout} cache is rotated over {rot} values, not head_dim {hd}")
@@ -88,7 +117,7 @@ def _rope_kv_write(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     need(pos.rank == 0, f"rope_kv_write: pos must be an i32 scalar, got {pos}")
     rotated = rope_type([x, pos, *ts[3:]], attrs)
     _rope_kv_fits(cache, attrs, "rope_kv_write")
-    return _kv_write([cache, rotated, pos], {})
+    return _kv_write([cache, rotated, pos], {"ring": attrs.get("ring")})
 
 
 def _rope_kv_write_paged(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -110,14 +139,14 @@ def _attention_paged(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
 
 
 @register("kv_write", 3, _kv_write, updates_state=True)
-def kv_write_ref(cache: np.ndarray, x: np.ndarray, pos: Any) -> np.ndarray:
+def kv_write_ref(cache: np.ndarray, x: np.ndarray, pos: Any, *, ring: int | None = None) -> np.ndarray:
     """Store the new rows at positions pos.. (in place: the cache is state),
-    rounded to the cache's storage (``_kv_store``)."""
+    rounded to the cache's storage (``_kv_store``); a ring at rows p % R."""
     n = int(np.size(x)) // kv_row_width(cache)
     p = int(pos)
-    if p < 0 or p + n > cache.shape[0]:
+    if p < 0 or (p + n > cache.shape[0] and not ring) or (ring and n > ring):
         raise IndexError(f"kv_write at {p}..{p + n} outside a cache of {cache.shape[0]}")
-    return kv_store(cache, slice(p, p + n), x)
+    return kv_store(cache, cache_rows(p, p + n, ring), x)
 
 
 def _attend(qrow: np.ndarray, k: np.ndarray, v: np.ndarray, group: int, scale: float,
@@ -143,21 +172,25 @@ def _visible(end: int, window: int) -> int:
 
 @register("attention", 4, _attention)
 def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: Any, *, n_heads: int,
-                  n_kv_heads: int, head_dim: int, scale: float, window: int = 0, softcap: float = 0.0
-                  ) -> np.ndarray:
+                  n_kv_heads: int, head_dim: int, scale: float, window: int = 0, softcap: float = 0.0,
+                  ring: int | None = None) -> np.ndarray:
     """Causal grouped-query attention against the cache. Row t of q sits at
-    position pos+t and sees positions <= pos+t (and > pos+t-window if set)."""
+    position pos+t and sees positions <= pos+t (and > pos+t-window if set),
+    in a ring at rows p % ring."""
     q = np.asarray(q, np.float32)
     lead = q.shape[:-1]
     rot = kv_rotation(kc)
     qs = (fwht(q, rot) if rot else q).reshape(-1, n_heads, head_dim)
     p0 = int(pos)
+    if ring and qs.shape[0] > ring - window:
+        raise IndexError(f"attention: {qs.shape[0]} rows overwrite the window of their first row in a ring of "
+                         f"{ring} (at most {ring - window} rows a step)")
     out = np.empty_like(qs)
     for t in range(qs.shape[0]):
         end = p0 + t + 1
         start = _visible(end, window)
-        k = kv_read(kc, start, end).reshape(end - start, n_kv_heads, head_dim)
-        v = kv_read(vc, start, end).reshape(end - start, n_kv_heads, head_dim)
+        k = kv_decode(kc[cache_rows(start, end, ring)]).reshape(end - start, n_kv_heads, head_dim)
+        v = kv_decode(vc[cache_rows(start, end, ring)]).reshape(end - start, n_kv_heads, head_dim)
         out[t] = _attend(qs[t], k, v, n_heads // n_kv_heads, scale, softcap)
     return _unrotate(out, rot).reshape(lead + (n_heads * head_dim,))
 
@@ -200,10 +233,10 @@ def kv_write_paged_ref(cache: np.ndarray, x: np.ndarray, positions: Any, tables:
 
 @register("rope_kv_write", -1, _rope_kv_write, updates_state=True)
 def rope_kv_write_ref(cache: np.ndarray, x: np.ndarray, pos: Any, freq_factors: Any = None,
-                      **rope: Any) -> np.ndarray:
+                      ring: int | None = None, **rope: Any) -> np.ndarray:
     """``kv_write(cache, rope(x, pos), pos)`` as one op (``passes.fuse_elementwise``):
     the two references in turn, so the same float32 steps and the same rounding."""
-    return kv_write_ref(cache, rope_ref(x, pos, freq_factors, **rope), pos)
+    return kv_write_ref(cache, rope_ref(x, pos, freq_factors, **rope), pos, ring=ring)
 
 
 @register("rope_kv_write_paged", -1, _rope_kv_write_paged, updates_state=True)

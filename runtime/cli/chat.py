@@ -19,8 +19,9 @@ from ..api import load
 from ..errors import RunError
 from ..sampling import SamplerConfig
 from ..status import StatusLine
-from .common import (CliError, constraint_args, constraint_of, exec_args, kv_type_arg, model_args, positive_or_zero,
-                     resolve_model, sampling_args, sampling_of, speculation_args, speculation_of)
+from .common import (CliError, check_context_shift, constraint_args, constraint_of, context_shift_args, exec_args,
+                     kv_type_arg, model_args, positive_or_zero, resolve_model, sampling_args, sampling_of,
+                     speculation_args, speculation_of)
 
 HELP = """commands:
   /system TEXT   set the system message (an empty TEXT removes it)
@@ -49,6 +50,11 @@ def add_parser(sub) -> None:
     c.add_argument("--stop", action="append", default=None, metavar="STR",
                    help="end a reply at STR (not shown); repeatable")
     c.add_argument("-c", "--ctx", type=int, default=None, help="context length (default: the model's, at most 4096)")
+    context_shift_args(c, "the system prompt's tokens, as the template renders them")
+    c.add_argument("--shift-by", choices=("recompute", "rotate"), default="recompute",
+                   help="with --context-shift: recompute the kept tokens' KV rows (exact, the default), or move "
+                        "them and turn their keys (llama.cpp's way: cheaper, not exact; f32/f16 caches, else it "
+                        "recomputes)")
     kv_type_arg(c)
     exec_args(c)
     c.add_argument("--json", action="store_true", help="with --messages: print one JSON object")
@@ -77,10 +83,14 @@ def run(args: argparse.Namespace) -> int:
 def _session(args: argparse.Namespace, status: StatusLine) -> ChatSession:
     from frontends.chat_template import resolve_chat_template
 
+    check_context_shift(args)
+    if args.shift_by != "recompute" and not args.context_shift:
+        raise CliError("--shift-by goes with --context-shift")
     model_path, tok_path = resolve_model(args)
     messages = read_messages(args.messages) if args.messages is not None else None
     model = load(model_path, tok_path, backend=args.backend, ctx=args.ctx, threads=args.threads,
-                 use_cache=not args.no_cache, kv_type=args.kv_type, status=status, speculation=speculation_of(args))
+                 use_cache=not args.no_cache, kv_type=args.kv_type, status=status, speculation=speculation_of(args),
+                 context_shift=args.context_shift and args.shift_by, keep=args.keep)
     tok = model.tokenizer
     if args.chat_template is not None:
         tok.chat_template = resolve_chat_template(args.chat_template, tok.model_chat_template,
@@ -210,6 +220,10 @@ def _interactive(session: ChatSession, args: argparse.Namespace) -> int:
             stream.close()
             sys.stdout.write(" [stopped]")
         sys.stdout.write("\n")
+        if turn.context_shifts:
+            keep = stream.completion.stats.extra.get("keep")
+            print(f"[context full ({m.ctx} tokens): {turn.context_shifts} shift{'s' if turn.context_shifts != 1 else ''} this "
+                  f"turn dropped {turn.shifted_tokens} tokens after the first {keep}]")
         sys.stdout.flush()
         _show_calls(session)
 
@@ -274,4 +288,5 @@ def _print_stats(session: ChatSession) -> None:
         tok_s = f"{t.decode_tok_s} tok/s" if t.decode_tok_s else "-"
         print(f"turn {i}: prompt {t.prompt_tokens} tokens ({t.cached_tokens} cached, {t.prefilled_tokens} "
               f"prefilled), {t.generated_tokens} generated, first token {t.first_token_s:.3f} s, {tok_s}, "
-              f"stop: {t.stop_reason}")
+              f"stop: {t.stop_reason}" + (f", context shifts {t.context_shifts} ({t.shifted_tokens} tokens dropped)"
+                                          if t.context_shifts else ""))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from ir.types import KV_TYPES
+from ir.types import DEFAULT_KV_TYPE, KV_TYPES
 from passes.memory_budget import BudgetError, parse_size
 
 
@@ -81,8 +81,8 @@ def thread_count(s: str) -> int:
 def kv_type_arg(p: argparse.ArgumentParser) -> None:
     """``--kv-type``: how the KV cache stores keys and values."""
     p.add_argument("--kv-type", choices=list(KV_TYPES), default=None,
-                   help="KV cache storage: f32 (default), f16 (half the memory), q8 (blocks of 32 int8 with "
-                        "an f16 scale, 34/128 of f32; needs head_dim a multiple of 32), q4 / q2 (groups of 32 "
+                   help="KV cache storage: f16 (default), f32 (twice the memory), q8 (blocks of 32 int8 with "
+                        "an f16 scale, 34/64 of f16; needs head_dim a multiple of 32), q4 / q2 (groups of 32 "
                         "codes of 4 / 2 bits with an f16 step and minimum, each head rotated by a Walsh-Hadamard "
                         "transform first; needs head_dim a power of two >= 32) or q4-plain / q2-plain (the same "
                         "without the rotation)")
@@ -108,12 +108,31 @@ def native_options(args: argparse.Namespace, m, default_ctx: int):
     """NativeOptions from the flags of ``compile`` and ``plan``."""
     from compiler.native import NativeOptions
 
-    o = NativeOptions(ctx=args.ctx or min(m.config.seq_len, default_ctx), kv_type=args.kv_type or "f32",
+    o = NativeOptions(ctx=args.ctx or min(m.config.seq_len, default_ctx), kv_type=args.kv_type or DEFAULT_KV_TYPE,
                       mem_budget=args.mem_budget, stream=args.stream, threads=getattr(args, "threads", None),
                       stream_io=args.stream_io)
     o.auto_ctx = args.ctx is None and args.mem_budget is not None
     o.auto_kv = args.kv_type is None and args.mem_budget is not None
     return o
+
+
+def context_shift_args(p: argparse.ArgumentParser, keep_default: str) -> None:
+    """``--context-shift`` and ``--keep N`` (``runtime.context_shift``), as llama.cpp's."""
+    p.add_argument("--context-shift", action="store_true",
+                   help="go on past the context: keep the first --keep tokens, drop the oldest half of the rest "
+                        "and recompute the kept ones at their new positions (default: off, a reply ends at the "
+                        "end of the context)")
+    p.add_argument("--keep", type=whole_number("--keep", 0), default=None, metavar="N",
+                   help=f"with --context-shift: tokens at the start that every shift keeps (default: {keep_default})")
+
+
+def check_context_shift(args: argparse.Namespace) -> None:
+    """--keep is a setting of --context-shift (it must be smaller than the
+    context, which the model checks once it knows it)."""
+    if args.keep is not None and not args.context_shift:
+        raise CliError("--keep goes with --context-shift")
+    if args.keep is not None and args.ctx is not None and args.keep >= args.ctx - 1:
+        raise CliError(f"--keep {args.keep}: must be smaller than the context -c {args.ctx} minus 1")
 
 
 def sampling_args(p: argparse.ArgumentParser, temp: float, top_p: float, top_k: int, min_p: float) -> None:

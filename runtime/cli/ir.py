@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ir.types import DEFAULT_KV_TYPE
+
 from ..errors import RunError
 from .common import CliError, kv_type_arg, model_args
 
@@ -76,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(args.layer, int) and not 0 <= args.layer < n:
         raise CliError(f"--layer {args.layer}: {m.name} has {n} layers (0-{n - 1})")
     opts = CompileOptions(backend=args.backend, ctx=args.ctx or min(m.config.seq_len, DEFAULT_CTX),
-                          kv_type=args.kv_type or "f32",
+                          kv_type=args.kv_type or DEFAULT_KV_TYPE,
                           repack_width=repack_width() if args.backend == "llvm" else None)
     g = model_graph(m, args.mode, opts, stop_after=args.after, run_passes=not args.no_passes)
     ran = () if args.no_passes else names[:names.index(args.after) + 1] if args.after else names

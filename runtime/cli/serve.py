@@ -91,6 +91,12 @@ def add_parser(sub) -> None:
                         "default: the less loaded of two replicas drawn at random)")
     c.add_argument("--downscale-delay", type=float, default=60.0, metavar="S",
                    help="with --autoscale: seconds of low load before a replica is removed (default 60)")
+    s.add_argument("--context-shift", action="store_true",
+                   help="a request that fills the context goes on to its max_tokens: its first n_keep tokens stay "
+                        "(the request's 'n_keep'; default: a chat's system prompt, else 0), the oldest half of the "
+                        "rest goes and it is recomputed at the new positions; a prompt longer than the context is "
+                        "shifted to fit; usage reports context_shifts and shifted_tokens (default: off, such a "
+                        "request ends with finish reason length, a too long one is refused)")
     kv_type_arg(s)
     exec_args(s)
 
@@ -126,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
                          prefill_chunk=args.prefill_chunk, kv_type=args.kv_type, backend=args.backend,
                          threads=args.threads, use_cache=not args.no_cache, alias=args.alias,
                          chat_template=args.chat_template, api_key=args.api_key, lookup=args.lookup,
-                         draft_max=args.draft_max, speculation=spec, webui=args.webui)
+                         draft_max=args.draft_max, speculation=spec, webui=args.webui,
+                         context_shift=args.context_shift)
     status = StatusLine()
     try:
         serving = _cluster(args, opts, status) if args.replicas or args.autoscale else build_serving(opts, status)

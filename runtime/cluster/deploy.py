@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ir.types import DEFAULT_KV_TYPE
+
 from ..errors import RunError
 from ..serve.server import ServerOptions, viz_builder, with_template
 
@@ -187,7 +189,7 @@ def build_cluster(opts: ServerOptions, c: ClusterOptions, status: Callable[[str]
     info.meta = {**(info.meta or {}), "replicas": c.replicas, "autoscale": list(c.autoscale) if c.autoscale else None}
     backend = RayBackend(handle, tok, info, IngressMetrics())
     app = create_app(backend, api_key=opts.api_key, webui=opts.webui,
-                     viz=viz_builder(opts, info.ctx, (info.meta or {}).get("kv_type") or "f32"))
+                     viz=viz_builder(opts, info.ctx, (info.meta or {}).get("kv_type") or DEFAULT_KV_TYPE))
     where = ray.get_runtime_context().gcs_address
     return ClusterServing(app, ReplicaSet(backend, started), info.model_id, replicas, where, info, threads,
                           opts.parallel)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
+from ..context_shift import shift_tokens
 from ..grammar import ConstraintError
 from ..sampling import Sampler
 from ..speculative import (MAX_DRAFT_MAX, Draft, Drafter, DraftLength, LookupDrafter, accept, draft_sampler,
@@ -42,10 +43,15 @@ class StepOutput:
 
 class EngineCore:
     def __init__(self, executor: Any, tokenizer: Any, stop_ids: Seq[int], vocab: int, max_batch: int,
-                 prefill_chunk: int = 64, drafter: Drafter | None = None) -> None:
+                 prefill_chunk: int = 64, drafter: Drafter | None = None, context_shift: bool = False) -> None:
         """``max_batch``: sequences advanced together; ``drafter``: the
         draft model requests use unless they ask for prompt lookup
-        (``runtime.speculative.build.build_drafter``), or None."""
+        (``runtime.speculative.build.build_drafter``), or None.
+        ``context_shift``: a sequence that fills the context is shifted
+        (``runtime.context_shift``: its request's ``keep`` first tokens
+        stay) and goes on to its max_tokens, instead of ending with length;
+        a prompt longer than the context is shifted to fit."""
+        self.context_shift = bool(context_shift)
         self.ex = executor
         self.vocab = vocab
         self.ctx = int(executor.pool.ctx)
@@ -61,8 +67,8 @@ class EngineCore:
             max_batch=max_batch, prefill_chunk=prefill_chunk, max_rows=rows,
             max_decode_rows=executor.max_batch or max_batch, ctx=self.ctx,
             can_select=getattr(executor, "can_select", False), engine_drafter=drafter is not None,
-            draft_rows_lag=self.keeper is not None))
-        self.output = OutputProcessor(tokenizer, stop_ids, self.ctx)
+            draft_rows_lag=self.keeper is not None, context_shift=self.context_shift))
+        self.output = OutputProcessor(tokenizer, stop_ids, self.ctx, self.context_shift)
         #: what a sequence whose grammar admits nothing more gets: its end
         self.eos = next(iter(stop_ids), 0)
         self.runner = StepRunner(executor, self.scheduler.table, drafter)
@@ -73,10 +79,17 @@ class EngineCore:
 
     # --- requests ----------------------------------------------------------------------------
     def check(self, req: Request) -> None:
-        """Raise EngineError if a request can never run here."""
+        """Raise EngineError if a request can never run here. With context
+        shift, a prompt that leaves no room to generate is shifted first
+        (``req.prompt_ids`` changes; ``req.shifted_prompt`` counts what went)."""
         prompt_ids, max_tokens = req.prompt_ids, req.max_tokens
         if not prompt_ids:
             raise EngineError("the prompt is empty")
+        if self.context_shift:
+            if not 0 <= req.keep < self.ctx - 1:
+                raise EngineError(f"keep {req.keep}: must be between 0 and the context minus 2 ({self.ctx - 2})")
+            req.prompt_ids, req.shifted_prompt = shift_tokens(prompt_ids, req.keep, self.ctx - 1)
+            prompt_ids = req.prompt_ids
         if len(prompt_ids) >= self.ctx:
             raise EngineError(f"the prompt is {len(prompt_ids)} tokens; the context is {self.ctx} (one more "
                               f"position is needed to generate)")
@@ -84,7 +97,7 @@ class EngineCore:
             raise EngineError(f"the prompt needs more KV blocks than the pool has ({self.blocks.n_blocks})")
         if max_tokens < 1:
             raise EngineError("max_tokens must be at least 1")
-        if len(prompt_ids) + max_tokens > self.ctx:
+        if len(prompt_ids) + max_tokens > self.ctx and not self.context_shift:
             raise EngineError(f"the context is {self.ctx} tokens; the request needs {len(prompt_ids) + max_tokens} "
                               f"({len(prompt_ids)} in the prompt, max_tokens {max_tokens}): shorten the prompt or "
                               f"lower max_tokens")
@@ -102,6 +115,9 @@ class EngineCore:
         s = Sequence(req, Sampler(req.sampling, self.vocab, req.grammar), drafter,
                      DraftLength(req.draft_max) if drafter is not None else None,
                      draft_sampler(req.sampling, self.vocab) if drafter is not None else None)
+        if self.context_shift:
+            s.context_shifts = int(req.shifted_prompt > 0)
+            s.shifted_tokens = req.shifted_prompt
         self.output.add(s)
         self.scheduler.add(s)
         return s
@@ -147,6 +163,7 @@ class EngineCore:
         plan = self.scheduler.schedule()
         st = out.stats
         st.cached_prompt_tokens, st.preemptions = plan.cached_prompt_tokens, plan.preemptions
+        st.context_shifts = plan.context_shifts
         for s in plan.ended:
             out.events.append((s.req, self.output.ended(s, "length")))
             out.finished.append(s)

@@ -27,14 +27,15 @@ from .sequence import Sequence
 
 class Engine:
     def __init__(self, model: Any, max_batch: int, prefill_chunk: int = 64, metrics: Any = None,
-                 max_queue: int = 64, drafter: Drafter | None = None) -> None:
+                 max_queue: int = 64, drafter: Drafter | None = None, context_shift: bool = False) -> None:
         """``model``: built for batched serving (``load_batch_model``);
         ``max_batch``: sequences advanced together; ``max_queue``: requests
         that may wait beyond them (more are refused with EngineBusy);
         ``drafter``: the draft model requests use unless they ask for prompt
-        lookup (``runtime.speculative.build.build_drafter``), or None."""
+        lookup (``runtime.speculative.build.build_drafter``), or None;
+        ``context_shift``: sequences go on past the context (``EngineCore``)."""
         self.core = EngineCore(model.executor, model.tokenizer, model.config.stop_ids, model.config.vocab_size,
-                               max_batch, prefill_chunk, drafter)
+                               max_batch, prefill_chunk, drafter, context_shift)
         self.metrics = metrics
         self.max_queue = max(0, int(max_queue))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

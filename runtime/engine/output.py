@@ -33,10 +33,12 @@ class Emitted:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, stop_ids: Seq[int], ctx: int) -> None:
+    def __init__(self, tokenizer: Any, stop_ids: Seq[int], ctx: int, context_shift: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stop_ids = frozenset(stop_ids)
         self.ctx = ctx
+        #: the context does not end a sequence: the scheduler shifts it
+        self.context_shift = context_shift
         self._text: dict[int, TextAssembler] = {}
 
     def add(self, s: Sequence) -> None:
@@ -68,7 +70,8 @@ class OutputProcessor:
             if finish is None and grammar is not None and grammar.done_at == s.generated + i + 1:
                 finish = "stop"   # the grammar is complete: nothing can follow
             generated, length = s.generated + i + 1, len(s.tokens) + i + 1
-            if finish is None and (generated >= s.req.max_tokens or length >= self.ctx):
+            full = length >= self.ctx and not self.context_shift
+            if finish is None and (generated >= s.req.max_tokens or full):
                 finish = "length"
             events.append(ev)
             if finish is not None:
@@ -89,8 +92,15 @@ class OutputProcessor:
 
 
 def usage(s: Sequence, generated: int) -> dict[str, int]:
-    return {"prompt_tokens": s.n_prompt, "completion_tokens": generated,
-            "total_tokens": s.n_prompt + generated, "cached_tokens": s.cached_prompt}
+    """OpenAI's counts; with the engine's context shift also the shifts of
+    the sequence and the tokens they dropped (``context_shifts``, ``shifted_tokens``); a prompt a shift
+    cut to fit counts as it came."""
+    n_prompt = s.n_prompt + s.req.shifted_prompt
+    u = {"prompt_tokens": n_prompt, "completion_tokens": generated,
+         "total_tokens": n_prompt + generated, "cached_tokens": s.cached_prompt}
+    if s.context_shifts is not None:
+        u.update(context_shifts=s.context_shifts, shifted_tokens=s.shifted_tokens)
+    return u
 
 
 def token_logprob(logits: np.ndarray, tok: int, k: int) -> TokenLogprob:

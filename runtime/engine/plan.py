@@ -46,6 +46,8 @@ class StepPlan:
     cached_prompt_tokens: int = 0
     #: sequences sent back to the queue to free blocks for older ones
     preemptions: int = 0
+    #: sequences that filled the context and were shifted (sent back to be recomputed)
+    context_shifts: int = 0
 
     @property
     def empty(self) -> bool:
@@ -80,6 +82,7 @@ class StepStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     preemptions: int = 0
+    context_shifts: int = 0
     #: tokens chosen under a grammar's mask, and the seconds its masks took
     masked_steps: int = 0
     mask_s: float = 0.0

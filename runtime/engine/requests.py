@@ -41,6 +41,8 @@ class Request:
     lookup: int = 0                  # prompt lookup: n-gram length of the drafts (0: the engine's drafter, if any)
     draft_max: int = 8               # tokens drafted per step at most (0: no speculation)
     grammar: Any = None              # its own ``runtime.grammar.GrammarMatcher``: the output follows it
+    keep: int = 0                    # with the engine's context shift: tokens at the start every shift keeps
+    shifted_prompt: int = 0          # tokens a context shift dropped from the prompt before it ran
 
 
 class EngineError(ValueError):

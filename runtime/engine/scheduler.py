@@ -25,12 +25,20 @@ running one, which goes back to the front of the queue and is recomputed
 later (its prompt and what it has generated so far; cached blocks make that
 cheap); one that finds nothing younger waits for older ones to finish, and
 alone it can only stop.
+
+With ``context_shift``, a generating sequence whose next row would be past
+the context is shifted (``runtime.context_shift``): its first
+``req.keep`` tokens stay, the oldest half of the rest goes, and it goes back
+to the front of the queue as a preempted one does, to be recomputed at the
+new positions (its kept prefix's full blocks are in the pool's cache, so
+they are not run again).
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
+from ..context_shift import shift_tokens
 from .block_manager import BlockManager, OutOfBlocks, common_run
 from .plan import PromptChunk, SeqUpdate, StepPlan
 from .sequence import Sequence
@@ -58,6 +66,8 @@ class SchedulerLimits:
     #: that drafter keeps KV rows of its own, which may lag the target's by
     #: a sequence's last accepted draft: only blocks both hold are cached
     draft_rows_lag: bool = False
+    #: a sequence that fills the context is shifted and goes on (else it ends with ``length``)
+    context_shift: bool = False
 
 
 class Scheduler:
@@ -110,6 +120,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """The next step (see the module docstring)."""
         plan = StepPlan()
+        if self.limits.context_shift:
+            self._shift_full(plan)
         self._admit(plan)
         lim = self.limits
         # oldest first: a sequence may only preempt younger ones, so each later
@@ -147,6 +159,20 @@ class Scheduler:
         if plan.decode and not plan.mixed:
             plan.draft_ns = self._draft_shares(plan.decode)
         return plan
+
+    def _shift_full(self, plan: StepPlan) -> None:
+        """Shift every generating sequence whose next row would be past
+        the context and send it back to be recomputed (its blocks freed)."""
+        ctx = self.limits.ctx
+        for s in sorted(self.running, key=lambda x: x.key, reverse=True):
+            if len(s.tokens) <= ctx or s.computed != len(s.tokens) - 1:   # its next row is inside
+                continue
+            kept, dropped = shift_tokens(s.tokens, s.req.keep, ctx - 1)
+            self.running.remove(s)
+            self.blocks.release(s.key)
+            s.shifted(kept, dropped)
+            self.waiting.appendleft(s)   # the youngest goes in first: the oldest ends up first in line
+            plan.context_shifts += 1
 
     def _can_mix(self, seqs: list[Sequence]) -> bool:
         """One call for decode rows and prompt chunks: the executor selects

@@ -35,7 +35,19 @@ class Sequence:
         self.draft_len = draft_len   # ``speculative.DraftLength`` when it drafts
         self.draft_sampler = draft_sampler
         self.draft_kv = 0            # positions whose rows a draft model's own pool holds
+        #: context shifts (``runtime.context_shift``) and the tokens they dropped; None: the engine does not shift
+        self.context_shifts: int | None = None
+        self.shifted_tokens = 0
         self._hashes: tuple[int, list[bytes]] = (-1, [])
+
+    def shifted(self, kept: list[int], dropped: int) -> None:
+        """Its tokens after a context shift (none of its rows are in the pool
+        any more; the hashes of its blocks are computed again)."""
+        self.tokens = kept
+        self.computed = 0
+        self.context_shifts = (self.context_shifts or 0) + 1
+        self.shifted_tokens += dropped
+        self._hashes = (-1, [])
 
     def block_hashes(self, block_size: int) -> list[bytes]:
         """The hashes of its tokens' full blocks (computed again only when the tokens grew)."""

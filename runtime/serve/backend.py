@@ -33,6 +33,8 @@ class ModelInfo:
     #: (0: the backend's model drafter, if any), and tokens drafted per step at most
     lookup: int = 0
     draft_max: int = DEFAULT_DRAFT_MAX
+    #: ``--context-shift``: requests go on past the context (``runtime.context_shift``)
+    context_shift: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
 

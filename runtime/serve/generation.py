@@ -91,11 +91,14 @@ def check_model(backend: ServingBackend, body: S.Sampling) -> None:
 
 
 async def start(backend: ServingBackend, ids: list[int], body: S.Sampling, max_tokens: int | None,
-                logprobs: int | None, constraint: Constraint | None = None) -> tuple[str, asyncio.Queue]:
+                logprobs: int | None, constraint: Constraint | None = None,
+                keep: int | None = None) -> tuple[str, asyncio.Queue]:
     """Submit a request; its id and the queue its events arrive on. A
     request the backend refuses is an ApiError (400, or 503 when busy).
     ``constraint``: what the output follows, when the route decided it (a
-    required tool call); else the body's own (``constraint_of``)."""
+    required tool call); else the body's own (``constraint_of``).
+    ``keep``: with the server's context shift, the tokens each shift keeps
+    when the body does not say (``n_keep``); None: 0."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     rid = uuid.uuid4().hex
@@ -107,7 +110,8 @@ async def start(backend: ServingBackend, ids: list[int], body: S.Sampling, max_t
     req = Request(ids, n, sampling_of(body), lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
                   stops_of(body), logprobs, rid, ignore_eos=body.ignore_eos,
                   lookup=info.lookup if body.lookup is None else body.lookup,
-                  draft_max=info.draft_max if body.draft_max is None else body.draft_max, grammar=grammar)
+                  draft_max=info.draft_max if body.draft_max is None else body.draft_max, grammar=grammar,
+                  keep=body.n_keep if body.n_keep is not None else keep or 0)
     try:
         submitted = backend.submit(req)
         if inspect.isawaitable(submitted):   # a backend in another process answers when the request is taken
@@ -156,7 +160,8 @@ def usage_of(ev: Event) -> S.Usage:
     u = ev.usage or {}
     return S.Usage(prompt_tokens=u.get("prompt_tokens", 0), completion_tokens=u.get("completion_tokens", 0),
                    total_tokens=u.get("total_tokens", 0),
-                   prompt_tokens_details={"cached_tokens": u.get("cached_tokens", 0)})
+                   prompt_tokens_details={"cached_tokens": u.get("cached_tokens", 0)},
+                   **{k: u[k] for k in ("context_shifts", "shifted_tokens") if k in u})
 
 
 def finished(ev: Event) -> str:

@@ -33,6 +33,8 @@ class ServerMetrics:
                                        registry=r)
         self.preemptions = Counter("lmc_preemptions", "Sequences sent back to the queue for lack of KV blocks",
                                    registry=r)
+        self.context_shifts = Counter("lmc_context_shifts", "Sequences that filled the context and were shifted "
+                                      "(--context-shift)", registry=r)
         self.masked_steps = Counter("lmc_grammar_masked_steps", "Tokens chosen under a grammar's mask (structured "
                                     "output)", registry=r)
         self.mask_seconds = Counter("lmc_grammar_mask_seconds", "Seconds spent computing grammar masks", registry=r)
@@ -54,6 +56,7 @@ class ServerMetrics:
         for counter, n in ((self.prompt_tokens, st.prompt_tokens), (self.cached_prompt_tokens, st.cached_prompt_tokens),
                            (self.generated_tokens, st.generated_tokens), (self.draft_tokens, st.draft_tokens),
                            (self.accepted_tokens, st.accepted_tokens), (self.preemptions, st.preemptions),
+                           (self.context_shifts, st.context_shifts),
                            (self.masked_steps, st.masked_steps), (self.mask_seconds, st.mask_s)):
             if n:
                 counter.inc(n)

@@ -11,6 +11,8 @@ from starlette.concurrency import run_in_threadpool
 
 from frontends.chat_template import ChatTemplateError
 
+from ..context_shift import chat_keep
+
 from . import schemas as S
 from .backend import ServingBackend
 from .errors import ApiError
@@ -33,8 +35,11 @@ async def chat(body: S.ChatRequest, backend: ServingBackend = Depends(backend_of
     except (ChatTemplateError, ValueError) as e:
         raise ApiError(400, str(e), "messages") from None
     k = (body.top_logprobs or 0) if body.logprobs else None
+    keep = None   # with --context-shift, a system prompt stays obeyed: its tokens are kept
+    if backend.info.context_shift and body.n_keep is None and any(m.get("role") == "system" for m in messages):
+        keep = await run_in_threadpool(chat_keep, backend.tokenizer, messages, kw.get("tools"))
     rid, events = await start(backend, ids, body, body.max_completion_tokens or body.max_tokens, k,
-                              constraint=calls.constraint() if calls is not None else None)
+                              constraint=calls.constraint() if calls is not None else None, keep=keep)
     info = backend.info
     cid, model, created = f"chatcmpl-{rid}", body.model or info.model_id, info.created
 

@@ -40,6 +40,9 @@ class Sampling(_Body):
     # length; 0: the server's model drafter, or none; default: the server's --lookup)
     lookup: int | None = Field(default=None, ge=0, le=64)
     draft_max: int | None = Field(default=None, ge=0, le=64)
+    # llama.cpp's n_keep: with the server's --context-shift, the prompt tokens every shift keeps (default: a
+    # chat's system prompt, else 0)
+    n_keep: int | None = Field(default=None, ge=0)
     # structured output: OpenAI's response_format ({"type": "text" | "json_object" | "json_schema",
     # "json_schema": {"name", "schema", "strict"}}), or lmc's extensions (vLLM's guided_* in spirit):
     # a Lark grammar (llguidance's dialect) or a regex the whole output matches; one of the three
@@ -87,6 +90,9 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict[str, int] | None = None
+    #: with ``lmc serve --context-shift``, also ``context_shifts`` and ``shifted_tokens`` (the request's
+    #: shifts and the tokens they dropped); absent without it
+    model_config = ConfigDict(extra="allow")
 
 
 class ErrorBody(BaseModel):

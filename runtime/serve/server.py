@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from compiler.driver import BatchOptions, load_model
+from ir.types import DEFAULT_KV_TYPE
 
 from ..engine import BatchModel, Engine, load_batch_model
 from ..errors import RunError
@@ -53,6 +54,8 @@ class ServerOptions:
     speculation: Speculation | None = None
     #: serve the chat page at / (``--no-webui``: off)
     webui: bool = True
+    #: requests go on past the context (``--context-shift``; ``runtime.context_shift``)
+    context_shift: bool = False
 
 
 @dataclass
@@ -89,7 +92,7 @@ def build_serving(o: ServerOptions, status: Callable[[str], None] | None = None)
     ctx = o.ctx or min(loaded.config.seq_len, DEFAULT_CTX)
     if ctx > loaded.config.seq_len:
         raise RunError(f"-c {ctx}: more than the model's context {loaded.config.seq_len}")
-    kv = o.kv_type or "f32"
+    kv = o.kv_type or DEFAULT_KV_TYPE
     try:
         n_blocks = pool_blocks(loaded, ctx, o.parallel, o.block_size, kv, o.mem_budget, os_threads(o.threads))
     except PoolError as e:
@@ -108,14 +111,15 @@ def build_serving(o: ServerOptions, status: Callable[[str], None] | None = None)
     tok = with_template(model.tokenizer, o)
     metrics = ServerMetrics()
     engine = Engine(model, o.parallel, prefill_chunk=o.prefill_chunk, metrics=metrics, max_queue=o.queue,
-                    drafter=drafter)
+                    drafter=drafter, context_shift=o.context_shift)
     model_id = o.alias or os.path.splitext(os.path.basename(o.model))[0]
     drafting = drafter_text(spec, o.draft_max)
     info = ModelInfo(model_id, model.ctx, model.config.vocab_size,
                      meta={"n_ctx": model.ctx, "n_parallel": o.parallel, "kv_blocks": n_blocks,
                            "block_size": o.block_size, "kv_type": kv, "backend": o.backend,
-                           "drafter": drafting or None},
-                     lookup=o.lookup, draft_max=o.draft_max, stop_ids=tuple(model.config.stop_ids))
+                           "drafter": drafting or None, "context_shift": o.context_shift},
+                     lookup=o.lookup, draft_max=o.draft_max, stop_ids=tuple(model.config.stop_ids),
+                     context_shift=o.context_shift)
     backend = EngineBackend(engine, tok, info, metrics)
     app = create_app(backend, api_key=o.api_key, webui=o.webui, viz=viz_builder(o, ctx, kv))
     return Serving(app, engine, model, model_id, n_blocks, o.block_size, kv, o.parallel, drafting, backend)

@@ -49,7 +49,7 @@ class StreamKV:
             hist = list(s.tokens)
             L = len(hist)
             # the target's cache holds every row but the pending token's
-            start = L - 1 if self.shared else min(common_prefix(hist, self._kv), L - 1)
+            start = L - 1 if self.shared else ex.reusable(min(common_prefix(hist, self._kv), L - 1))
             if L - start == 1:
                 out[i] = ex.decode(hist[-1], start)
             else:

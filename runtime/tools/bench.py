@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from compiler.driver import LoadedModel, load_model, model_graph
+from ir.types import DEFAULT_KV_TYPE
 
 from ..errors import RunError
 from ..model import Model
@@ -139,7 +140,7 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
 
             # cold: an empty cache, so LLVM runs (and the artifact is stored, as
             # on a user's first run); warm: the same call, now a cache hit
-            opts = NativeOptions(kv_type=kv_type or "f32", mem_budget=mem_budget, stream=stream, threads=threads,
+            opts = NativeOptions(kv_type=kv_type or DEFAULT_KV_TYPE, mem_budget=mem_budget, stream=stream, threads=threads,
                                  stream_io=stream_io, verify=speculation is not None,
                                  auto_ctx=mem_budget is not None, auto_kv=mem_budget is not None and not kv_type)
             cold = compile_native(loaded, opts)

@@ -40,7 +40,7 @@ import numpy as np
 from ir.int_dot import ACT_LAYOUTS, int_act
 from ir.ops import WeightData
 from ir.quant import ACT_BLOCK
-from ir.types import TensorType, f32, i32
+from ir.types import TensorType, f32, i32, kv_cache_type
 
 KINDS = ("matvec", "matmul", "qmatvec", "qmatmul", "rmsnorm", "rope", "attention", "softmax")
 MATRIX_KINDS = ("matvec", "matmul", "qmatvec", "qmatmul")
@@ -464,13 +464,15 @@ def build_case(p: Problem, int_dot: bool) -> Case:
     pos = S - T
     q = rng.standard_normal((T, C), dtype=np.float32)
     q = q[0] if T == 1 else q
-    kc = rng.standard_normal((S, kvh * hd), dtype=np.float32)
-    vc = rng.standard_normal((S, kvh * hd), dtype=np.float32)
+    # the caches in the default KV type (f16: what a model runs with unless told otherwise)
+    kc = rng.standard_normal((S, kvh * hd), dtype=np.float32).astype(np.float16)
+    vc = rng.standard_normal((S, kvh * hd), dtype=np.float32).astype(np.float16)
     attrs = {"n_heads": H, "n_kv_heads": kvh, "head_dim": hd, "scale": 1.0 / math.sqrt(hd), "window": 0}
     want = ops.attention_ref(q, kc, vc, pos, **attrs)
     check = _close_check(1e-4, 2e-5)
     keys = sum(pos + t + 1 for t in range(T))
-    case = Case("attention", [_act_type(T, C), f32(S, kvh * hd), f32(S, kvh * hd), i32()], attrs,
+    cache_t = kv_cache_type("f16", S, kvh * hd)
+    case = Case("attention", [_act_type(T, C), cache_t, cache_t, i32()], attrs,
                 [q, kc, vc, pos], want, lambda g: check(g, want),
                 q.nbytes + kc.nbytes + vc.nbytes, want.nbytes, H * (4 * hd + 5) * keys, T=T, pos=pos)
     case.notes = {"heads": H, "kv_heads": kvh, "head_dim": hd, "context": S, "pos": pos}
