@@ -401,9 +401,8 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
         glob, window = layer_window(cfg, i)
         ring = ring_rows(window, max_rows) if window and max_rows and not paged else 0
         ring = ring if ring and ring < ctx else 0
-        rows = ring or pool
-        kc = g.add_state(f"k_cache.{i}", kv_cache_type(kv_type, rows, cfg.kv_dim, cfg.head_dim))
-        vc = g.add_state(f"v_cache.{i}", kv_cache_type(kv_type, rows, cfg.kv_dim, cfg.head_dim))
+        kc = g.add_state(f"k_cache.{i}", kv_cache_type(kv_type, ring or pool, cfg.kv_dim, cfg.head_dim))
+        vc = g.add_state(f"v_cache.{i}", kv_cache_type(kv_type, ring or pool, cfg.kv_dim, cfg.head_dim))
         theta = cfg.rope_theta if glob else float(cfg.extra.get("rope_local_theta", cfg.rope_theta))
         in_ring = {"ring": ring} if ring else {}
         if ring:
