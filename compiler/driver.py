@@ -54,7 +54,7 @@ class CompileOptions:
     passes: tuple[str, ...] | None = None   # default: default_pipeline(backend)
     dump_dir: str | None = None
     dump_after: str | None = None     # with dump_dir: one pass's input and output only, or "all"
-    kv_type: str = DEFAULT_KV_TYPE    # KV cache storage: f16, f32 or q8 (ir.types.KV_TYPES)
+    kv_type: str = DEFAULT_KV_TYPE    # KV cache storage: f16, f32, q8, q4, q2 ... (ir.types.KV_TYPES)
     split_rows: dict[str, int] | None = None  # weights streamed in row blocks (memory plan)
     batch: BatchOptions | None = None  # build the paged batch graphs instead of decode/prefill
     verify: bool = False               # also the ``verify`` graph (speculative decoding)

@@ -53,7 +53,7 @@ class NativeOptions:
     dump_dir: str | None = None
     dump_after: str | None = None   # with dump_dir: one pass's input and output only, or "all"
     passes: tuple[str, ...] | None = None   # default: default_pipeline("llvm")
-    kv_type: str = DEFAULT_KV_TYPE    # KV cache storage: f16, f32 or q8 (ir.types.KV_TYPES)
+    kv_type: str = DEFAULT_KV_TYPE    # KV cache storage: f16, f32, q8, q4, q2 ... (ir.types.KV_TYPES)
     profile: bool = False   # time every op (lmc profile); never served to a normal run
     mem_budget: int | None = None   # bytes of peak RSS the process may use (passes/memory_budget)
     stream: str | None = None       # "layers" / "all": stream at least these weights, budget or not

@@ -401,8 +401,8 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
         glob, window = layer_window(cfg, i)
         ring = ring_rows(window, max_rows) if window and max_rows and not paged else 0
         ring = ring if ring and ring < ctx else 0
-        kc = g.add_state(f"k_cache.{i}", kv_cache_type(kv_type, ring or pool, cfg.kv_dim))
-        vc = g.add_state(f"v_cache.{i}", kv_cache_type(kv_type, ring or pool, cfg.kv_dim))
+        kc = g.add_state(f"k_cache.{i}", kv_cache_type(kv_type, ring or pool, cfg.kv_dim, cfg.head_dim))
+        vc = g.add_state(f"v_cache.{i}", kv_cache_type(kv_type, ring or pool, cfg.kv_dim, cfg.head_dim))
         theta = cfg.rope_theta if glob else float(cfg.extra.get("rope_local_theta", cfg.rope_theta))
         in_ring = {"ring": ring} if ring else {}
         if ring:
@@ -476,12 +476,19 @@ def layer_window(cfg: ModelConfig, i: int) -> tuple[bool, int]:
 
 
 def check_kv_type(cfg: ModelConfig, kv_type: str, name: str = "model") -> None:
-    """A KV cache type the model can use: q8 blocks of 32 must not straddle
-    two heads (attention reads one head's slice of a row)."""
+    """A KV cache type the model can use: q8, q4 and q2 blocks of 32 must not
+    straddle two heads (attention reads one head's slice of a row), and q4 /
+    q2 rotate each head by a fast Walsh-Hadamard transform, which needs a
+    power of two."""
     if kv_type not in KV_TYPES:
         raise ModelError(f"--kv-type {kv_type}: unknown KV cache type (one of {', '.join(KV_TYPES)})")
-    if kv_type == "q8" and cfg.head_dim % 32:
-        raise ModelError(f"--kv-type q8: {name} has head_dim {cfg.head_dim}, not a multiple of 32 (q8 stores "
+    hd = cfg.head_dim
+    if kv_type in ("q4", "q2") and (hd < 32 or hd & (hd - 1)):
+        alt = f"--kv-type {kv_type}-plain or q8" if hd % 32 == 0 else "--kv-type f16"
+        raise ModelError(f"--kv-type {kv_type}: {name} has head_dim {hd}, not a power of two >= 32 ({kv_type} "
+                         f"rotates each head by a Walsh-Hadamard transform); use {alt}")
+    if KV_TYPES[kv_type][1] is not None and hd % 32:
+        raise ModelError(f"--kv-type {kv_type}: {name} has head_dim {hd}, not a multiple of 32 ({kv_type} stores "
                          f"blocks of 32 values per head); use --kv-type f16")
 
 

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .graph import Graph, PackedRegion, Value, WeightRef
+from .kv_lowbit import GROUP, lowbit
 from .quant import repacked_layout
 from .ops import WeightData, get_op
 from .types import DTYPES, TensorType
@@ -68,6 +69,9 @@ def state_array(t: TensorType) -> np.ndarray:
     """A zeroed state buffer of type ``t``: an array of its dtype, or for a
     quant layout (a q8 KV cache) its stored bytes, uint8 [rows, bytes per row]."""
     shape = tuple(int(d) for d in t.shape)
+    lb = lowbit(t.layout)
+    if lb is not None:  # a low-bit KV cache: one record per group of 32 (ir.kv_lowbit)
+        return np.zeros((shape[0], shape[1] // GROUP), lb.dtype)
     if t.layout is not None:
         return np.zeros((shape[0], t.nbytes() // shape[0]), np.uint8)
     return np.zeros(shape, DTYPES[t.dtype])

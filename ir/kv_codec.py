@@ -1,13 +1,15 @@
 """How KV cache rows are stored: float32, float16 (round to nearest even,
-overflow to inf) or q8 (Q8_0 blocks of 32: float16 scale, 32 int8, quantized
-as the integer path quantizes activations, ``ir.int_dot.quantize_q8_rows``),
-read back as float32."""
+overflow to inf), q8 (Q8_0 blocks of 32: float16 scale, 32 int8, quantized
+as the integer path quantizes activations, ``ir.int_dot.quantize_q8_rows``)
+or 4 and 2 bits (``ir.kv_lowbit``: records of 32, rotated or not), read
+back as float32 (a rotated cache's values still rotated: ``kv_rotation``)."""
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
 
+from . import kv_lowbit
 from .int_dot import quantize_q8_rows
 from .quant import quant_type
 
@@ -18,7 +20,10 @@ KV_Q8_BLOCK = quant_type("Q8_0").block_bytes
 
 def kv_row_width(cache: np.ndarray) -> int:
     """Values per cache row. A q8 cache is its stored bytes (uint8
-    [ctx, kv_dim / 32 * 34], from ``ir.interp.state_array``)."""
+    [ctx, kv_dim / 32 * 34], from ``ir.interp.state_array``); a low-bit one
+    its records [ctx, kv_dim / 32]."""
+    if kv_lowbit.of_array(cache) is not None:
+        return cache.shape[1] * kv_lowbit.GROUP
     if cache.dtype == np.uint8:
         return cache.shape[1] // KV_Q8_BLOCK * KV_BLOCK
     return cache.shape[1]
@@ -42,6 +47,8 @@ def kv_read(cache: np.ndarray, start: int, end: int) -> np.ndarray:
 
 def kv_decode(part: np.ndarray) -> np.ndarray:
     """Stored cache rows (any selection of them) as float32."""
+    if kv_lowbit.of_array(part) is not None:
+        return kv_lowbit.decode(part)
     if part.dtype == np.uint8:
         blk = part.reshape(-1, KV_Q8_BLOCK)
         d = np.ascontiguousarray(blk[:, :2]).view("<f2").astype(np.float32)
@@ -55,6 +62,17 @@ def kv_store(cache: np.ndarray, where: Any, x: np.ndarray) -> np.ndarray:
     round-to-nearest-even (overflow to inf), q8 per block of 32
     (``kv_encode_q8``)."""
     rows = np.asarray(x, np.float32).reshape(-1, kv_row_width(cache))
+    lb = kv_lowbit.of_array(cache)
     with np.errstate(over="ignore"):  # f16 (or a q8 block's f16 scale) overflows to inf, as stored natively
-        cache[where] = kv_encode_q8(rows) if cache.dtype == np.uint8 else rows
+        if lb is not None:
+            cache[where] = kv_lowbit.encode(rows, lb)
+        else:
+            cache[where] = kv_encode_q8(rows) if cache.dtype == np.uint8 else rows
     return cache
+
+
+def kv_rotation(cache: np.ndarray) -> int:
+    """The length of the Walsh-Hadamard rotation a cache's rows were stored
+    under (its head_dim), 0 for none: attention rotates queries to match."""
+    lb = kv_lowbit.of_array(cache)
+    return lb.rotate if lb is not None else 0

@@ -77,18 +77,30 @@ class TensorType:
 
 
 #: KV cache element types (``--kv-type``): name -> (dtype, layout) of the
-#: cache states. q8 rows are GGUF Q8_0 blocks (32 values: f16 scale, 32 int8).
-KV_TYPES: dict[str, tuple[str, str | None]] = {"f32": ("f32", None), "f16": ("f16", None), "q8": ("f32", "Q8_0")}
+#: cache states. q8 rows are GGUF Q8_0 blocks (32 values: f16 scale, 32 int8);
+#: q4 and q2 groups of 32 with an f16 step and minimum, rotated per head by
+#: a Walsh-Hadamard transform first (the layout ends in _H and head_dim),
+#: the -plain ones without it (``ir.kv_lowbit``).
+KV_TYPES: dict[str, tuple[str, str | None]] = {
+    "f32": ("f32", None), "f16": ("f16", None), "q8": ("f32", "Q8_0"),
+    "q4": ("f32", "KV_Q4_H"), "q4-plain": ("f32", "KV_Q4"), "q2": ("f32", "KV_Q2_H"), "q2-plain": ("f32", "KV_Q2")}
 #: the KV cache type when none is asked for: half the bytes of f32 and, like llama.cpp's
 #: default, close enough that greedy text departs from f32 only at near ties
 DEFAULT_KV_TYPE = "f16"
 
 
-def kv_cache_type(kv_type: str, ctx: int, kv_dim: int) -> TensorType:
-    """Type of one layer's K (or V) cache: ``ctx`` positions of ``kv_dim`` values."""
+def kv_cache_type(kv_type: str, ctx: int, kv_dim: int, head_dim: int | None = None) -> TensorType:
+    """Type of one layer's K (or V) cache: ``ctx`` positions of ``kv_dim``
+    values. A rotated type (q4, q2) rotates each head, so it needs ``head_dim``
+    (a power of two, at least 32), which its layout then names (``KV_Q4_H64``)."""
     if kv_type not in KV_TYPES:
         raise ValueError(f"unknown KV cache type {kv_type!r} (one of {', '.join(KV_TYPES)})")
     dtype, layout = KV_TYPES[kv_type]
+    if layout is not None and layout.endswith("_H"):
+        if head_dim is None or head_dim < 32 or head_dim & (head_dim - 1):
+            raise ValueError(f"KV cache type {kv_type} rotates each head: head_dim must be a power of two "
+                             f">= 32, got {head_dim}")
+        layout = f"{layout}{head_dim}"
     return TensorType((ctx, kv_dim), dtype, layout)
 
 

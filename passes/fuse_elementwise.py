@@ -48,7 +48,7 @@ def fuse_glu(graph: Graph) -> Graph:
 
 def _rope_fits(rope: Node, write: Node) -> bool:
     """The rope rotates at the positions the write stores at, as f32 rows,
-    and a q8 cache's blocks do not straddle heads (the kernel quantizes a
+    and a q8 (or q4, q2) cache's blocks do not straddle heads (the kernel quantizes a
     rotated head at a time)."""
     x, pos = rope.inputs[:2]
     cache = write.inputs[0].type
@@ -56,7 +56,7 @@ def _rope_fits(rope: Node, write: Node) -> bool:
         return False
     if write.op == "kv_write" and pos.type.rank != 0:
         return False
-    return cache.layout != "Q8_0" or int(rope.attrs["head_dim"]) % quant_type("Q8_0").block == 0
+    return cache.layout is None or int(rope.attrs["head_dim"]) % quant_type("Q8_0").block == 0
 
 
 @register_pass("fuse_rope_kv")

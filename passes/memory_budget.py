@@ -34,7 +34,8 @@ TOKENIZER_PER_TOKEN = 84
 DECOMPRESSOR_BYTES = 1 * MiB
 #: the shortest context the planner will choose on its own
 MIN_CTX = 256
-KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8": 34 / 32}
+KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8": 34 / 32, "q4": 20 / 32, "q4-plain": 20 / 32, "q2": 12 / 32,
+            "q2-plain": 12 / 32}
 
 
 class BudgetError(ValueError):

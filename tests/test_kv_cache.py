@@ -107,7 +107,7 @@ def test_shape_rules_refuse_other_caches():
         ops.get_op("attention").infer([f32(64), q8, kv_cache_type("f16", 8, 64), i32()],
                                       dict(n_heads=2, n_kv_heads=2, head_dim=32))
     with pytest.raises(ValueError, match="unknown KV cache type"):
-        kv_cache_type("q4", 8, 64)
+        kv_cache_type("q3", 8, 64)
 
 
 # --- kv_write kernels ----------------------------------------------------------------
@@ -283,9 +283,9 @@ def test_q8_needs_head_dim_multiple_of_32():
     assert r.stderr.count("\n") == 1 and "head_dim 8" in r.stderr and "f16" in r.stderr
     for cmd in (["run", str(DEFAULT_MODEL)], ["compile", str(DEFAULT_MODEL), "-o", "x.lmc"],
                 ["bench", str(DEFAULT_MODEL)]):
-        r = lmc(*cmd, "--kv-type", "q4")
+        r = lmc(*cmd, "--kv-type", "q3")
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-        assert "invalid choice: 'q4'" in r.stderr
+        assert "invalid choice: 'q3'" in r.stderr
 
 
 # --- plumbing ---------------------------------------------------------------------------------

@@ -39,12 +39,22 @@ Vectors over head_dim have the largest power-of-two width <= the target's
 that divides head_dim, so any head_dim works without a scalar tail (8 ->
 <8 x float>, 24 -> 3 x <8 x float>, 6 -> 3 x <2 x float>).
 
-The cache holds f32, f16 or q8 (``--kv-type``). f16 rows are widened as
+The cache holds f32, f16, q8, q4 or q2 (``--kv-type``). f16 rows are widened as
 they are loaded (fpext). A q8 row is Q8_0 blocks (float16 scale d, 32 int8 q;
 head_dim is a multiple of 32, so a head is whole blocks): k_j . q is summed
 per block over the integers (sitofp) and scaled by d once per block, and the
 weighted sum adds (p_j * d) * q per block. Equal to the reference's d * q
 values up to float rounding order.
+
+A q4 / q2 cache (``ir.kv_lowbit``) is groups of 32 codes with an f16 step d
+and minimum m, value = code * d + m: k_j . q is summed per group as
+d * (codes . q) + m * (sum of q over the group), the last a vector of q's
+partial sums per group made once per unit; the weighted sum adds
+(p_j * d) * code + p_j * m. A rotated cache (q4, q2: each head stored times
+the Walsh-Hadamard H / sqrt(hd)) has the unit's queries rotated the same
+way once, in registers, as they are loaded (scores unchanged: H is
+orthogonal); the output, H times the true weighted sum, is rotated back
+(H is its own inverse) after the last group is stored.
 """
 from __future__ import annotations
 
@@ -52,6 +62,9 @@ import llvmlite.ir as ir
 
 from typing import Callable
 
+from ir.kv_lowbit import GROUP, lowbit
+
+from . import kv_lowbit as lb_emit
 from .emit import F32, KernelBuilder, exp_poly, fconst, fmuladd, hsum_many, i64, pow2_divisor
 from .kernels import KernelSig, kernel
 from .paging import PagedRows
@@ -65,11 +78,14 @@ QK, Q8_BYTES = 32, 34
 
 
 def cache_kind(t) -> str:
-    """How a KV cache of type ``t`` is stored: "f32", "f16" or "q8"."""
+    """How a KV cache of type ``t`` is stored: "f32", "f16", "q8" or "lowbit"
+    (q4 / q2, rotated or not: ``ir.kv_lowbit.lowbit(t.layout)`` says)."""
     if t.layout is None and t.dtype in ("f32", "f16"):
         return t.dtype
     if t.layout == "Q8_0":
         return "q8"
+    if lowbit(t.layout) is not None:
+        return "lowbit"
     if t.layout == "F32" and t.dtype == "f32":
         return "f32"
     raise NotImplementedError(f"attention: native kernel reads f32, f16 or Q8_0 caches, got {t}")
@@ -202,6 +218,11 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
         if hd % QK:
             raise NotImplementedError(f"attention: a q8 cache needs head_dim a multiple of {QK}, got {hd}")
         row_step, head_step = stride // QK * Q8_BYTES, hd // QK * Q8_BYTES
+    low = lowbit(kt.layout) if kind == "lowbit" else None
+    if low is not None:
+        if hd % GROUP or (low.rotate and low.rotate != hd):
+            raise NotImplementedError(f"attention: a {kt.layout} cache does not fit head_dim {hd}")
+        row_step, head_step = stride // GROUP * low.group_bytes, hd // GROUP * low.group_bytes
 
     slice_bytes = head_step * (4 if kind == "f32" else 2 if kind == "f16" else 1)   # a row's part of one kv head
     wd = pow2_divisor(hd, kb.vw)  # vector width over head_dim
@@ -261,6 +282,11 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
         ops = [kb.gep(out, b.mul(b.add(row, i64(i)), i64(hd))) for i in heads]
         scs = [kb.gep(scratch, i * positions) for i in heads]
         qv = [[kb.vload(qp, c * wd, wd) for c in range(nvec)] for qp in qps]
+        if low is not None:
+            if low.rotate:
+                qv = [lb_emit.fwht(kb, v) for v in qv]
+            gpv = GROUP // wd   # vectors of a group
+            qsum = [[_vsum(kb, v[g * gpv:(g + 1) * gpv]) for g in range(hd // GROUP)] for v in qv]
 
         def load(p: ir.Value, idx: int) -> ir.Value:
             """<wd x float> of an f32 or f16 cache row."""
@@ -279,6 +305,18 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
         def dot(i: int, j: ir.Value) -> ir.Value:
             """<wd x float> partial products of k_j . q of head h0 + i (lanes still to sum)."""
             kp = krow(j)
+            if low is not None:
+                acc = None
+                for g in range(hd // GROUP):
+                    bp = kb.gep(kp, g * low.group_bytes)
+                    d, m = lb_emit.group_scales(kb, bp)
+                    cs = lb_emit.group_codes(kb, low, bp, wd)
+                    s = kb.fmul(cs[0], qv[i][g * gpv])
+                    for k in range(1, len(cs)):
+                        s = fmuladd(kb, cs[k], qv[i][g * gpv + k], s)
+                    acc = kb.fmul(s, kb.splat(d, wd)) if acc is None else fmuladd(kb, s, kb.splat(d, wd), acc)
+                    acc = fmuladd(kb, qsum[i][g], kb.splat(m, wd), acc)
+                return acc
             if kind == "q8":
                 acc = None
                 for blk, d, qs in q8_blocks(kp):
@@ -340,14 +378,25 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
         # pass 3: acc += p_j * v_j, a group of head_dim's vectors at a time (each value row's
         # group read once for the unit's heads): every head's accumulators for all of head_dim
         # (7 x 4 vectors for Qwen2.5) spilled to the stack on every position
-        per_block = QK // wd if kind == "q8" else 1     # vectors of a q8 block: a group holds whole blocks
+        per_block = QK // wd if kind in ("q8", "lowbit") else 1   # vectors of a block: a group holds whole blocks
         gv = _vectors_per_group(hg, nvec, per_block)
         for g0 in range(0, nvec, gv):
             with kb.loop_carry(0, n, [fconst(0.0, wd)] * (gv * hg), name="vg") as (j, cur, setv):
                 accs = [list(cur[i * gv: (i + 1) * gv]) for i in heads]
                 pjs = [kb.load(scs[i], j) for i in heads]
                 vp = vrow(j)
-                if kind == "q8":
+                if low is not None:
+                    for g in range(g0 // per_block, (g0 + gv) // per_block):
+                        bp = kb.gep(vp, g * low.group_bytes)
+                        d, m = lb_emit.group_scales(kb, bp)
+                        cs = lb_emit.group_codes(kb, low, bp, wd)
+                        for i in heads:
+                            ps = kb.splat(kb.fmul(pjs[i], d), wd)
+                            pm = kb.splat(kb.fmul(pjs[i], m), wd)
+                            for k, cf in enumerate(cs):
+                                c = g * per_block + k - g0
+                                accs[i][c] = kb.fadd(fmuladd(kb, ps, cf, accs[i][c]), pm)
+                elif kind == "q8":
                     for blk, d, qs in q8_blocks(vp, range(g0 // per_block, (g0 + gv) // per_block)):
                         for i in heads:
                             ps = kb.splat(kb.fmul(pjs[i], d), wd)
@@ -365,4 +414,17 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
                 inv = kb.splat(b.fdiv(fconst(1.0), totals[i]), wd)
                 for c in range(gv):
                     kb.vstore(b.fmul(out_accs[i * gv + c], inv), ops[i], (g0 + c) * wd)
+        if low is not None and low.rotate:   # the weighted sum of rotated values, rotated back
+            for i in heads:
+                vs = lb_emit.fwht(kb, [kb.vload(ops[i], c * wd, wd) for c in range(nvec)])
+                for c in range(nvec):
+                    kb.vstore(vs[c], ops[i], c * wd)
+
+
+def _vsum(kb: KernelBuilder, vs: list[ir.Value]) -> ir.Value:
+    """Lane-wise sum of vectors (a group's q: its lanes still to be summed)."""
+    acc = vs[0]
+    for v in vs[1:]:
+        acc = kb.fadd(acc, v)
+    return acc
 

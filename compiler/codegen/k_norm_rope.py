@@ -18,12 +18,15 @@ import numpy as np
 
 import llvmlite.ir as ir
 
+from ir.kv_lowbit import GROUP, LowBit, lowbit
 from ir.rope_tables import rope_base_freqs, rope_mix
 
+from . import kv_lowbit as lb_emit
 from .emit import F32, KernelBuilder, const_f32_array, f32c, fconst, hsum_many, i64, memcpy, pow2_divisor
 from .act_quant import quantize_q8_block
 from .kernels import KernelSig, kernel
 from .paging import PagedRows, RowPositions
+from .simd import concat
 
 
 def scratch_floats(sig: KernelSig) -> int:
@@ -33,7 +36,7 @@ def scratch_floats(sig: KernelSig) -> int:
     if sig.op == "rope":
         return int(sig.attr["head_dim"])
     if sig.op in ("rope_kv_write", "rope_kv_write_paged"):
-        q8 = sig.in_types[0].layout == "Q8_0"
+        q8 = sig.in_types[0].layout is not None   # q8, q4, q2: the rotated head, quantized from scratch
         return max(int(sig.attr["head_dim"]), _rope_table_floats(sig) + (int(sig.attr["head_dim"]) if q8 else 0))
     return 0
 
@@ -310,7 +313,21 @@ def emit_rope_kv_write(kb: KernelBuilder, sig: KernelSig) -> None:
         def cache_row(r: ir.Value) -> ir.Value:
             return _ring_row(kb, sig, b.add(kb.pos, r))
 
-    if ct.layout == "Q8_0":
+    low = lowbit(ct.layout)
+    if low is not None:
+        _check_q8_row(d)
+        buf = kb.gep(kb.fptr(kb.scratch), _rope_table_floats(sig))
+        wd = pow2_divisor(hd, kb.vw)
+
+        def head(r: ir.Value, h: ir.Value) -> tuple[HeadStore, Callable[[], None]]:
+            first = b.add(b.mul(cache_row(r), i64(d // GROUP)), b.mul(h, i64(hd // GROUP)))
+
+            def done() -> None:
+                vs = [kb.vload(buf, k * wd, wd) for k in range(hd // wd)]
+                _store_head(kb, low, lb_emit.fwht(kb, vs) if low.rotate else vs, first)
+
+            return (lambda v, j: kb.vstore(v, buf, j)), done
+    elif ct.layout == "Q8_0":
         _check_q8_row(d)
         buf = kb.gep(kb.fptr(kb.scratch), _rope_table_floats(sig))
 
@@ -431,6 +448,11 @@ def emit_kv_write(kb: KernelBuilder, sig: KernelSig) -> None:
     def index(per: int) -> UnitIndex:
         return _paged(kb, sig, per) if sig.op == "kv_write_paged" else _contiguous(kb, sig, per)
 
+    low = lowbit(ct.layout)
+    if low is not None:
+        _check_q8_row(d)
+        _kv_write_lowbit(kb, low, d, xt, index(d // (low.rotate or GROUP)))
+        return
     if ct.layout == "Q8_0":
         _check_q8_row(d)
         _kv_write_q8(kb, d, xt, index(d // QK))
@@ -486,6 +508,31 @@ def _kv_write_q8(kb: KernelBuilder, d: int, xt, at: UnitIndex) -> None:
     src = kb.fptr(kb.in_raw[1])
     with kb.loop(lo, hi, name="qb") as j:
         _q8_block(kb, src, b.mul(j, i64(QK)), kb.gep(kb.out_raw, b.mul(at(j), i64(Q8_BYTES))))
+
+
+def _kv_write_lowbit(kb: KernelBuilder, f: LowBit, d: int, xt, at: UnitIndex) -> None:
+    """Low-bit groups (``ir.kv_lowbit``). Plain: units are groups of 32;
+    rotated: units are heads, each rotated in registers (``kv_lowbit.fwht``)
+    then quantized group by group. Unit j goes to cache unit ``at(j)``."""
+    b = kb.b
+    unit = f.rotate or GROUP
+    lo, hi = kb.thread_share(b.mul(kb.rows_of(xt.shape), i64(d // unit)))
+    src = kb.fptr(kb.in_raw[1])
+    wd = pow2_divisor(unit, kb.vw)
+    with kb.loop(lo, hi, name="lb") as j:
+        vs = [kb.vload(src, b.add(b.mul(j, i64(unit)), i64(k * wd)), wd) for k in range(unit // wd)]
+        _store_head(kb, f, lb_emit.fwht(kb, vs) if f.rotate else vs, b.mul(at(j), i64(unit // GROUP)))
+
+
+def _store_head(kb: KernelBuilder, f: LowBit, vs: list[ir.Value], first: ir.Value) -> None:
+    """Vectors of whole groups (in value order) quantized into the cache's
+    groups first, first + 1, ..."""
+    b = kb.b
+    wd = vs[0].type.count
+    per = GROUP // wd
+    for g in range(len(vs) // per):
+        x = concat(b, vs[g * per:(g + 1) * per]) if per > 1 else vs[g * per]
+        lb_emit.store_group(kb, f, x, kb.gep(kb.out_raw, b.mul(b.add(first, i64(g)), i64(f.group_bytes))))
 
 
 def _q8_block(kb: KernelBuilder, src: ir.Value, at: ir.Value | int, bp: ir.Value) -> None:

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..kv_codec import KV_BLOCK, kv_decode, kv_row_width, kv_store
+from ..kv_codec import KV_BLOCK, kv_decode, kv_rotation, kv_row_width, kv_store
+from ..kv_lowbit import fwht, lowbit
 from ..types import Dim, TensorType
 from .elementwise import softcap_ref
 from .registry import need, register
@@ -23,12 +24,15 @@ from .rope import rope_ref, rope_type
 
 
 def _kv_cache_ok(t: TensorType, what: str) -> None:
-    """KV cache storage: f32 or f16 values, or Q8_0 blocks (ir.types.KV_TYPES)."""
+    """KV cache storage: f32 or f16 values, Q8_0 blocks or low-bit groups (ir.types.KV_TYPES)."""
     if t.layout is None:
         need(t.dtype in ("f32", "f16"), f"{what}: a KV cache of {t.dtype} is not supported (f32, f16, Q8_0)")
     else:
-        need(t.layout == "Q8_0" and isinstance(t.shape[1], int) and t.shape[1] % KV_BLOCK == 0,
-              f"{what}: a KV cache {t} is not supported (f32, f16, or Q8_0 rows of whole blocks)")
+        lb = lowbit(t.layout)
+        need((t.layout == "Q8_0" or lb is not None) and isinstance(t.shape[1], int) and t.shape[1] % KV_BLOCK == 0,
+              f"{what}: a KV cache {t} is not supported (f32, f16, or Q8_0 / KV_Q4 / KV_Q2 rows of whole blocks)")
+        need(lb is None or not lb.rotate or t.shape[1] % lb.rotate == 0,
+              f"{what}: a {t.layout} cache row of {t.shape[1]} values is not whole heads of {lb and lb.rotate}")
 
 
 def _kv_write(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -67,6 +71,8 @@ def _attention(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     need(not attrs.get("ring") or 0 < int(attrs.get("window") or 0) < int(attrs["ring"]),
           f"attention: a ring of {attrs.get('ring')} rows needs a window shorter than it")
     need(kc.layout is None or hd % KV_BLOCK == 0, f"attention: a {kc.layout} cache needs head_dim a multiple of {KV_BLOCK}")
+    rot = lowbit(kc.layout).rotate if lowbit(kc.layout) else 0
+    need(not rot or rot == hd, f"attention: a {kc.layout} cache is rotated over {rot} values, not head_dim {hd}")
     need(h % kvh == 0, f"attention: {h} query heads not a multiple of {kvh} kv heads")
     return TensorType(q.shape, "f32")
 
@@ -95,10 +101,14 @@ def _kv_write_paged(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
 
 
 def _rope_kv_fits(cache: TensorType, attrs: dict[str, Any], what: str) -> None:
-    """A q8 cache row is blocks of 32: the fused kernel rotates a head, then
-    quantizes it, so each head must be whole blocks."""
-    need(cache.layout != "Q8_0" or int(attrs["head_dim"]) % KV_BLOCK == 0,
-          f"{what}: a Q8_0 cache needs head_dim a multiple of {KV_BLOCK}")
+    """A q8 (or low-bit) cache row is blocks of 32: the fused kernel rotates a
+    head, then quantizes it, so each head must be whole blocks (and a
+    Hadamard-rotated cache's rotation one head)."""
+    need(cache.layout is None or int(attrs["head_dim"]) % KV_BLOCK == 0,
+          f"{what}: a {cache.layout} cache needs head_dim a multiple of {KV_BLOCK}")
+    lb = lowbit(cache.layout)
+    need(lb is None or not lb.rotate or lb.rotate == int(attrs["head_dim"]),
+          f"{what}: a {cache.layout} cache is rotated over {lb and lb.rotate} values, not head_dim {attrs['head_dim']}")
 
 
 def _rope_kv_write(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -169,7 +179,8 @@ def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: Any, *, n_
     in a ring at rows p % ring."""
     q = np.asarray(q, np.float32)
     lead = q.shape[:-1]
-    qs = q.reshape(-1, n_heads, head_dim)
+    rot = kv_rotation(kc)
+    qs = (fwht(q, rot) if rot else q).reshape(-1, n_heads, head_dim)
     p0 = int(pos)
     if ring and qs.shape[0] > ring - window:
         raise IndexError(f"attention: {qs.shape[0]} rows overwrite the window of their first row in a ring of "
@@ -181,7 +192,13 @@ def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: Any, *, n_
         k = kv_decode(kc[cache_rows(start, end, ring)]).reshape(end - start, n_kv_heads, head_dim)
         v = kv_decode(vc[cache_rows(start, end, ring)]).reshape(end - start, n_kv_heads, head_dim)
         out[t] = _attend(qs[t], k, v, n_heads // n_kv_heads, scale, softcap)
-    return out.reshape(lead + (n_heads * head_dim,))
+    return _unrotate(out, rot).reshape(lead + (n_heads * head_dim,))
+
+
+def _unrotate(out: np.ndarray, rot: int) -> np.ndarray:
+    """A rotated cache's weighted sum of values is H times the true one (a
+    rotated query gives the same scores): H is its own inverse."""
+    return fwht(out, rot) if rot else out
 
 
 def paged_rows(positions: Any, tables: Any, block_size: int, pool_rows: int) -> list[np.ndarray]:
@@ -239,11 +256,12 @@ def attention_paged_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, positions
     max(0, positions[t] - window + 1)..positions[t] (from 0 without a
     window), read through its block table."""
     q = np.asarray(q, np.float32)
-    qs = q.reshape(-1, n_heads, head_dim)
+    rot = kv_rotation(kc)
+    qs = (fwht(q, rot) if rot else q).reshape(-1, n_heads, head_dim)
     out = np.empty_like(qs)
     for t, rows in enumerate(paged_rows(positions, tables, block_size, kc.shape[0])):
         rows = rows[_visible(len(rows), window):]
         k = kv_decode(kc[rows]).reshape(len(rows), n_kv_heads, head_dim)
         v = kv_decode(vc[rows]).reshape(len(rows), n_kv_heads, head_dim)
         out[t] = _attend(qs[t], k, v, n_heads // n_kv_heads, scale, softcap)
-    return out.reshape(q.shape)
+    return _unrotate(out, rot).reshape(q.shape)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import re
 
+from ..kv_lowbit import GROUP, lowbit
 from .base import BlockLayout, Layout, PlanarQ8Layout
 from .repack import repacked_layout, split_repacked
 from .table import ACT_BLOCK, QUANT_TYPES, QuantType, quant_type, repackable, types_with
@@ -28,6 +29,10 @@ def get_layout(name: str) -> Layout:
     m = _PLANAR_Q8.match(name)
     if m and int(m.group(1)) > 0:
         return PlanarQ8Layout(name, 1, "i1", int(m.group(1)))
+    kv = lowbit(name)
+    if kv is not None:  # a low-bit KV cache's groups (ir.kv_lowbit): only their size matters here
+        return BlockLayout(name=name, itemsize=kv.group_bytes, np_dtype="u1", block=GROUP,
+                           block_bytes=kv.group_bytes)
     raise KeyError(f"unknown quant layout {name!r}")
 
 

@@ -122,7 +122,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="repetitions; medians are reported (default 5)")
     b.add_argument("--backend", choices=["llvm", "interp"], default="llvm")
     b.add_argument("--kv-type", choices=list(KV_TYPES), default=None,
-                   help="KV cache storage: f16 (default), f32 or q8")
+                   help="KV cache storage: f16 (default), f32, q8, q4, q2 (rotated) or q4-plain, q2-plain")
     b.add_argument("--probe-mb", type=whole_number("--probe-mb", 16), default=1024,
                    help="buffer of the bandwidth probe in MiB (default 1024; keep it >> the L3 cache)")
     b.add_argument("--compare-llamacpp", action="store_true",

@@ -81,8 +81,11 @@ def thread_count(s: str) -> int:
 def kv_type_arg(p: argparse.ArgumentParser) -> None:
     """``--kv-type``: how the KV cache stores keys and values."""
     p.add_argument("--kv-type", choices=list(KV_TYPES), default=None,
-                   help="KV cache storage: f16 (default), f32 (twice the memory) or q8 (blocks of 32 int8 with "
-                        "an f16 scale, 34/64 of f16; needs head_dim a multiple of 32)")
+                   help="KV cache storage: f16 (default), f32 (twice the memory), q8 (blocks of 32 int8 with "
+                        "an f16 scale, 34/64 of f16; needs head_dim a multiple of 32), q4 / q2 (groups of 32 "
+                        "codes of 4 / 2 bits with an f16 step and minimum, each head rotated by a Walsh-Hadamard "
+                        "transform first; needs head_dim a power of two >= 32) or q4-plain / q2-plain (the same "
+                        "without the rotation)")
 
 
 def exec_args(p: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ import sys
 
 from ..errors import RunError
 from ..perplexity import perplexity
-from .common import exec_args, model_args, resolve_model
+from .common import exec_args, kv_type_arg, model_args, resolve_model
 
 
 def add_parser(subparsers) -> None:
@@ -17,6 +17,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("-c", "--ctx", type=int, default=None,
                    help="window length in tokens (default: the model's context, at most 4096)")
     p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: ctx/2)")
+    kv_type_arg(p)
     exec_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -42,11 +43,13 @@ def run(args) -> int:
         raise RunError(f"{args.text}: the text file is empty")
     model_path, tok_path = resolve_model(args)
     model = load(model_path, tok_path, backend=args.backend, ctx=args.ctx, threads=args.threads,
-                 use_cache=not args.no_cache)
+                 use_cache=not args.no_cache, kv_type=args.kv_type)
     res = perplexity(model, text, args.ctx, args.stride, progress=sys.stderr.isatty())
     if args.json:
         print(json.dumps({"model": os.path.basename(model_path), "text": args.text, "backend": model.backend,
+                          "kv_type": model.kv_type,
                           **res.as_dict()}))
     else:
-        sys.stdout.write(res.format_text(f"{os.path.basename(model_path)} on {args.text} ({model.backend})"))
+        sys.stdout.write(res.format_text(f"{os.path.basename(model_path)} on {args.text} ({model.backend}, KV cache "
+                                         f"{model.kv_type})"))
     return 0
