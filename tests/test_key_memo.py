@@ -38,8 +38,8 @@ def test_anything_that_changes_the_plan_misses(private_cache):
     base = compile_native(_model(), NativeOptions(ctx=64))
     other_ctx = compile_native(_model(), NativeOptions(ctx=32))
     assert not other_ctx.cached and other_ctx.artifact.manifest["ctx"] == 32
-    other_kv = compile_native(_model(), NativeOptions(ctx=64, kv_type="f16"))
-    assert not other_kv.cached and other_kv.artifact.manifest["kv_type"] == "f16"
+    other_kv = compile_native(_model(), NativeOptions(ctx=64, kv_type="f32"))   # f16 is the default
+    assert not other_kv.cached and other_kv.artifact.manifest["kv_type"] == "f32"
     # the same file with fewer layers (a self-speculative draft builds one so)
     m = _model()
     m.config = dataclasses.replace(m.config, n_layers=m.config.n_layers - 1)
