@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from . import kv_lowbit
+from .kv_lowbit import GROUP as LOWBIT_GROUP, decode as lowbit_decode, encode as lowbit_encode, of_array as lowbit_of
 from .int_dot import quantize_q8_rows
 from .quant import quant_type
 
@@ -22,8 +22,8 @@ def kv_row_width(cache: np.ndarray) -> int:
     """Values per cache row. A q8 cache is its stored bytes (uint8
     [ctx, kv_dim / 32 * 34], from ``ir.interp.state_array``); a low-bit one
     its records [ctx, kv_dim / 32]."""
-    if kv_lowbit.of_array(cache) is not None:
-        return cache.shape[1] * kv_lowbit.GROUP
+    if lowbit_of(cache) is not None:
+        return cache.shape[1] * LOWBIT_GROUP
     if cache.dtype == np.uint8:
         return cache.shape[1] // KV_Q8_BLOCK * KV_BLOCK
     return cache.shape[1]
@@ -47,8 +47,8 @@ def kv_read(cache: np.ndarray, start: int, end: int) -> np.ndarray:
 
 def kv_decode(part: np.ndarray) -> np.ndarray:
     """Stored cache rows (any selection of them) as float32."""
-    if kv_lowbit.of_array(part) is not None:
-        return kv_lowbit.decode(part)
+    if lowbit_of(part) is not None:
+        return lowbit_decode(part)
     if part.dtype == np.uint8:
         blk = part.reshape(-1, KV_Q8_BLOCK)
         d = np.ascontiguousarray(blk[:, :2]).view("<f2").astype(np.float32)
@@ -62,10 +62,10 @@ def kv_store(cache: np.ndarray, where: Any, x: np.ndarray) -> np.ndarray:
     round-to-nearest-even (overflow to inf), q8 per block of 32
     (``kv_encode_q8``)."""
     rows = np.asarray(x, np.float32).reshape(-1, kv_row_width(cache))
-    lb = kv_lowbit.of_array(cache)
+    lb = lowbit_of(cache)
     with np.errstate(over="ignore"):  # f16 (or a q8 block's f16 scale) overflows to inf, as stored natively
         if lb is not None:
-            cache[where] = kv_lowbit.encode(rows, lb)
+            cache[where] = lowbit_encode(rows, lb)
         else:
             cache[where] = kv_encode_q8(rows) if cache.dtype == np.uint8 else rows
     return cache
@@ -74,5 +74,5 @@ def kv_store(cache: np.ndarray, where: Any, x: np.ndarray) -> np.ndarray:
 def kv_rotation(cache: np.ndarray) -> int:
     """The length of the Walsh-Hadamard rotation a cache's rows were stored
     under (its head_dim), 0 for none: attention rotates queries to match."""
-    lb = kv_lowbit.of_array(cache)
+    lb = lowbit_of(cache)
     return lb.rotate if lb is not None else 0
