@@ -36,8 +36,8 @@ def model_sizes(model: LoadedModel, graphs: dict[str, Graph], plans: dict[str, A
     packed = [v.ref.packed.stored for name, v in g.weights.items()
               if v.ref.packed is not None and v.ref.packed.codec != "repack" and layer_of(name) is not None]
     slack = g.meta.get("ring_slack")
-    rings = tuple(layer_window(cfg, i)[1] + slack if slack and layer_window(cfg, i)[1] else 0
-                  for i in range(cfg.n_layers)) if slack else ()
+    windows = [layer_window(cfg, i)[1] for i in range(cfg.n_layers)]
+    rings = tuple(w + slack if w else 0 for w in windows) if slack else ()
     return ModelSizes(infos, cfg.n_layers, cfg.kv_dim, head_dim, cfg.vocab_size, max_ctx,
                       max(p.size for p in run), max(p.lower_bound for p in run), 4, 4 * scratch_floats,
                       code_bytes, max(packed, default=0), rings)

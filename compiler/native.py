@@ -24,6 +24,7 @@ import llvmlite   # the package only: llvmlite.binding (LLVM itself) loads when 
 from frontends.loader import LoadedModel
 from ir.graph import packed_regions
 from ir.ops import get_op
+from ir.ops.attention import sliding_window
 from ir.printer import print_graph
 from ir.types import DEFAULT_KV_TYPE
 from passes.plan_arena import plan_arena
@@ -326,18 +327,12 @@ def plan_native(model: LoadedModel, o: NativeOptions) -> NativePlan:
     return NativePlan(graphs, plans, memory, sched, ctx, chunk, symbols, batch)
 
 
-def _sliding_window(graph) -> int:
-    """The window every attention node slides by (Mistral), 0 if one sees everything."""
-    wins = [int(n.attrs.get("window") or 0) for n in graph.nodes if n.op == "attention_paged"]
-    return max(wins) if wins and min(wins) > 0 else 0
-
-
 def batch_manifest(batch: BatchOptions, ctx: int, rows: int, graph) -> dict[str, Any]:
     """The pool as the runtime needs it: blocks, rows per step, and the
     bytes of one block of each state (for ``copy_block``)."""
     return {"block_size": batch.block_size, "n_blocks": batch.n_blocks, "max_batch": batch.max_batch,
             "max_blocks_per_seq": max_blocks_per_seq(ctx, batch.block_size), "max_rows": rows,
-            "window": _sliding_window(graph),
+            "window": sliding_window(graph),
             "block_bytes": {name: v.type.nbytes() // int(v.type.shape[0]) * batch.block_size
                             for name, v in graph.states.items()}}
 

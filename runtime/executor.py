@@ -13,8 +13,9 @@ import numpy as np
 from frontends.qsf_codecs import read_region
 from ir.graph import Graph
 from ir.interp import WeightStore, new_state, run
+from ir.ops.attention import sliding_window
 
-from .paged import PagedBatch, PoolShape, single_stream_only, sliding_window
+from .paged import PagedBatch, PoolShape, single_stream_only
 from .ring_reach import RingReach
 
 

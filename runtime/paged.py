@@ -40,12 +40,6 @@ class PoolShape:
     window: int = 0
 
 
-def sliding_window(graph) -> int:
-    """The window all attention nodes of ``graph`` slide by, 0 if any sees everything."""
-    wins = [int(n.attrs.get("window") or 0) for n in graph.nodes if n.op in ("attention", "attention_paged")]
-    return max(wins) if wins and min(wins) > 0 else 0
-
-
 def check_batch(pool: PoolShape, tokens, positions, tables) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The step's inputs as int32 arrays, tables padded with zeros to
     ``max_blocks_per_seq`` columns (entries past a row's last block are

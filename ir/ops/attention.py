@@ -56,6 +56,13 @@ def ring_rows(window: int, max_rows: int) -> int:
     return int(window) + int(max_rows)
 
 
+def sliding_window(graph: Any) -> int:
+    """The window every attention node of ``graph`` slides by (a Mistral
+    file), 0 if any of them sees the whole sequence."""
+    wins = [int(n.attrs.get("window") or 0) for n in graph.nodes if n.op in ("attention", "attention_paged")]
+    return max(wins) if wins and min(wins) > 0 else 0
+
+
 def cache_rows(p0: int, p1: int, ring: int | None) -> np.ndarray | slice:
     """Cache rows of positions p0..p1-1 (a ring wraps them)."""
     return np.arange(p0, p1) % ring if ring else slice(p0, p1)
