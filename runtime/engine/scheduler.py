@@ -171,10 +171,8 @@ class Scheduler:
             if len(s.tokens) <= ctx or s.computed != len(s.tokens) - 1:   # its next row is inside
                 continue
             kept, dropped = shift_tokens(s.tokens, s.req.keep, ctx - 1)
-            self.running.remove(s)
-            self.blocks.release(s.key)
             s.shifted(kept, dropped)
-            self.waiting.appendleft(s)   # the youngest goes in first: the oldest ends up first in line
+            self._send_back(s)   # the youngest goes in first: the oldest ends up first in line
             plan.context_shifts += 1
 
     def _can_mix(self, seqs: list[Sequence]) -> bool:
@@ -250,11 +248,7 @@ class Scheduler:
         victims = [v for v in self.running if v is not s and v.key > s.key]
         if not victims:
             return False
-        v = max(victims, key=lambda x: x.key)
-        self.running.remove(v)
-        self.blocks.release(v.key)
-        v.computed = 0
-        self.waiting.appendleft(v)     # recomputed (prompt and generated so far) when there is room again
+        self._send_back(max(victims, key=lambda x: x.key))
         plan.preemptions += 1
         return True
 
@@ -265,6 +259,11 @@ class Scheduler:
             self.finish(s)
             plan.ended.append(s)
             return
+        self._send_back(s)
+
+    def _send_back(self, s: Sequence) -> None:
+        """``s`` leaves the batch and its blocks go back: first in line, to be
+        recomputed (prompt and generated so far) when there is room again."""
         self.running.remove(s)
         self.blocks.release(s.key)
         s.computed = 0
