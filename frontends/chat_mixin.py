@@ -70,9 +70,51 @@ class ChatTemplateMixin:
         from .chat_template import checked_messages
 
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
-        contents = [m["content"] for m in checked_messages(messages, f"chat template {self.chat_template.label}")
-                    if isinstance(m.get("content"), str)]
-        return text, self._content_pieces(text, contents)
+        checked = checked_messages(messages, f"chat template {self.chat_template.label}")
+        contents = [m["content"] for m in checked if isinstance(m.get("content"), str)]
+        pieces = self._marked_pieces(text, checked, contents, add_generation_prompt, **kwargs)
+        return text, pieces if pieces is not None else self._content_pieces(text, contents)
+
+    def _marked_pieces(self, text: str, checked: list[dict[str, Any]], contents: list[str],
+                       add_generation_prompt: bool, **kwargs: Any) -> list[tuple[str, bool]] | None:
+        """The pieces, told apart by rendering the conversation again with a
+        marker in place of each content: the template's own text is what
+        lies between the markers. A search for the content in the rendered
+        text could find it inside the template's text first (a message "a"
+        in "<|im_start|>assistant"). None when the template does not print
+        each marker once, in order, or its text around them differs from the
+        real rendering (it looked at the content): the caller searches then."""
+        marks = [f"\ue000lmc-content-{i}\ue001" for i in range(len(contents))]
+        it = iter(marks)
+        marked = [dict(m, content=next(it)) if isinstance(m.get("content"), str) else m for m in checked]
+        try:
+            mtext = self.apply_chat_template(marked, add_generation_prompt, **kwargs)
+        except Exception:   # a template that inspects the content may fail on a marker
+            return None
+        pieces: list[tuple[str, bool]] = []
+        cur = mcur = 0
+        for mark, content in zip(marks, contents):
+            at = mtext.find(mark, mcur)
+            if at < 0 or mtext.count(mark) != 1:
+                return None
+            between = mtext[mcur:at]
+            if not text.startswith(between, cur):
+                return None
+            cur += len(between)
+            nxt = mtext.find("\ue000lmc-content-", at + len(mark))
+            after = mtext[at + len(mark): nxt if nxt >= 0 else len(mtext)]
+            for c in (content, content.strip()):   # as written, or trimmed, as templates often print them
+                if text.startswith(c + after, cur) and (nxt >= 0 or cur + len(c) + len(after) == len(text)):
+                    break
+            else:
+                return None
+            pieces += [(between, True), (c, False)]
+            cur += len(c)
+            mcur = at + len(mark)
+        if text[cur:] != mtext[mcur:]:
+            return None
+        pieces.append((text[cur:], True))
+        return [p for p in pieces if p[0]]
 
     def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                  **kwargs: Any) -> list[int]:

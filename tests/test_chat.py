@@ -67,6 +67,21 @@ def test_chat_ids_are_llama_cpps_for_ordinary_content(models, name):
         assert tok.chat_ids(msgs) == tok.encode(text, bos=True, special=True)
 
 
+@pytest.mark.parametrize("name", [SMOLLM2, QWEN])
+def test_short_messages_inside_the_templates_own_text(models, name):
+    """A message such as "a" or "user" also occurs in the template's text
+    ("<|im_start|>assistant"): its ids are still those of the rendered
+    prompt, and the ids that hold the template's markers are control ids
+    (a search for the content found "a" in "<|im_start|>" and cut the
+    marker in two)."""
+    tok = load_model(models[name]).tokenizer
+    for msgs in ([{"role": "user", "content": "a"}],
+                 [{"role": "system", "content": "im"}, {"role": "user", "content": "user"},
+                  {"role": "assistant", "content": "start"}, {"role": "user", "content": "s"}]):
+        text = tok.apply_chat_template(msgs)
+        assert tok.chat_ids(msgs) == tok.encode(text, bos=True, special=True)
+
+
 # --- greedy replies against llama.cpp's /v1/chat/completions --------------------------------
 
 @pytest.mark.parametrize("name", [SMOLLM2, QWEN])
