@@ -52,6 +52,7 @@ import llvmlite.ir as ir
 
 from typing import Callable
 
+from . import k_attention_tiled
 from .emit import F32, KernelBuilder, exp_poly, fconst, fmuladd, hsum_many, i64, pow2_divisor
 from .kernels import KernelSig, kernel
 from .paging import PagedRows
@@ -112,7 +113,10 @@ def scratch_floats(sig: KernelSig) -> int:
     visible position and head of its unit, at most the cache length
     (paged: a block table's worth of positions); the other ops here need none."""
     if sig.op == "attention":
-        return int(sig.in_types[1].shape[0]) * heads_per_unit(sig)
+        rows = int(sig.in_types[1].shape[0]) * heads_per_unit(sig)
+        if k_attention_tiled.supported(sig, cache_kind(sig.in_types[1])):
+            rows = max(rows, -(-k_attention_tiled.scratch_bytes(sig) // 4))
+        return rows
     if sig.op == "attention_paged":
         return int(sig.in_types[4].shape[1]) * int(sig.attr["block_size"]) * heads_per_unit(sig)
     return 0
@@ -174,7 +178,19 @@ class _PagedRows(_Rows):
 
 @kernel("attention")
 def emit_attention(kb: KernelBuilder, sig: KernelSig) -> None:
-    _emit_attention(kb, sig, _Rows(kb, int(sig.attr.get("ring") or 0)))
+    rows = _Rows(kb, int(sig.attr.get("ring") or 0))
+    kind = cache_kind(sig.in_types[1])
+    if not k_attention_tiled.usable(kb, sig, kind):
+        _emit_attention(kb, sig, rows)
+        return
+    # a prompt chunk (T >= MIN_ROWS) on AMX bf16 tiles, fewer rows (decode, a check) per row
+    b = kb.b
+    many = b.icmp_signed(">=", kb.rows_of(sig.in_types[0].shape), i64(k_attention_tiled.MIN_ROWS))
+    with b.if_else(many) as (tiled, per_row):
+        with tiled:
+            k_attention_tiled.emit_tiled(kb, sig, kind)
+        with per_row:
+            _emit_attention(kb, sig, rows)
 
 
 @kernel("attention_paged")
