@@ -35,6 +35,12 @@ Per unit, three passes over the visible positions:
    reads its own part of it. Each accumulator takes the same products in
    the same order as before.
 
+A call of ``k_attention_tiled.MIN_ROWS`` rows or more (a prompt chunk) on a
+host with AMX bf16 takes the tiled kernel instead (``k_attention_tiled``: 16
+rows a tile, bf16 operands, f32 sums), unless the cache is q8 or a ring, a
+window is set, head_dim is not a multiple of 32 or the kernel attribute
+``tiled`` is 0; the same compiled function branches on the rows at run time.
+
 Vectors over head_dim have the largest power-of-two width <= the target's
 that divides head_dim, so any head_dim works without a scalar tail (8 ->
 <8 x float>, 24 -> 3 x <8 x float>, 6 -> 3 x <2 x float>).
