@@ -200,3 +200,12 @@ def test_no_amx_means_per_row_kernel():
       scratch=np.zeros(k_attention.scratch_floats(sig) + 64, np.float32))
     want = ops.attention_ref(q, kc, vc, past, n_heads=4, n_kv_heads=2, head_dim=64, scale=0.125, window=0)
     assert np.abs(out - want).max() < 1e-5
+
+
+def test_scratch_grows_only_when_tiled():
+    """The bf16 keys and values take scratch (per thread) only where the tiles may run."""
+    on, off = k_attention.scratch_floats(_sig(tiled=1)), k_attention.scratch_floats(_sig(tiled=0))
+    assert off == 256 * k_attention.heads_per_unit(_sig(tiled=0))
+    assert on * 4 >= k_attention_tiled.scratch_bytes(_sig(tiled=1)) > off * 4
+    if k_attention_tiled.DEFAULT == 0:
+        assert k_attention.scratch_floats(_sig()) == off

@@ -35,11 +35,12 @@ Per unit, three passes over the visible positions:
    reads its own part of it. Each accumulator takes the same products in
    the same order as before.
 
-A call of ``k_attention_tiled.MIN_ROWS`` rows or more (a prompt chunk) on a
-host with AMX bf16 takes the tiled kernel instead (``k_attention_tiled``: 16
-rows a tile, bf16 operands, f32 sums), unless the cache is q8 or a ring, a
-window is set, head_dim is not a multiple of 32 or the kernel attribute
-``tiled`` is 0; the same compiled function branches on the rows at run time.
+With the kernel attribute ``tiled`` = 1 (off by default: no speedup shown in
+a model yet, see ``k_attention_tiled.DEFAULT``), a call of
+``k_attention_tiled.MIN_ROWS`` rows or more (a prompt chunk) on a host with
+AMX bf16 takes the tiled kernel instead (16 rows a tile, bf16 operands, f32
+sums), unless the cache is q8 or a ring, a window is set or head_dim is not
+a multiple of 32; the same compiled function branches on the rows at run time.
 
 Vectors over head_dim have the largest power-of-two width <= the target's
 that divides head_dim, so any head_dim works without a scalar tail (8 ->
@@ -120,7 +121,8 @@ def scratch_floats(sig: KernelSig) -> int:
     (paged: a block table's worth of positions); the other ops here need none."""
     if sig.op == "attention":
         rows = int(sig.in_types[1].shape[0]) * heads_per_unit(sig)
-        if k_attention_tiled.supported(sig, cache_kind(sig.in_types[1])):
+        if (k_attention_tiled.supported(sig, cache_kind(sig.in_types[1]))
+                and int(sig.attr.get("tiled", k_attention_tiled.DEFAULT))):
             rows = max(rows, -(-k_attention_tiled.scratch_bytes(sig) // 4))
         return rows
     if sig.op == "attention_paged":

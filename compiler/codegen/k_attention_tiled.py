@@ -46,10 +46,15 @@ HALF = ir.HalfType()
 MIN_ROWS = 16
 #: rows per tile
 TR = 16
-#: the kernel attribute ``tiled``'s default. Qwen2.5-Coder-0.5B, a 3,500-token prompt (f16 cache):
-#: last-position logits within 0.33 of the per-row kernel's (mean 0.056, range -17..19), the same
-#: 64 greedy tokens; prefill 149 tok/s against 79
-DEFAULT = 1
+#: the kernel attribute ``tiled``'s default: off. Qwen2.5-Coder-0.5B, a 3,500-token prompt (f16
+#: cache), ``lmc profile -c 4096`` on an Emerald Rapids (2 threads, shared, noisy), attention of the
+#: prefill, alternated: per-row kernel 2.62, 2.44, 2.66 s; tiled 2.14, 2.42, 3.25 s: no speedup to
+#: show in the model. The lab (``lmc kernel attention --batch 128``) says 4-7x, but there the
+#: per-row kernel runs at 25-53 GFLOP/s and in the model's prefill at ~200-220 (why: not found
+#: yet); this one at 165-250 in the model, its softmax pass (per row, vector code) the bottleneck.
+#: Accuracy when on: last-position logits within 0.33 of the per-row kernel's (mean 0.056, range
+#: -17..19), the same 64 greedy tokens.
+DEFAULT = 0
 
 
 def supported(sig: KernelSig, kind: str) -> bool:
