@@ -1,8 +1,12 @@
 """Causal grouped-query attention against the KV cache (``attention_ref``,
 ``attention_paged_ref``).
 
-Work units are (row t, a run of query heads) pairs, t-major, split between
-threads. A unit's heads share one KV head (query head h reads kv head
+Work units are (row t, a run of query heads) pairs, split between threads
+in contiguous shares, head-group-major: a prompt chunk's thread then reads
+the keys and values of few KV heads (Qwen2.5-0.5B, 2 threads: one each),
+which stay in its L2 from row to row; t-major, each thread read every KV
+head's rows (1.8 MB at 3,500 positions) for each of its rows, from L3, and
+a chunk of 128 rows took 2.2x the time of 128 decode steps' attention. A unit's heads share one KV head (query head h reads kv head
 h // (n_heads / n_kv_heads)), so each key and value row it reads serves all
 of them: one read from memory for the group, where a unit per head read the
 rows once per head (``heads_per_unit``: 7 of Qwen2.5-0.5B's 14 heads, 2 of
@@ -35,6 +39,14 @@ Per unit, three passes over the visible positions:
    reads its own part of it. Each accumulator takes the same products in
    the same order as before.
 
+A call of ``k_attention_tiled.MIN_ROWS`` rows or more (a prompt chunk) on
+a host with AMX bf16 takes the tiled kernel instead (16 rows a tile, bf16
+operands with the scores' operands split in two halves, f32 sums), unless
+the cache is not f16 (f32 keeps this kernel's f32 arithmetic, q8 and the
+low-bit types their packed reads), a ring or a window is set or head_dim is
+not a multiple of 32, or the kernel attribute ``tiled`` is 0; the same
+compiled function branches on the rows at run time.
+
 Vectors over head_dim have the largest power-of-two width <= the target's
 that divides head_dim, so any head_dim works without a scalar tail (8 ->
 <8 x float>, 24 -> 3 x <8 x float>, 6 -> 3 x <2 x float>).
@@ -64,6 +76,7 @@ from typing import Callable
 
 from ir.kv_lowbit import GROUP, lowbit
 
+from . import k_attention_tiled
 from . import kv_lowbit as lb_emit
 from .emit import F32, KernelBuilder, exp_poly, fconst, fmuladd, hsum_many, i64, pow2_divisor
 from .kernels import KernelSig, kernel
@@ -128,7 +141,11 @@ def scratch_floats(sig: KernelSig) -> int:
     visible position and head of its unit, at most the cache length
     (paged: a block table's worth of positions); the other ops here need none."""
     if sig.op == "attention":
-        return int(sig.in_types[1].shape[0]) * heads_per_unit(sig)
+        rows = int(sig.in_types[1].shape[0]) * heads_per_unit(sig)
+        if (k_attention_tiled.supported(sig, cache_kind(sig.in_types[1]))
+                and int(sig.attr.get("tiled", k_attention_tiled.DEFAULT))):
+            rows = max(rows, -(-k_attention_tiled.scratch_bytes(sig) // 4))
+        return rows
     if sig.op == "attention_paged":
         return int(sig.in_types[4].shape[1]) * int(sig.attr["block_size"]) * heads_per_unit(sig)
     return 0
@@ -190,7 +207,19 @@ class _PagedRows(_Rows):
 
 @kernel("attention")
 def emit_attention(kb: KernelBuilder, sig: KernelSig) -> None:
-    _emit_attention(kb, sig, _Rows(kb, int(sig.attr.get("ring") or 0)))
+    rows = _Rows(kb, int(sig.attr.get("ring") or 0))
+    kind = cache_kind(sig.in_types[1])
+    if not k_attention_tiled.usable(kb, sig, kind):
+        _emit_attention(kb, sig, rows)
+        return
+    # a prompt chunk (T >= MIN_ROWS) on AMX bf16 tiles, fewer rows (decode, a check) per row
+    b = kb.b
+    many = b.icmp_signed(">=", kb.rows_of(sig.in_types[0].shape), i64(k_attention_tiled.MIN_ROWS))
+    with b.if_else(many) as (tiled, per_row):
+        with tiled:
+            k_attention_tiled.emit_tiled(kb, sig, kind)
+        with per_row:
+            _emit_attention(kb, sig, rows)
 
 
 @kernel("attention_paged")
@@ -236,7 +265,8 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
     if hg < 1 or group % hg:
         raise NotImplementedError(f"attention: {hg} heads per unit do not divide the group of {group}")
     per_unit = H // hg
-    units = b.mul(kb.rows_of(qt.shape), i64(per_unit))
+    nrows = kb.rows_of(qt.shape)
+    units = b.mul(nrows, i64(per_unit))
     if addr.strided:
         lo, hi, step = kb.tid, units, kb.nthreads
     else:
@@ -267,8 +297,11 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
 
     heads = range(hg)
     with kb.loop(lo, hi, step=step, name="unit") as u:
-        t = b.udiv(u, i64(per_unit))
-        h0 = b.mul(b.urem(u, i64(per_unit)), i64(hg))     # the unit's first query head
+        if addr.strided:    # t-major: a paged step's rows are different sequences
+            t, hu = b.udiv(u, i64(per_unit)), b.urem(u, i64(per_unit))
+        else:               # head-group-major: a thread's share keeps to few KV heads (see below)
+            t, hu = b.urem(u, nrows), b.udiv(u, nrows)
+        h0 = b.mul(hu, i64(hg))     # the unit's first query head
         kvh = b.udiv(h0, i64(group))
         end = addr.end(t)
         start = kb.imax(b.sub(end, i64(window)), i64(0)) if window else i64(0)
@@ -302,8 +335,22 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
                 yield blk, d, [b.sitofp(kb.vload(bp, 2 + k * wd, wd), ir.VectorType(F32, wd))
                                for k in range(QK // wd)]
 
-        def dot(i: int, j: ir.Value) -> ir.Value:
-            """<wd x float> partial products of k_j . q of head h0 + i (lanes still to sum)."""
+        def keys(j: ir.Value) -> list[ir.Value] | None:
+            """An f32 / f16 key row as <wd x float> pieces, loaded (and widened) once for all
+            the unit's heads; None for a quantized row, which ``dot`` decodes itself."""
+            if kind not in ("f32", "f16"):
+                return None
+            kp = krow(j)
+            return [load(kp, c * wd) for c in range(nvec)]
+
+        def dot(i: int, j: ir.Value, kv: list[ir.Value] | None = None) -> ir.Value:
+            """<wd x float> partial products of k_j . q of head h0 + i (lanes still to sum);
+            ``kv``: the row's pieces from ``keys(j)``."""
+            if kv is not None:
+                acc = kb.fmul(kv[0], qv[i][0])
+                for c in range(1, nvec):
+                    acc = fmuladd(kb, kv[c], qv[i][c], acc)
+                return acc
             kp = krow(j)
             if low is not None:
                 acc = None
@@ -345,16 +392,21 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
                                 slice_bytes, locality=2)
                     kb.prefetch(b.bitcast(vrow(b.add(j, i64(p))), kb.scratch.type), slice_bytes, locality=2)
             new = []
+            # every key row of the block widened once before any head's dots (loaded per head, f16
+            # rows were widened 7 times for Qwen2.5's unit of 7 heads: the conversions, not the
+            # products, bounded the pass)
+            kvs = [keys(b.add(j, i64(p))) for p in range(B)]
             for i in heads:
-                s = scaled(hsum_many(kb, [dot(i, b.add(j, i64(p))) for p in range(B)]))
+                s = scaled(hsum_many(kb, [dot(i, b.add(j, i64(p)), kvs[p]) for p in range(B)]))
                 kb.vstore(s, scs[i], j)
                 new.append(kb.fmax(mvs[i], s))
             setv(new)
         m0 = [kb.hmax(v) for v in kb.last_carry]
         with kb.loop_carry(nb, n, m0, name="st") as (j, ms, setv):
             new = []
+            kv = keys(j)
             for i in heads:
-                s = scaled(b.extract_element(hsum_many(kb, [dot(i, j)]), i64(0)))
+                s = scaled(b.extract_element(hsum_many(kb, [dot(i, j, kv)]), i64(0)))
                 kb.store(s, scs[i], j)
                 new.append(kb.fmax(ms[i], s))
             setv(new)

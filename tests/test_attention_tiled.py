@@ -1,0 +1,221 @@
+"""The tiled prefill attention (``k_attention_tiled``: AMX bf16 tiles, a
+call of MIN_ROWS rows or more on an f16 cache) against ``attention_ref``,
+and the cases that keep the per-row kernel (few rows, an f32 cache, a
+window, a ring, a q8 cache, no AMX).
+
+Tolerance: the scores' operands are split into two bf16 halves each (an
+f16 key exactly, a query to ~2^-17), so the scores are about f32's; the
+softmax weights P and the values V are rounded to bf16 (relative error
+<= 2^-9 each) and summed in f32: outputs (weighted means of values,
+|out| < ~1 here) err by a few 2^-9 = 2e-3. The bound, 8e-3, is ~3x the
+largest seen. Against a reference fed the same bf16-rounded values, what
+is left is the weights' rounding, and the bound is 4e-3. Were the scores'
+operands rounded to bf16 too (one tile product), a score of sd 64 would
+move by ~0.25: ``test_tiled_peaked_scores`` would fail."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from compiler.codegen import k_attention, k_attention_tiled
+from compiler.codegen.harness import CompiledKernel, sig_for
+from compiler.codegen.target import host_target, without_amx
+from ir import ops
+from ir.types import TensorType, i32, kv_cache_type
+
+HOST = host_target()
+HAS_TILES = HOST.amx and HOST.has("amx-bf16")
+needs_tiles = pytest.mark.skipif(not HAS_TILES, reason="no AMX bf16 on this host (or the tile state was refused): "
+                                                       "the per-row kernel runs, tested below and in test_kernels_attention")
+SENTINEL = np.float32(12345.0)
+_KERNELS: dict = {}
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    """x rounded to bfloat16 (nearest even), as float32."""
+    b = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16 << 16).astype(np.uint32)
+    return b.view(np.float32)
+
+
+def case(T, past, H, kvh, hd, kind="f16", tiled=1, nt=2, seed=0, **extra):
+    """(got, want, q, kc, vc, attrs): the kernel on T rows at position
+    ``past`` (cache rows past the chunk are NaN: nobody may read them)."""
+    rng = np.random.default_rng(seed)
+    S = past + T + 5
+    q = rng.standard_normal((T, H * hd), dtype=np.float32)
+    dt = np.float16 if kind == "f16" else np.float32
+    kc = rng.standard_normal((S, kvh * hd), dtype=np.float32).astype(dt)
+    vc = rng.standard_normal((S, kvh * hd), dtype=np.float32).astype(dt)
+    kc[past + T:] = np.nan
+    vc[past + T:] = np.nan
+    attrs = dict(n_heads=H, n_kv_heads=kvh, head_dim=hd, scale=1.0 / math.sqrt(hd), window=0, **extra)
+    ct = kv_cache_type(kind, S, kvh * hd) if kind != "f32" else TensorType((S, kvh * hd), "f32")
+    sig = sig_for("attention", [TensorType(("T", H * hd), "f32"), ct, ct, i32()], tiled=tiled, **attrs)
+    key = sig
+    if key not in _KERNELS:
+        _KERNELS[key] = CompiledKernel(sig)
+    k = _KERNELS[key]
+    need = k_attention.scratch_floats(sig)
+    scratch = np.full(need + 64, SENTINEL, np.float32)
+    out = np.full((T, H * hd), np.nan, np.float32)
+    for tid in range(nt):
+        k(out, [q, kc, vc, past], pos=past, T=T, tid=tid, nthreads=nt, scratch=scratch)
+    assert (scratch[need:] == SENTINEL).all(), "kernel wrote past its scratch_floats"
+    want = ops.attention_ref(q, kc, vc, past, **attrs)
+    return out, want, q, kc, vc, attrs
+
+
+SHAPES = [   # (T, past, heads, kv heads, head_dim)
+    (16, 0, 14, 2, 64),      # one tile, Qwen2.5-0.5B's heads
+    (37, 100, 14, 2, 64),    # a partial last tile, a chunk after a past
+    (128, 300, 14, 2, 64),   # a prompt chunk
+    (40, 50, 8, 4, 256),     # Gemma's head_dim
+    (33, 7, 4, 1, 128),
+    (20, 0, 2, 2, 32),       # no grouping
+]
+
+
+@needs_tiles
+@pytest.mark.parametrize("T,past,H,kvh,hd", SHAPES)
+def test_tiled_matches_reference(T, past, H, kvh, hd):
+    got, want, q, kc, vc, attrs = case(T, past, H, kvh, hd, "f16")
+    assert np.isfinite(got).all()
+    err = np.abs(got - want).max()
+    assert err < 8e-3, err
+    assert err > 1e-5, "the tiled kernel did not run (per-row kernel's error)"   # bf16 shows
+    # the same rounding of the values as the kernel: what is left is the weights' rounding
+    want_b = ops.attention_ref(q, kc.astype(np.float32), bf16(vc.astype(np.float32)), past, **attrs)
+    assert np.abs(got - want_b).max() < 4e-3
+
+
+@needs_tiles
+@pytest.mark.parametrize("T,past,H,kvh,hd", SHAPES[:2])
+def test_an_f32_cache_keeps_the_per_row_kernel(T, past, H, kvh, hd):
+    """An f32 cache is asked for to reproduce float references (run.c): f32 arithmetic."""
+    got, want, *_ = case(T, past, H, kvh, hd, "f32")
+    assert np.abs(got - want).max() < 1e-5
+
+
+@needs_tiles
+def test_tiled_softcap():
+    got, want, *_ = case(24, 40, 4, 2, 64, softcap=5.0)
+    assert np.abs(got - want).max() < 8e-3
+
+
+@needs_tiles
+def test_tiled_peaked_scores():
+    """Large scores (one key dominating each row): the max subtraction keeps exp finite."""
+    rng = np.random.default_rng(3)
+    T, past, H, kvh, hd = 32, 64, 4, 2, 64
+    S = past + T
+    q = (rng.standard_normal((T, H * hd)) * 8).astype(np.float32)
+    kc = (rng.standard_normal((S, kvh * hd)) * 8).astype(np.float16)
+    vc = rng.standard_normal((S, kvh * hd)).astype(np.float16)
+    attrs = dict(n_heads=H, n_kv_heads=kvh, head_dim=hd, scale=1.0 / math.sqrt(hd), window=0)
+    ct = kv_cache_type("f16", S, kvh * hd)
+    sig = sig_for("attention", [TensorType(("T", H * hd), "f32"), ct, ct, i32()], tiled=1, **attrs)
+    k = CompiledKernel(sig)
+    out = np.full((T, H * hd), np.nan, np.float32)
+    k(out, [q, kc, vc, past], pos=past, T=T, tid=0, nthreads=1,
+      scratch=np.zeros(k_attention.scratch_floats(sig) + 64, np.float32))
+    want = ops.attention_ref(q, kc, vc, past, **attrs)
+    assert np.isfinite(out).all()
+    # scores of ~64 (sd): a bf16 rounding of q or k would move one by ~0.25 and shift the weights
+    # of near ties by ~25% (outputs off by up to ~0.5); split in halves, the scores are f32's
+    # (the bf16 rounding of a value is relative: up to 2^-9 of the largest, ~4.5 here)
+    assert np.abs(out - want).max() < 8e-3 * np.abs(vc.astype(np.float32)).max()
+    assert np.median(np.abs(out - want)) < 2e-3
+
+
+@needs_tiles
+@pytest.mark.parametrize("T,past", [(16, 0), (53, 200)])
+def test_tiled_independent_of_threads(T, past):
+    one = case(T, past, 14, 2, 64, nt=1)[0]
+    for nt in (2, 3, 5):
+        np.testing.assert_array_equal(case(T, past, 14, 2, 64, nt=nt)[0], one)
+
+
+@pytest.mark.parametrize("T", [1, 4, 15])
+def test_few_rows_keep_the_per_row_kernel(T):
+    """Below MIN_ROWS (decode steps, speculative checks) the per-row f32 kernel runs: its
+    error is float rounding, not bf16's."""
+    got, want, *_ = case(T, 70, 14, 2, 64)
+    assert np.abs(got - want).max() < 1e-5
+
+
+@pytest.mark.parametrize("extra", [dict(tiled=0), dict(window=9)])
+def test_other_cases_keep_the_per_row_kernel(extra):
+    """tiled=0, or a window (not tiled: see ``supported``): the per-row kernel's accuracy."""
+    tiled = extra.pop("tiled", 1)
+    args = dict(extra)
+    window = args.pop("window", 0)
+    rng = np.random.default_rng(5)
+    T, past, H, kvh, hd = 32, 40, 4, 2, 64
+    S = past + T
+    q = rng.standard_normal((T, H * hd), dtype=np.float32)
+    kc = rng.standard_normal((S, kvh * hd), dtype=np.float32).astype(np.float16)
+    vc = rng.standard_normal((S, kvh * hd), dtype=np.float32).astype(np.float16)
+    attrs = dict(n_heads=H, n_kv_heads=kvh, head_dim=hd, scale=1.0 / math.sqrt(hd), window=window)
+    ct = kv_cache_type("f16", S, kvh * hd)
+    sig = sig_for("attention", [TensorType(("T", H * hd), "f32"), ct, ct, i32()], tiled=tiled, **attrs)
+    k = CompiledKernel(sig)
+    out = np.full((T, H * hd), np.nan, np.float32)
+    k(out, [q, kc, vc, past], pos=past, T=T, tid=0, nthreads=1,
+      scratch=np.zeros(k_attention.scratch_floats(sig) + 64, np.float32))
+    assert np.abs(out - ops.attention_ref(q, kc, vc, past, **attrs)).max() < 1e-5
+
+
+def _sig(kind="f16", hd=64, **attrs):
+    S = 256
+    ct = kv_cache_type(kind, S, 2 * hd)
+    a = dict(n_heads=4, n_kv_heads=2, head_dim=hd, scale=0.125, window=0)
+    a.update(attrs)
+    return sig_for("attention", [TensorType(("T", 4 * hd), "f32"), ct, ct, i32()], **a)
+
+
+def test_supported_shapes():
+    assert k_attention_tiled.supported(_sig(), "f16")
+    assert not k_attention_tiled.supported(_sig(window=16, ring=256), "f16")    # a ring
+    assert not k_attention_tiled.supported(_sig(window=16), "f16")             # a window
+    assert not k_attention_tiled.supported(_sig(hd=48), "f16")                 # head_dim not a multiple of 32
+    assert not k_attention_tiled.supported(_sig("q8"), "q8")
+    ct = kv_cache_type("f16", 256, 128)
+    decode = sig_for("attention", [TensorType((256,), "f32"), ct, ct, i32()], n_heads=4, n_kv_heads=2,
+                     head_dim=64, scale=0.125, window=0)
+    assert not k_attention_tiled.supported(decode, "f16")                      # one row
+
+
+def test_no_amx_means_per_row_kernel():
+    """A target without AMX never takes the tiles, whatever the attribute says; the
+    kernel compiled for it (which this host runs) has the per-row kernel's accuracy."""
+    from compiler.codegen.emit import KernelBuilder
+    import llvmlite.ir as ir
+
+    t = without_amx(HOST)
+    kb = KernelBuilder(ir.Module(), "k", t.vector_width, target=t)
+    assert not k_attention_tiled.usable(kb, _sig(tiled=1), "f16")
+    rng = np.random.default_rng(2)
+    T, past = 32, 20
+    S = 256
+    q = rng.standard_normal((T, 4 * 64), dtype=np.float32)
+    kc = rng.standard_normal((S, 128), dtype=np.float32).astype(np.float16)
+    vc = rng.standard_normal((S, 128), dtype=np.float32).astype(np.float16)
+    sig = _sig(tiled=1)
+    k = CompiledKernel(sig, target=t)
+    out = np.full((T, 4 * 64), np.nan, np.float32)
+    k(out, [q, kc, vc, past], pos=past, T=T, tid=0, nthreads=1,
+      scratch=np.zeros(k_attention.scratch_floats(sig) + 64, np.float32))
+    want = ops.attention_ref(q, kc, vc, past, n_heads=4, n_kv_heads=2, head_dim=64, scale=0.125, window=0)
+    assert np.abs(out - want).max() < 1e-5
+
+
+def test_scratch_grows_only_when_tiled():
+    """The bf16 keys and values take scratch (per thread) only where the tiles may run."""
+    on, off = k_attention.scratch_floats(_sig(tiled=1)), k_attention.scratch_floats(_sig(tiled=0))
+    assert off == 256 * k_attention.heads_per_unit(_sig(tiled=0))
+    assert on * 4 >= k_attention_tiled.scratch_bytes(_sig(tiled=1)) > off * 4
+    if k_attention_tiled.DEFAULT == 0:
+        assert k_attention.scratch_floats(_sig()) == off
