@@ -4,7 +4,7 @@ per 16 rows instead of once per row (``k_attention``'s per-row kernel reads
 them once per row and sums dot products horizontally: ~40 GFLOP/s).
 
 Per thread, once per KV head it meets (units are kv-head-major): the visible
-keys [0, pos + T) of that head are converted to bf16 into scratch, keys (both halves) in
+keys [0, pos + T) of that head are converted to bf16 halves into scratch, keys in
 ``tdpbf16ps``'s B layout for Q.K^T (per 16 keys and 32 dims: 16 rows of
 dim pairs x 16 keys) and values in its B layout for P.V (per 32 keys and 16
 dims: 16 rows of key pairs x 16 dims); past pos + T, zeros (whole tiles).
@@ -15,8 +15,8 @@ count. Per unit, three passes (the per-row kernel's, on tiles):
 1. S = Q.K^T (f32, 16 rows x visible keys) into scratch: Q's 16 rows in
    bf16, per 16 keys one f32 tile accumulating hd / 32 products.
 2. per row: s * scale (soft-capped if asked), masked to the row's visible
-   keys (causal), max, p = exp(s - max) rounded to bf16
-   into scratch, and the sum of the rounded p (the weights the products use).
+   keys (causal), max, p = exp(s - max) into scratch as two bf16 halves,
+   and the sum of the p.
 3. O = P.V: head_dim's 16-column groups four at a time in four f32 tiles
    accumulating over all key blocks (no rescaling: the max is known), then
    out = O / sum per row.
@@ -28,11 +28,11 @@ tiles without rescaling.
 Accuracy: Q and K are each split into two bf16 halves (hi = bf16(x), lo =
 bf16(x - hi): an f16 key exactly, a query to ~2^-17) and S = Qhi.Khi +
 Qhi.Klo + Qlo.Khi, so the scores, which the exponential amplifies, are
-about as exact as f32's (about 10% more time than one product). P and V
-are rounded to bf16 (relative error <= 2^-9 each): an output errs by a few
-2^-9 of the values, less than the int8 quantization (2^-8 of a block's
-largest) of the output projection it feeds. Splitting them too measured
-1.6x the kernel's time. See tests/test_attention_tiled.py. So a prompt's
+about as exact as f32's (about 10% more time than one product). P and V are
+split the same way (``PV_SPLIT``; one product each would err by a few
+2^-9 of the values, below the int8 quantization of the output projection
+that follows, but not below the float path's): outputs agree with an f32
+reference to ~1e-6. See tests/test_attention_tiled.py. So a prompt's
 rows no longer have the bits a decode step of the same row has (the
 per-row kernel's): chunks of fewer than MIN_ROWS rows still do.
 """
@@ -51,6 +51,11 @@ HALF = ir.HalfType()
 MIN_ROWS = 16
 #: rows per tile
 TR = 16
+#: P.V's operands in two bf16 halves too (three tile products, not one): outputs then agree with the
+#: f32 reference to ~1e-6 (the interpreter comparisons' 1e-4 hold) instead of a few 2^-9 of the values.
+#: CPU time of one call, 128 rows at 3,500 positions (Qwen2.5 shape, 1 thread, alternated): 12.5, 15.5,
+#: 11.9 ms split; 7.6, 10.8, 11.1 ms not; the per-row kernel 24.6 ms
+PV_SPLIT = True
 #: the kernel attribute ``tiled``'s default: on. Qwen2.5-Coder-0.5B, a 3,500-token prompt, f16 cache,
 #: ``lmc profile -c 4096`` in one session on an Emerald Rapids (2 threads, shared): attention 43.9% of
 #: the prefill with the per-row kernel, 16.6% with this one. (The per-row kernel's earlier ~200 GFLOP/s
@@ -100,7 +105,8 @@ def scratch_bytes(sig: KernelSig) -> int:
     hd = int(sig.attr["head_dim"])
     NP = _pad(int(sig.in_types[1].shape[0]), 32)
     SP, PP = _rows(NP)
-    return 3 * NP * hd * 2 + TR * SP * 4 + TR * PP * 2 + 2 * TR * hd * 2 + TR * hd * 4 + 64 + 64 * 8
+    halves = 2 if PV_SPLIT else 1
+    return (2 + halves) * NP * hd * 2 + TR * SP * 4 + halves * TR * PP * 2 + 2 * TR * hd * 2 + TR * hd * 4 + 64 + 64 * 8
 
 
 def _bf16(kb: KernelBuilder, v: ir.Value) -> ir.Value:
@@ -179,20 +185,24 @@ def emit_tiled(kb: KernelBuilder, sig: KernelSig, kind: str) -> None:
     kbuf = part(NP * hd * 2)
     klo = part(NP * hd * 2)
     vbuf = part(NP * hd * 2)
+    vlo = part(NP * hd * 2) if PV_SPLIT else None
     SP, PP = _rows(NP)
     sbuf = part(TR * SP * 4)
     pbuf = part(TR * PP * 2)
+    plo = part(TR * PP * 2) if PV_SPLIT else None
     qbuf = part(TR * hd * 2)
     qlo = part(TR * hd * 2)
     obuf = part(TR * hd * 4)
     sums = b.bitcast(part(TR * 4), ir.PointerType(F32))
     s_f = b.bitcast(sbuf, ir.PointerType(F32))
     p_h = b.bitcast(pbuf, ir.PointerType(I16))
+    p_l = b.bitcast(plo, ir.PointerType(I16)) if PV_SPLIT else None
     q_h = b.bitcast(qbuf, ir.PointerType(I16))
     q_l = b.bitcast(qlo, ir.PointerType(I16))
     o_f = b.bitcast(obuf, ir.PointerType(F32))
     kb16 = b.bitcast(kbuf, ir.PointerType(I16))
     vb16 = b.bitcast(vbuf, ir.PointerType(I16))
+    vl16 = b.bitcast(vlo, ir.PointerType(I16)) if PV_SPLIT else None
     kb32 = b.bitcast(kbuf, ir.PointerType(I32))
     kl32 = b.bitcast(klo, ir.PointerType(I32))
 
@@ -245,14 +255,16 @@ def emit_tiled(kb: KernelBuilder, sig: KernelSig, kind: str) -> None:
                 row = b.add(b.mul(kb.imin(je, last), i64(stride)), col)
                 vs.append((real, row))
             for d in range(ngrp):
-                hs = []
+                hs, ls = [], []
                 for real, row in vs:
-                    h = _bf16(kb, load_f(vc, b.add(row, i64(16 * d)), 16))
+                    h, lo = _split(kb, load_f(vc, b.add(row, i64(16 * d)), 16))
                     hs.append(b.select(real, h, zero16h))
-                il = b.shuffle_vector(hs[0], hs[1], ir.Constant(ir.VectorType(I32, 32),
-                                                                 [k // 2 + (16 if k % 2 else 0) for k in range(32)]))
+                    ls.append(b.select(real, lo, zero16h))
                 t0 = b.add(b.mul(b.add(b.mul(blk, i64(ngrp)), i64(d)), i64(512)), b.mul(rp, i64(32)))
-                kb.vstore(il, vb16, t0)
+                for pair, dst in ((hs, vb16), (ls, vl16)) if PV_SPLIT else ((hs, vb16),):
+                    il = b.shuffle_vector(pair[0], pair[1], ir.Constant(
+                        ir.VectorType(I32, 32), [k // 2 + (16 if k % 2 else 0) for k in range(32)]))
+                    kb.vstore(il, dst, t0)
 
 
     def scaled(v: ir.Value) -> ir.Value:
@@ -327,7 +339,12 @@ def emit_tiled(kb: KernelBuilder, sig: KernelSig, kind: str) -> None:
                     p = _exp_neg(kb, b.fsub(scaled(kb.vload(srow, j, 16)), mx))
                     if mask:
                         p = masked(j, p, fconst(0.0, 16))
-                    ph = _bf16(kb, p)
+                    if PV_SPLIT:   # the weights' sum is theirs (hi + lo = p to ~2^-17)
+                        ph, pl = _split(kb, p)
+                        kb.vstore(pl, p_l, b.add(i64(r * PP), j))
+                        kb.vstore(ph, p_h, b.add(i64(r * PP), j))
+                        return b.fadd(sm, p)
+                    ph = _bf16(kb, p)   # the sum of the rounded weights the products use
                     kb.vstore(ph, p_h, b.add(i64(r * PP), j))
                     return b.fadd(sm, _f32_of_bf16(kb, ph))
                 with kb.loop_carry(jlo, full, [fconst(0.0, 16)], step=16, name="ex") as (j, (sm,), setv):
@@ -340,12 +357,19 @@ def emit_tiled(kb: KernelBuilder, sig: KernelSig, kind: str) -> None:
         for d0 in range(0, ngrp, 4):
             nd = min(4, ngrp - d0)
             with kb.loop_carry(jlo, jhi, [amx.tile_zero(kb, 16, 64) for _ in range(nd)], step=32, name="pv") as (j, cs, setv):
-                at = amx.tile_load(kb, 16, 64, kb.gep(pbuf, b.mul(j, i64(2))), PP * 2)
+                ah = amx.tile_load(kb, 16, 64, kb.gep(pbuf, b.mul(j, i64(2))), PP * 2)
+                al = amx.tile_load(kb, 16, 64, kb.gep(plo, b.mul(j, i64(2))), PP * 2) if PV_SPLIT else None
                 blk = b.sdiv(j, i64(32))
                 new = []
-                for d in range(nd):
-                    bt = amx.tile_load(kb, 16, 64, kb.gep(vbuf, b.mul(b.add(b.mul(blk, i64(ngrp)), i64(d0 + d)), i64(1024))), 64)
-                    new.append(_dp(kb, cs[d], at, bt))
+                for d in range(nd):   # P.V, or Ph.Vl + Pl.Vh + Ph.Vh
+                    at_ = b.mul(b.add(b.mul(blk, i64(ngrp)), i64(d0 + d)), i64(1024))
+                    c = cs[d]
+                    if PV_SPLIT:
+                        c = _dp(kb, c, ah, amx.tile_load(kb, 16, 64, kb.gep(vlo, at_), 64))
+                    bh = amx.tile_load(kb, 16, 64, kb.gep(vbuf, at_), 64)
+                    if PV_SPLIT:
+                        c = _dp(kb, c, al, bh)
+                    new.append(_dp(kb, c, ah, bh))
                 setv(new)
             for d, c in enumerate(kb.last_carry):
                 amx.tile_store(kb, 16, 64, kb.gep(obuf, (d0 + d) * 64), hd * 4, c)
