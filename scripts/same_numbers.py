@@ -31,7 +31,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-os.environ.setdefault("LMC_CACHE_DIR", tempfile.mkdtemp(prefix="lmc-same-numbers-"))
+if "LMC_CACHE_DIR" not in os.environ:   # a private cache, removed at exit
+    import atexit
+    import shutil
+
+    os.environ["LMC_CACHE_DIR"] = tempfile.mkdtemp(prefix="lmc-same-numbers-")
+    atexit.register(shutil.rmtree, os.environ["LMC_CACHE_DIR"], ignore_errors=True)
 
 from compiler.codegen.jit import emit_assembly  # noqa: E402
 from compiler.codegen.kernels import KernelSig, emit_kernel  # noqa: E402

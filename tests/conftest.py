@@ -3,7 +3,9 @@ depend on) the user's ~/.cache/lmc; and how many pytest-xdist workers
 ``-n auto`` starts."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 #: what one worker can hold at its peak (real models, a server beside the
@@ -12,6 +14,9 @@ WORKER_BYTES = 8 << 30
 
 _cache = tempfile.mkdtemp(prefix="lmc-test-cache-")
 os.environ["LMC_CACHE_DIR"] = _cache
+# each pytest process (the controller and every xdist worker) compiles about 1 GB into its own
+# cache: left behind, 600 of them filled a 250 GB disk
+atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
