@@ -40,8 +40,11 @@ RMS in SmolLM2, a bias of RMS 35 in Qwen2.5's first layer) which takes the
 range but cancels in softmax: quantizing keys minus their mean measured
 0.037-0.078 relative error on the part that varies, against 0.12-0.40
 with it (Qwen2.5: the rotation spreads that bias over every group of a
-head, so there q4 is worse than q4-plain). Subtracting a per-head key
-offset before quantizing is the next step.
+head, so there q4 is worse than q4-plain). So key rows are stored minus a
+per-layer constant row, the key offset (``runtime.key_offsets``: the mean
+of the model's post-RoPE keys over a calibration text), subtracted before
+the rotation (the write's ``offset``, ``ir.ops.attention``); softmax makes
+attention blind to it.
 
 A cache of one of these layouts is, in the interpreter, a numpy array of
 one structured record per group ([rows, groups]) whose code field is named
