@@ -534,7 +534,8 @@ def test_shape_rules():
 def test_cli_perplexity_kv_type(tmp_path):
     """``lmc perplexity --kv-type`` really stores the cache that way: q4's
     perplexity differs from f16's, by little (a short Python text, SmolLM2);
-    q2 by more; the JSON and the text name the type."""
+    q2 by more; the JSON and the text name the type, and the JSON says where
+    a low-bit cache's key offsets came from."""
     path = instruct_models()[SMOLLM2]
     f = tmp_path / "t.py"
     f.write_text((ROOT / "ir" / "kv_lowbit.py").read_text()[:2500])
@@ -546,6 +547,7 @@ def test_cli_perplexity_kv_type(tmp_path):
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
         assert out["kv_type"] == kv
+        assert out.get("key_offsets") in ((None,) if kv == "f16" else ("calibrated", "cached"))
         ppl[kv] = out["perplexity"]
     print(ppl)
     assert ppl["q4"] != ppl["f16"] and abs(ppl["q4"] / ppl["f16"] - 1) < 0.15
