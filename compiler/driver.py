@@ -103,7 +103,7 @@ def model_graph(model: LoadedModel, mode: str, options: CompileOptions | None = 
         paged["select"] = bo.max_batch
     rows = {"max_rows": options.max_rows} if mode != "batch" and options.max_rows else {}
     g = build_graph(model.config, model.weights, mode, ctx=options.ctx, all_logits=all_logits, name=model.name,
-                    kv_type=options.kv_type, **paged, **rows)
+                    kv_type=options.kv_type, key_offsets=getattr(model, "key_offsets", None), **paged, **rows)
     if mode == "batch":
         g.meta.update(max_batch=bo.max_batch, decode_rows=decode_rows)
     if options.repack_width:

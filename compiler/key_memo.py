@@ -51,11 +51,13 @@ def memo_key(model: Any, options: Any, parts: dict[str, Any]) -> str | None:
         w = model.weights[name]
         weights.update(repr((name, w.type, dataclasses.astuple(w.ref))).encode())
     opts = {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name not in _NOT_PLAN}
+    koff = getattr(model, "key_offsets", None)
     what = {
         "file": [os.path.abspath(model.path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns],
         "format": model.format,
         "config": repr(model.config),
         "weights": weights.hexdigest(),
+        "key_offsets": None if koff is None else sha256(koff.tobytes()).hexdigest(),
         "options": repr(opts),
         "cpus": os.cpu_count(),
         "frontends": frontends_fingerprint(),

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
 from ir.graph import Graph, Value, WeightRef
 from ir.quant import get_layout
 from ir.ops.attention import ring_rows
-from ir.types import DEFAULT_KV_TYPE, KV_TYPES, TensorType, kv_cache_type
+from ir.types import DEFAULT_KV_TYPE, KEY_OFFSET_KV_TYPES, KV_TYPES, TensorType, kv_cache_type
 
 
 class ModelError(ValueError):
@@ -332,7 +333,7 @@ class _Builder:
 def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "decode",
                 ctx: int | None = None, all_logits: bool = False, name: str = "model",
                 kv_type: str = DEFAULT_KV_TYPE, block_size: int | None = None, n_blocks: int | None = None,
-                select: int | None = None, max_rows: int | None = None) -> Graph:
+                select: int | None = None, max_rows: int | None = None, key_offsets: Any = None) -> Graph:
     """The token-step graph. ``decode`` takes one ``token``; ``prefill`` takes
     ``tokens[T]`` (matrix-matrix products), returning the last row's logits or,
     with ``all_logits``, one row per token. The KV cache holds ``ctx`` positions
@@ -354,7 +355,13 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
     plan's prompt chunk). With it, a sliding-window layer whose window plus
     that is shorter than ``ctx`` keeps a ring of that many positions instead
     of the whole context (``ir.ops.attention``): Gemma 3's 15 local layers
-    hold 512 + 128 positions, not 32,768."""
+    hold 512 + 128 positions, not 32,768.
+
+    ``key_offsets`` ([n_layers, kv_dim] floats, ``runtime.key_offsets``): what
+    each layer's key writes subtract when ``kv_type`` is one of
+    ``KEY_OFFSET_KV_TYPES`` (the write's ``offset``; exact for attention,
+    which softmax makes blind to a constant added to every key). A layer
+    with a soft cap on its scores gets none: there the shift would not cancel."""
     if mode not in ("decode", "prefill", "batch"):
         raise ValueError(f"unknown graph mode {mode!r}")
     if select is not None and (mode != "batch" or all_logits or not (isinstance(select, int) and select > 0)):
@@ -429,12 +436,15 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
                    scale=1.0 / math.sqrt(cfg.head_dim), window=window)
         if cfg.extra.get("attn_softcap"):
             att["softcap"] = float(cfg.extra["attn_softcap"])
+        koff = {}
+        if key_offsets is not None and kv_type in KEY_OFFSET_KV_TYPES and not att.get("softcap"):
+            koff = {"offset": tuple(float(v) for v in key_offsets[i])}
         if paged:
-            kc = b.op("kv_write_paged", kc, k, pos, tables, **paged)
+            kc = b.op("kv_write_paged", kc, k, pos, tables, **paged, **koff)
             vc = b.op("kv_write_paged", vc, v, pos, tables, **paged)
             a = b.op("attention_paged", q, kc, vc, pos, tables, **att, **paged)
         else:
-            kc = b.op("kv_write", kc, k, pos, **in_ring)
+            kc = b.op("kv_write", kc, k, pos, **in_ring, **koff)
             vc = b.op("kv_write", vc, v, pos, **in_ring)
             a = b.op("attention", q, kc, vc, pos, **att, **in_ring)
         o = b.linear(a, p + "attn_output")

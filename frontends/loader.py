@@ -17,6 +17,9 @@ class LoadedModel:
     config: ModelConfig
     weights: dict[str, WeightInfo]
     tokenizer: Any       # has encode(text, bos) / decode(ids) / vocab_size
+    #: what key writes subtract in a low-bit KV cache, float32 [n_layers, kv_dim]
+    #: (``runtime.key_offsets`` calibrates them); None: nothing
+    key_offsets: Any = None
 
     @property
     def name(self) -> str:

@@ -87,6 +87,10 @@ KV_TYPES: dict[str, tuple[str, str | None]] = {
 #: the KV cache type when none is asked for: half the bytes of f32 and, like llama.cpp's
 #: default, close enough that greedy text departs from f32 only at near ties
 DEFAULT_KV_TYPE = "f16"
+#: KV types whose key rows are stored minus a per-layer constant (``ir.kv_lowbit``:
+#: the key offset): the low-bit ones, where the keys' position-independent part
+#: would otherwise take most of each group's range
+KEY_OFFSET_KV_TYPES = ("q4", "q4-plain", "q2", "q2-plain")
 
 
 def kv_cache_type(kv_type: str, ctx: int, kv_dim: int, head_dim: int | None = None) -> TensorType:

@@ -82,20 +82,25 @@ def build_executor(loaded: LoadedModel, build: BuildOptions, ctx: int, *, artifa
             batch = batch.resolved(ctx)
         except ValueError as e:
             raise RunError(str(e)) from None
+    if build.backend not in ("interp", "llvm"):
+        raise RunError(f"--backend {build.backend}: unknown backend (available: llvm, interp)")
+    from .key_offsets import attach
+
+    # a low-bit cache's keys are stored minus the model's key offsets (calibrated once)
+    koff = attach(loaded, kv_type, build) if artifact is None else {}
     if build.backend == "interp":
         from compiler.native import DEFAULT_PREFILL_CHUNK
 
         graphs = build_graphs(loaded, CompileOptions(backend="interp", ctx=ctx, passes=build.passes,
                                                      kv_type=kv_type or DEFAULT_KV_TYPE, batch=batch, verify=verify))
         ex = InterpExecutor(graphs, max_rows=max(DEFAULT_PREFILL_CHUNK, batch.max_batch) if batch else None)
-        return BuiltExecutor(ex, ctx, kv_type or DEFAULT_KV_TYPE, sum(int(a.nbytes) for a in ex.state.values()), batch)
-    if build.backend != "llvm":
-        raise RunError(f"--backend {build.backend}: unknown backend (available: llvm, interp)")
+        return BuiltExecutor(ex, ctx, kv_type or DEFAULT_KV_TYPE, sum(int(a.nbytes) for a in ex.state.values()), batch,
+                             koff)
     from compiler.native import NativeOptions, compile_native
 
     from .native import NativeExecutor
 
-    info: dict = {}
+    info: dict = dict(koff)
     if artifact is None:
         opts = NativeOptions(ctx=ctx, use_cache=build.use_cache, passes=build.passes, kv_type=kv_type or DEFAULT_KV_TYPE,
                              progress=build.status, batch=batch, verify=verify)
@@ -107,7 +112,7 @@ def build_executor(loaded: LoadedModel, build: BuildOptions, ctx: int, *, artifa
         res = compile_within_budget(loaded, opts) if opts.mem_budget is not None and build.use_cache \
             else compile_native(loaded, opts)
         artifact = res.artifact
-        info = {"compile_s": round(res.seconds, 4), "cache_hit": res.cached}
+        info.update({"compile_s": round(res.seconds, 4), "cache_hit": res.cached})
         if res.kernels is not None:
             info.update(kernels_compiled=res.kernels.compiled, kernels_cached=res.kernels.cached)
         if res.child_peak:

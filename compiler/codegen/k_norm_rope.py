@@ -314,6 +314,7 @@ def emit_rope_kv_write(kb: KernelBuilder, sig: KernelSig) -> None:
             return _ring_row(kb, sig, b.add(kb.pos, r))
 
     low = lowbit(ct.layout)
+    off = _offset(kb, sig, low)
     if low is not None:
         _check_q8_row(d)
         buf = kb.gep(kb.fptr(kb.scratch), _rope_table_floats(sig))
@@ -321,12 +322,16 @@ def emit_rope_kv_write(kb: KernelBuilder, sig: KernelSig) -> None:
 
         def head(r: ir.Value, h: ir.Value) -> tuple[HeadStore, Callable[[], None]]:
             first = b.add(b.mul(cache_row(r), i64(d // GROUP)), b.mul(h, i64(hd // GROUP)))
+            hoff = None if off is None else kb.gep(off, b.mul(h, i64(hd)))   # the head's offsets
+
+            def store(v: ir.Value, j: int) -> None:
+                kb.vstore(v if hoff is None else b.fsub(v, kb.vload(hoff, j, v.type.count)), buf, j)
 
             def done() -> None:
                 vs = [kb.vload(buf, k * wd, wd) for k in range(hd // wd)]
                 _store_head(kb, low, lb_emit.fwht(kb, vs) if low.rotate else vs, first)
 
-            return (lambda v, j: kb.vstore(v, buf, j)), done
+            return store, done
     elif ct.layout == "Q8_0":
         _check_q8_row(d)
         buf = kb.gep(kb.fptr(kb.scratch), _rope_table_floats(sig))
@@ -449,9 +454,10 @@ def emit_kv_write(kb: KernelBuilder, sig: KernelSig) -> None:
         return _paged(kb, sig, per) if sig.op == "kv_write_paged" else _contiguous(kb, sig, per)
 
     low = lowbit(ct.layout)
+    off = _offset(kb, sig, low)
     if low is not None:
         _check_q8_row(d)
-        _kv_write_lowbit(kb, low, d, xt, index(d // (low.rotate or GROUP)))
+        _kv_write_lowbit(kb, low, d, xt, index(d // (low.rotate or GROUP)), off)
         return
     if ct.layout == "Q8_0":
         _check_q8_row(d)
@@ -510,10 +516,23 @@ def _kv_write_q8(kb: KernelBuilder, d: int, xt, at: UnitIndex) -> None:
         _q8_block(kb, src, b.mul(j, i64(QK)), kb.gep(kb.out_raw, b.mul(at(j), i64(Q8_BYTES))))
 
 
-def _kv_write_lowbit(kb: KernelBuilder, f: LowBit, d: int, xt, at: UnitIndex) -> None:
+def _offset(kb: KernelBuilder, sig: KernelSig, low: LowBit | None) -> ir.Value | None:
+    """A float* to the write's ``offset`` row (a constant table: the key
+    offset of a low-bit cache, ``ir.ops.attention``), None without one."""
+    off = sig.attr.get("offset")
+    if off is None:
+        return None
+    if low is None:
+        raise NotImplementedError(f"{sig.op}: an offset is subtracted only before a low-bit cache")
+    return const_f32_array(kb, "offset", off)
+
+
+def _kv_write_lowbit(kb: KernelBuilder, f: LowBit, d: int, xt, at: UnitIndex,
+                     off: ir.Value | None = None) -> None:
     """Low-bit groups (``ir.kv_lowbit``). Plain: units are groups of 32;
     rotated: units are heads, each rotated in registers (``kv_lowbit.fwht``)
-    then quantized group by group. Unit j goes to cache unit ``at(j)``."""
+    then quantized group by group. Unit j goes to cache unit ``at(j)``; a
+    row's offset (``off``) is subtracted first."""
     b = kb.b
     unit = f.rotate or GROUP
     lo, hi = kb.thread_share(b.mul(kb.rows_of(xt.shape), i64(d // unit)))
@@ -521,6 +540,9 @@ def _kv_write_lowbit(kb: KernelBuilder, f: LowBit, d: int, xt, at: UnitIndex) ->
     wd = pow2_divisor(unit, kb.vw)
     with kb.loop(lo, hi, name="lb") as j:
         vs = [kb.vload(src, b.add(b.mul(j, i64(unit)), i64(k * wd)), wd) for k in range(unit // wd)]
+        if off is not None:   # unit j is unit j % (d / unit) of its row
+            uoff = kb.gep(off, b.mul(b.urem(j, i64(d // unit)), i64(unit)))
+            vs = [b.fsub(v, kb.vload(uoff, k * wd, wd)) for k, v in enumerate(vs)]
         _store_head(kb, f, lb_emit.fwht(kb, vs) if f.rotate else vs, b.mul(at(j), i64(unit // GROUP)))
 
 

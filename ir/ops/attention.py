@@ -8,7 +8,13 @@ A sliding-window layer's contiguous cache may be a ring (attribute
 p % R, so the cache holds R positions however long the context (llama.cpp's
 SWA cache). R is the window plus the most rows one step writes: a step
 writes all its rows before any attends, and its first row still needs the
-window before it (``ring_rows``)."""
+window before it (``ring_rows``).
+
+A write may subtract a constant row first (attribute ``offset``: one float
+per value of a cache row): the key offset of a low-bit cache
+(``ir.kv_lowbit``). Attention reads the rows as stored: a key k - m scores
+q.k - q.m, the same shift for every position a query sees, which softmax
+cancels (not under a soft cap: the builder gives such layers none)."""
 from __future__ import annotations
 
 from typing import Any
@@ -40,7 +46,24 @@ def _kv_write(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     need(cache.rank == 2 and x.shape[-1] == cache.shape[1], f"kv_write: {x} does not fit cache {cache}")
     _kv_cache_ok(cache, "kv_write")
     _ring_ok(cache, attrs, "kv_write")
+    _offset_ok(cache, attrs, "kv_write")
     return cache
+
+
+def _offset_ok(cache: TensorType, attrs: dict[str, Any], what: str) -> None:
+    """An offset is one float per value of a cache row."""
+    off = attrs.get("offset")
+    need(off is None or (isinstance(off, tuple) and len(off) == cache.shape[1]
+                         and all(isinstance(v, float) for v in off)),
+          f"{what}: offset must be a tuple of {cache.shape[1]} floats")
+
+
+def subtract_offset(x: Any, offset: tuple[float, ...] | None) -> np.ndarray:
+    """x's rows minus the write's offset (float32, as the kernels subtract)."""
+    x = np.asarray(x, np.float32)
+    if offset is None:
+        return x
+    return x.reshape(-1, len(offset)) - np.asarray(offset, np.float32)
 
 
 def _ring_ok(cache: TensorType, attrs: dict[str, Any], what: str) -> None:
@@ -103,6 +126,7 @@ def _kv_write_paged(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     need(cache.rank == 2 and x.rank == 2 and x.shape[-1] == cache.shape[1],
           f"kv_write_paged: {x} does not fit pool {cache}")
     _kv_cache_ok(cache, "kv_write_paged")
+    _offset_ok(cache, attrs, "kv_write_paged")
     _paged_operands([cache, positions, tables], x.shape[0], attrs, "kv_write_paged")
     return cache
 
@@ -124,17 +148,18 @@ def _rope_kv_write(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     need(pos.rank == 0, f"rope_kv_write: pos must be an i32 scalar, got {pos}")
     rotated = rope_type([x, pos, *ts[3:]], attrs)
     _rope_kv_fits(cache, attrs, "rope_kv_write")
-    return _kv_write([cache, rotated, pos], {"ring": attrs.get("ring")})
+    return _kv_write([cache, rotated, pos], {"ring": attrs.get("ring"), "offset": attrs.get("offset")})
 
 
 def _rope_kv_write_paged(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     need(len(ts) in (4, 5), f"rope_kv_write_paged takes pool, x, positions, tables and optionally frequency "
                              f"factors, got {len(ts)}")
     cache, x, positions, tables = ts[:4]
-    rope = {k: v for k, v in attrs.items() if k != "block_size"}
+    rope = {k: v for k, v in attrs.items() if k not in ("block_size", "offset")}
     rotated = rope_type([x, positions, *ts[4:]], rope)
     _rope_kv_fits(cache, attrs, "rope_kv_write_paged")
-    return _kv_write_paged([cache, rotated, positions, tables], {"block_size": attrs.get("block_size")})
+    return _kv_write_paged([cache, rotated, positions, tables],
+                           {"block_size": attrs.get("block_size"), "offset": attrs.get("offset")})
 
 
 def _attention_paged(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -146,14 +171,16 @@ def _attention_paged(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
 
 
 @register("kv_write", 3, _kv_write, updates_state=True)
-def kv_write_ref(cache: np.ndarray, x: np.ndarray, pos: Any, *, ring: int | None = None) -> np.ndarray:
-    """Store the new rows at positions pos.. (in place: the cache is state),
-    rounded to the cache's storage (``_kv_store``); a ring at rows p % R."""
+def kv_write_ref(cache: np.ndarray, x: np.ndarray, pos: Any, *, ring: int | None = None,
+                 offset: tuple[float, ...] | None = None) -> np.ndarray:
+    """Store the new rows (minus ``offset``) at positions pos.. (in place: the
+    cache is state), rounded to the cache's storage (``_kv_store``); a ring
+    at rows p % R."""
     n = int(np.size(x)) // kv_row_width(cache)
     p = int(pos)
     if p < 0 or (p + n > cache.shape[0] and not ring) or (ring and n > ring):
         raise IndexError(f"kv_write at {p}..{p + n} outside a cache of {cache.shape[0]}")
-    return kv_store(cache, cache_rows(p, p + n, ring), x)
+    return kv_store(cache, cache_rows(p, p + n, ring), subtract_offset(x, offset))
 
 
 def _attend(qrow: np.ndarray, k: np.ndarray, v: np.ndarray, group: int, scale: float,
@@ -231,27 +258,29 @@ def paged_rows(positions: Any, tables: Any, block_size: int, pool_rows: int) -> 
 
 @register("kv_write_paged", 4, _kv_write_paged, updates_state=True)
 def kv_write_paged_ref(cache: np.ndarray, x: np.ndarray, positions: Any, tables: Any, *,
-                       block_size: int) -> np.ndarray:
-    """Row r of x goes to its sequence's position positions[r], at the pool
-    row its block table gives (in place), rounded as ``kv_write``."""
+                       block_size: int, offset: tuple[float, ...] | None = None) -> np.ndarray:
+    """Row r of x (minus ``offset``) goes to its sequence's position
+    positions[r], at the pool row its block table gives (in place), rounded
+    as ``kv_write``."""
     rows = [r[-1] for r in paged_rows(positions, tables, block_size, cache.shape[0])]
-    return kv_store(cache, np.asarray(rows, np.int64), x)
+    return kv_store(cache, np.asarray(rows, np.int64), subtract_offset(x, offset))
 
 
 @register("rope_kv_write", -1, _rope_kv_write, updates_state=True)
 def rope_kv_write_ref(cache: np.ndarray, x: np.ndarray, pos: Any, freq_factors: Any = None,
-                      ring: int | None = None, **rope: Any) -> np.ndarray:
+                      ring: int | None = None, offset: tuple[float, ...] | None = None, **rope: Any) -> np.ndarray:
     """``kv_write(cache, rope(x, pos), pos)`` as one op (``passes.fuse_elementwise``):
     the two references in turn, so the same float32 steps and the same rounding."""
-    return kv_write_ref(cache, rope_ref(x, pos, freq_factors, **rope), pos, ring=ring)
+    return kv_write_ref(cache, rope_ref(x, pos, freq_factors, **rope), pos, ring=ring, offset=offset)
 
 
 @register("rope_kv_write_paged", -1, _rope_kv_write_paged, updates_state=True)
 def rope_kv_write_paged_ref(cache: np.ndarray, x: np.ndarray, positions: Any, tables: Any,
-                            freq_factors: Any = None, *, block_size: int, **rope: Any) -> np.ndarray:
+                            freq_factors: Any = None, *, block_size: int, offset: tuple[float, ...] | None = None,
+                            **rope: Any) -> np.ndarray:
     """``kv_write_paged(pool, rope(x, positions), positions, tables)`` as one op."""
     return kv_write_paged_ref(cache, rope_ref(x, positions, freq_factors, **rope), positions, tables,
-                              block_size=block_size)
+                              block_size=block_size, offset=offset)
 
 
 @register("attention_paged", 5, _attention_paged)

@@ -35,6 +35,10 @@ def run(args: argparse.Namespace) -> int:
     from ..loading import DEFAULT_CTX
 
     o = native_options(args, m, DEFAULT_CTX)
+    from ..key_offsets import attach
+    from ..loading import BuildOptions
+
+    attach(m, o.kv_type, BuildOptions(threads=o.threads))
     o.dump_dir, o.dump_after = dump_dir, (args.dump_after or "all") if dump_dir else None
     res = compile_native(m, o)
     res.artifact.write(args.output)

@@ -48,6 +48,7 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"model": os.path.basename(model_path), "text": args.text, "backend": model.backend,
                           "kv_type": model.kv_type,
+                          **{k: v for k, v in model.compile_info.items() if k.startswith("key_offsets")},
                           **res.as_dict()}))
     else:
         sys.stdout.write(res.format_text(f"{os.path.basename(model_path)} on {args.text} ({model.backend}, KV cache "
