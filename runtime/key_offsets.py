@@ -31,7 +31,7 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -141,15 +141,14 @@ def mean_keys(keys: list[np.ndarray]) -> np.ndarray:
     return m.astype(np.float16).astype(np.float32)
 
 
-def calibrate(loaded: Any, build: Any) -> np.ndarray:
-    """Run the calibration text through ``loaded`` with an f32 cache and
-    average each layer's keys (``mean_keys``)."""
-    from .loading import build_executor
-
+def calibrate(loaded: Any, f32_executor: Callable[[int], Any]) -> np.ndarray:
+    """Run the calibration text through ``loaded`` with an f32 cache (the
+    executor ``f32_executor(positions)`` builds: the loader's, passed in so
+    that this module does not import it) and average each layer's keys
+    (``mean_keys``)."""
     ids = calibration_ids(loaded)
     cfg = loaded.config
-    built = build_executor(loaded, build, len(ids), kv_type="f32")
-    ex = built.executor
+    ex = f32_executor(len(ids))
     ex.prefill(ids, 0)
     keys = []
     for i in range(cfg.n_layers):
@@ -160,11 +159,12 @@ def calibrate(loaded: Any, build: Any) -> np.ndarray:
             off = int(ex.manifest["state_offsets"][name])
             rows = np.ndarray((len(ids), cfg.kv_dim), np.float32, buffer=ex.state, offset=off)
         keys.append(rows[: len(ids)].copy())
-    del ex, built
+    del ex
     return mean_keys(keys)
 
 
-def attach(loaded: Any, kv_type: str | None, build: Any) -> dict:
+def attach(loaded: Any, kv_type: str | None, status: Callable[[str], None] | None,
+           f32_executor: Callable[[int], Any]) -> dict:
     """Give ``loaded`` its key offsets when ``kv_type`` stores keys against
     them: from the cache directory, else calibrated now and kept there.
     Returns what happened, for ``compile_info`` (empty when nothing was
@@ -183,15 +183,15 @@ def attach(loaded: Any, kv_type: str | None, build: Any) -> dict:
         loaded.key_offsets = offsets
         return {"key_offsets": "cached"}
     t0 = time.perf_counter()
-    if build.status is not None:
-        build.status(f"calibrating the key offsets of a {kv_type} cache ({len(ids)} tokens, once)")
-    offsets = calibrate(loaded, build)
+    if status is not None:
+        status(f"calibrating the key offsets of a {kv_type} cache ({len(ids)} tokens, once)")
+    offsets = calibrate(loaded, f32_executor)
     secs = time.perf_counter() - t0
     buf = io.BytesIO()
     np.save(buf, offsets, allow_pickle=False)
     write_entry(path, buf.getvalue())
     loaded.key_offsets = offsets
-    if build.status is None:
+    if status is None:
         print(f"lmc: calibrated the key offsets of a {kv_type} cache in {secs:.1f} s (kept for next time)",
               file=sys.stderr)
     return {"key_offsets": "calibrated", "key_offsets_s": round(secs, 3)}

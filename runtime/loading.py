@@ -66,6 +66,12 @@ def check_run_options(loaded: LoadedModel, ctx: int | None, threads: int | None,
     return ctx or min(cfg.seq_len, DEFAULT_CTX)
 
 
+def f32_executor(loaded: LoadedModel, build: BuildOptions) -> Callable[[int], Any]:
+    """positions -> an executor of ``loaded`` with an f32 cache of that many
+    positions (what ``key_offsets`` calibrates with)."""
+    return lambda n: build_executor(loaded, build, n, kv_type="f32").executor
+
+
 def build_executor(loaded: LoadedModel, build: BuildOptions, ctx: int, *, artifact: Artifact | None = None,
                    user_ctx: bool = True, mem_budget: int | None = None, stream: str | None = None,
                    kv_type: str | None = None, stream_io: str = "pread", batch: BatchOptions | None = None,
@@ -87,7 +93,7 @@ def build_executor(loaded: LoadedModel, build: BuildOptions, ctx: int, *, artifa
     from .key_offsets import attach
 
     # a low-bit cache's keys are stored minus the model's key offsets (calibrated once)
-    koff = attach(loaded, kv_type, build) if artifact is None else {}
+    koff = attach(loaded, kv_type, build.status, f32_executor(loaded, build)) if artifact is None else {}
     if build.backend == "interp":
         from compiler.native import DEFAULT_PREFILL_CHUNK
 

@@ -36,9 +36,9 @@ def run(args: argparse.Namespace) -> int:
 
     o = native_options(args, m, DEFAULT_CTX)
     from ..key_offsets import attach
-    from ..loading import BuildOptions
+    from ..loading import BuildOptions, f32_executor
 
-    attach(m, o.kv_type, BuildOptions(threads=o.threads))
+    attach(m, o.kv_type, None, f32_executor(m, BuildOptions(threads=o.threads)))
     o.dump_dir, o.dump_after = dump_dir, (args.dump_after or "all") if dump_dir else None
     res = compile_native(m, o)
     res.artifact.write(args.output)
