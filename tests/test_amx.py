@@ -43,10 +43,10 @@ def _run(path: str, out: str, amx: str, cache: str) -> dict:
 def test_amx_and_lmc_amx_0_give_the_same_bits(tmp_path):
     """SmolLM2's Q4_1 matrices take the tiles from 16 prompt rows on (its
     traits row): a prompt of ~40 tokens through both processes, every row's
-    logits the same bits, and the same 16 greedy tokens. With an f32 cache:
-    on an f16 cache a prompt chunk's attention takes AMX bf16 tiles
-    (``k_attention_tiled``), f32's arithmetic to ~1e-6 but not its bits, so
-    there the two processes' logits differ by float rounding."""
+    logits the same bits, and the same 16 greedy tokens. With an f32 cache,
+    whose attention is the per-row kernel's on every host (the AMX bf16
+    prompt attention, ``k_attention_tiled``, when turned on, takes f16
+    caches only: f32's arithmetic to ~1e-6, but not its bits)."""
     if not host_target().amx:
         pytest.skip(f"AMX: {amx_status()['why']}")
     path = instruct_models()[SMOLLM2]

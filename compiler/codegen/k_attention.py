@@ -39,13 +39,15 @@ Per unit, three passes over the visible positions:
    reads its own part of it. Each accumulator takes the same products in
    the same order as before.
 
-A call of ``k_attention_tiled.MIN_ROWS`` rows or more (a prompt chunk) on
-a host with AMX bf16 takes the tiled kernel instead (16 rows a tile, bf16
-operands with the scores' operands split in two halves, f32 sums), unless
+With the kernel attribute ``tiled`` = 1 (off by default: see
+``k_attention_tiled.DEFAULT``), a call of ``k_attention_tiled.MIN_ROWS``
+rows or more (a prompt chunk) on a host with AMX bf16 takes the tiled
+kernel instead (16 rows a tile, every operand in two bf16 halves, f32
+sums), unless
 the cache is not f16 (f32 keeps this kernel's f32 arithmetic, q8 and the
 low-bit types their packed reads), a ring or a window is set or head_dim is
-not a multiple of 32, or the kernel attribute ``tiled`` is 0; the same
-compiled function branches on the rows at run time.
+not a multiple of 32; the same compiled function branches on the rows at
+run time.
 
 Vectors over head_dim have the largest power-of-two width <= the target's
 that divides head_dim, so any head_dim works without a scalar tail (8 ->
