@@ -149,17 +149,22 @@ def calibrate(loaded: Any, f32_executor: Callable[[int], Any]) -> np.ndarray:
     ids = calibration_ids(loaded)
     cfg = loaded.config
     ex = f32_executor(len(ids))
-    ex.prefill(ids, 0)
-    keys = []
-    for i in range(cfg.n_layers):
-        name = f"k_cache.{i}"
-        if isinstance(ex.state, dict):     # the interpreter: arrays by name
-            rows = np.asarray(ex.state[name], np.float32)
-        else:                              # native: one buffer, each state at its offset
-            off = int(ex.manifest["state_offsets"][name])
-            rows = np.ndarray((len(ids), cfg.kv_dim), np.float32, buffer=ex.state, offset=off)
-        keys.append(rows[: len(ids)].copy())
-    del ex
+    try:
+        ex.prefill(ids, 0)
+        keys = []
+        for i in range(cfg.n_layers):
+            name = f"k_cache.{i}"
+            if isinstance(ex.state, dict):     # the interpreter: arrays by name
+                rows = np.asarray(ex.state[name], np.float32)
+            else:                              # native: one buffer, each state at its offset
+                off = int(ex.manifest["state_offsets"][name])
+                rows = np.ndarray((len(ids), cfg.kv_dim), np.float32, buffer=ex.state, offset=off)
+            keys.append(rows[: len(ids)].copy())
+            del rows
+    finally:   # its worker threads, arena and cache now, not whenever a collection finds them
+        close = getattr(ex, "close", None)
+        if close is not None:
+            close()
     return mean_keys(keys)
 
 
