@@ -6,7 +6,8 @@ in contiguous shares, head-group-major: a prompt chunk's thread then reads
 the keys and values of few KV heads (Qwen2.5-0.5B, 2 threads: one each),
 which stay in its L2 from row to row; t-major, each thread read every KV
 head's rows (1.8 MB at 3,500 positions) for each of its rows, from L3, and
-a chunk of 128 rows took 2.2x the time of 128 decode steps' attention. A unit's heads share one KV head (query head h reads kv head
+a chunk of 128 rows took 2.2x the time of 128 decode steps' attention.
+A unit's heads share one KV head (query head h reads kv head
 h // (n_heads / n_kv_heads)), so each key and value row it reads serves all
 of them: one read from memory for the group, where a unit per head read the
 rows once per head (``heads_per_unit``: 7 of Qwen2.5-0.5B's 14 heads, 2 of
@@ -43,11 +44,10 @@ With the kernel attribute ``tiled`` = 1 (off by default: see
 ``k_attention_tiled.DEFAULT``), a call of ``k_attention_tiled.MIN_ROWS``
 rows or more (a prompt chunk) on a host with AMX bf16 takes the tiled
 kernel instead (16 rows a tile, every operand in two bf16 halves, f32
-sums), unless
-the cache is not f16 (f32 keeps this kernel's f32 arithmetic, q8 and the
-low-bit types their packed reads), a ring or a window is set or head_dim is
-not a multiple of 32; the same compiled function branches on the rows at
-run time.
+sums), unless the cache is not f16 (f32 keeps this kernel's f32
+arithmetic, q8 and the low-bit types their packed reads), a ring or a
+window is set or head_dim is not a multiple of 32; the same compiled
+function branches on the rows at run time.
 
 Vectors over head_dim have the largest power-of-two width <= the target's
 that divides head_dim, so any head_dim works without a scalar tail (8 ->
@@ -347,7 +347,9 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
 
         def dot(i: int, j: ir.Value, kv: list[ir.Value] | None = None) -> ir.Value:
             """<wd x float> partial products of k_j . q of head h0 + i (lanes still to sum);
-            ``kv``: the row's pieces from ``keys(j)``."""
+            ``kv``: the row's pieces from ``keys(j)`` (an f32 / f16 row: loaded here if not given)."""
+            if kv is None:
+                kv = keys(j)
             if kv is not None:
                 acc = kb.fmul(kv[0], qv[i][0])
                 for c in range(1, nvec):
@@ -375,10 +377,7 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
                         s = fmuladd(kb, qs[k], qv[i][c0 + k], s)
                     acc = kb.fmul(s, kb.splat(d, wd)) if acc is None else fmuladd(kb, s, kb.splat(d, wd), acc)
                 return acc
-            acc = kb.fmul(load(kp, 0), qv[i][0])
-            for c in range(1, nvec):
-                acc = fmuladd(kb, load(kp, c * wd), qv[i][c], acc)
-            return acc
+            raise AssertionError(kind)   # f32 / f16 rows took keys() above
 
         # pass 1: scores and their max, per head (each key row read once for the unit's heads)
         ninf = fconst(float("-inf"), B)
