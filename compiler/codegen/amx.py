@@ -57,9 +57,11 @@ def tile_zero(kb, rows: int, row_bytes: int) -> ir.Value:
     return call(kb, "llvm.x86.tilezero.internal", TILE, [_i16(rows), _i16(row_bytes)])
 
 
-def dot_signed_unsigned(kb, m: int, k: int, c: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
-    """C (m x 16 int32) + A (m x k signed bytes) . B (k/4 x 64 unsigned bytes): ``tdpbsud``."""
-    return call(kb, "llvm.x86.tdpbsud.internal", TILE, [_i16(m), _i16(ROW_BYTES), _i16(k), c, a, b])
+def dot_signed_unsigned(kb, m: int, k: int, c: ir.Value, a: ir.Value, b: ir.Value, signed: bool = False) -> ir.Value:
+    """C (m x 16 int32) + A (m x k signed bytes) . B (k/4 x 64 unsigned bytes): ``tdpbsud``
+    (``signed``: B's bytes signed too, ``tdpbssd``)."""
+    op = "llvm.x86.tdpbssd.internal" if signed else "llvm.x86.tdpbsud.internal"
+    return call(kb, op, TILE, [_i16(m), _i16(ROW_BYTES), _i16(k), c, a, b])
 
 
 def tile_store(kb, rows: int, row_bytes: int, ptr: ir.Value, stride: ir.Value | int, t: ir.Value) -> None:
@@ -94,6 +96,8 @@ class Product(NamedTuple):
     b: ir.Value
     c_out: ir.Value
     parts: int = 1
+    #: B holds signed bytes (``tdpbssd``), not unsigned ones
+    signed: bool = False
 
 
 def int8_products(kb, products: list[Product]) -> None:
@@ -112,6 +116,6 @@ def int8_products(kb, products: list[Product]) -> None:
                     tile_load(kb, p.k // 4, ROW_BYTES, kb.gep(p.b, q * p.k * 16), ROW_BYTES))
                    for n, p in enumerate(pair) if q < p.parts]
             for n, p, ta, tb in ops:
-                cs[n] = dot_signed_unsigned(kb, p.m, p.k, cs[n], ta, tb)
+                cs[n] = dot_signed_unsigned(kb, p.m, p.k, cs[n], ta, tb, p.signed)
         for p, c in zip(pair, cs):
             tile_store(kb, p.m, ROW_BYTES, p.c_out, ROW_BYTES, c)

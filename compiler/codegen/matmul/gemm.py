@@ -121,6 +121,8 @@ class GemmBase:
     ``slot_bytes``, ``block_bytes``, ``quantize``, ``unpack`` and ``block``."""
 
     unit = QK
+    #: the AMX tiles take signed weight bytes (``Q8Gemm.amx_signed``)
+    amx_signed = False
 
     def __init__(self, kb: KernelBuilder, sig: KernelSig, kern, slot_bytes: int, block_bytes: int,
                  kc: int, width: int | None = None) -> None:
@@ -258,9 +260,10 @@ class Q8Gemm(GemmBase):
             v = b.insert_element(v, b.load(q, align=1), i64(r))
         return v
 
-    def unpack(self, r0: ir.Value, j: ir.Value, dst: ir.Value) -> None:
+    def unpack(self, r0: ir.Value, j: ir.Value, dst: ir.Value, signed: bool = False) -> None:
         """Block j of rows r0 .. r0+W-1 into ``dst`` (i8*): 8 vectors of
-        <4W x i8>, then W float32 scales d_w, then W minimums m_w."""
+        <4W x i8>, then W float32 scales d_w, then W minimums m_w
+        (``signed``: the quants without their bias, ``amx_signed``)."""
         kern, kb, b, W = self.kern, self.kb, self.b, self.W
         ptrs = [kern.block_ptr(b.add(r0, i64(r)), j) for r in range(W)]
         qt = kern.qt
@@ -279,7 +282,7 @@ class Q8Gemm(GemmBase):
             if qt.has("qh"):
                 h = self._gather(ptrs, qt.at("qh"), I32)
                 vecs = [b.or_(v, self._high_bits(h, i)) for i, v in enumerate(vecs)]
-        for i, v in enumerate(vecs):
+        for i, v in enumerate(self.signed_bytes(vecs) if signed else vecs):
             kb.vstore(v, dst, 4 * W * i)
         f = ir.PointerType(F32)
         dw, mw = kern.block_scales(ptrs, [j] * W)
@@ -352,6 +355,20 @@ class Q8Gemm(GemmBase):
         return acc
 
     # --- AMX tiles (``matmul/amx_tiles``) --------------------------------------------------
+    @property
+    def amx_signed(self) -> bool:
+        """The tiles take the weights' signed quants (``tdpbssd``) instead of
+        the biased unsigned ones with the int32 seed -bias * sum(q_x): the
+        same integer sums (sum q_x (w + bias) - bias sum q_x = sum q_x w,
+        exact), one broadcast and add less per token row and block in the
+        epilogue. The symmetric layouts with a bias, whose quants w are int8."""
+        return not self.kern.offset and self.kern.bias > 0
+
+    def signed_bytes(self, vecs: list[ir.Value]) -> list[ir.Value]:
+        """The biased unsigned weight vectors (<4W x i8>) as signed quants (minus the bias, wrapping)."""
+        bias = vconst(I8, [self.kern.bias - 256 if self.kern.bias > 127 else self.kern.bias] * 4 * self.W)
+        return [self.b.sub(v, bias) for v in vecs]
+
     #: bytes of one block's int32 sums; blocks a loop step takes (their products
     #: two at a time); blocks a product runs ahead of its epilogue; bytes of a
     #: block's panel entry (16 tokens' d_x, then their corrections)
@@ -376,7 +393,8 @@ class Q8Gemm(GemmBase):
         """Block j: one ``tdpbsud`` of 16 token slots' 32 quants (A rows from
         slot a0 on) by the block's 8 weight vectors as they lie at tb (B),
         the 16 x 16 int32 sums stored at ``sums``."""
-        return [amx.Product(amx.ROWS, QK, self.kb.gep(a0, self.b.mul(j, i64(QK))), self.slot_bytes, tb, sums)]
+        return [amx.Product(amx.ROWS, QK, self.kb.gep(a0, self.b.mul(j, i64(QK))), self.slot_bytes, tb, sums,
+                            signed=self.amx_signed)]
 
     def amx_epilogue(self, tb: ir.Value, pj: ir.Value, accs: list[ir.Value], sums: ir.Value) -> list[ir.Value]:
         """Each token's row of a block's sums, seeded and scaled as ``block``
@@ -388,7 +406,7 @@ class Q8Gemm(GemmBase):
         for p, acc in enumerate(accs):
             a = amx_row(kb, sums, p)
             cor = kb.gep(pj, 4 * amx.ROWS + 4 * p)
-            if not self.kern.offset:
+            if not self.kern.offset and not self.amx_signed:
                 a = b.add(self.bcast(cor, I32), a)
             dx = self.bcast(kb.gep(pj, 4 * p), F32)
             acc = kb.fma(b.sitofp(a, self.vf), b.fmul(sc, dx), acc)
@@ -415,6 +433,15 @@ def emit_int_gemm(kb: KernelBuilder, sig: KernelSig, kern, gemm: type, amx_faste
             with kb.loop(0, nblk, name="gunpack") as jj:
                 g.unpack(r0, b.add(jj, c0 if isinstance(c0, ir.Value) else i64(c0)), g.tile_block(jj))
 
+        def stage(r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value) -> None:
+            """``unpack`` for the tiles (their signed quants where ``amx_signed``)."""
+            with kb.loop(0, nblk, name="gstage") as jj:
+                j = b.add(jj, c0 if isinstance(c0, ir.Value) else i64(c0))
+                if g.amx_signed:
+                    g.unpack(r0, j, g.tile_block(jj), signed=True)
+                else:
+                    g.unpack(r0, j, g.tile_block(jj))
+
         def vnni(r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value) -> None:
             unpack(r0, c0, nblk)
             g.every_token(r0, c0, nblk, n, t0, P)
@@ -432,7 +459,7 @@ def emit_int_gemm(kb: KernelBuilder, sig: KernelSig, kern, gemm: type, amx_faste
             with b.if_else(b.icmp_signed(">=", n, i64(MIN_TOKENS))) as (on_amx, on_vnni):
                 with on_amx:
                     fill_panels(g, n, panel)
-                    tiles(amx_chunk(g, unpack, n, t0, panel, sums))
+                    tiles(amx_chunk(g, stage, n, t0, panel, sums))
                 with on_vnni:
                     tiles(vnni)
     if on_tiles:

@@ -235,6 +235,8 @@ class RepackedQ8(_Repacked, Q8Gemm):
     def stage_block(self, src: ir.Value, dst: ir.Value) -> None:
         W = self.W
         ws, sc, mw = self.weights(src)
+        if self.amx_signed:
+            ws = self.signed_bytes(ws)
         for i, w in enumerate(ws):
             self.kb.vstore(w, dst, 4 * W * i)
         self.store_f32(sc, dst, 32 * W)

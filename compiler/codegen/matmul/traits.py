@@ -53,9 +53,12 @@ _kq = dict(gemm=KQGemm)
 #: ``amx``: AMX against VNNI on one thread, 128 tokens, Emerald Rapids (1536x576
 #: weights, 896x4864 for the 256-value blocks; alternated, best of 25): Q4_0 1.16x,
 #: Q4_1 1.3-1.4x, Q5_0 1.19x, Q5_1 1.51x, QSF_Q4 1.69x, QSF_Q2 1.20x, TQ1_0 2.07x,
-#: TQ2_0 2.10x. Not set: within noise of 1 (Q8_0 1.10x, Q4_K 0.92-1.04x, Q5_K
-#: 0.99-1.40x, IQ4_NL 1.09x, IQ4_XS 0.93x, MXFP4 1.01x, QSF_Q8 0.87x,
-#: QSF_TERNARY 1.01x) or slower: the 16-value sub-blocks (Q2_K 0.65x, Q3_K 0.59x,
+#: TQ2_0 2.10x. Since the symmetric layouts give the tiles their signed quants
+#: (``Q8Gemm.amx_signed``: no int32 seed per row in the epilogue; 1536x576, or
+#: 1536x1024 for IQ4_XS, medians of 3-5 alternated runs' best): Q4_0x16 1.28x,
+#: Q8_0x16 1.19x, IQ4_NL 1.13x, IQ4_XS 1.14x, QSF_Q8 1.11x, MXFP4 1.2x.
+#: Not set: within noise of 1 (Q4_K 0.92-1.04x, Q5_K 0.99-1.40x, QSF_TERNARY
+#: 1.01x) or slower: the 16-value sub-blocks (Q2_K 0.65x, Q3_K 0.59x,
 #: Q6_K 0.64x), whose per-sub-block epilogue outweighs the half-width products.
 #: Per 32 values the epilogue (convert, scale, FMA per output) costs what
 #: the tile product saves; the ternary types' one scale per 256 values is
@@ -66,7 +69,7 @@ TRAITS: dict[str, MatmulTraits] = {
     "F32": MatmulTraits(F32Decoder),
     "F16": MatmulTraits(F16Decoder),
     "BF16": MatmulTraits(BF16Decoder),
-    "Q8_0": MatmulTraits(Q8_0Decoder, IntKernel, **_q8),
+    "Q8_0": MatmulTraits(Q8_0Decoder, IntKernel, **_q8, **_amx),
     "Q4_0": MatmulTraits(NibbleDecoder, NibbleIntKernel, **_q8, **_amx),
     "Q4_1": MatmulTraits(NibbleDecoder, NibbleIntKernel, **_q8, **_amx),
     "Q5_0": MatmulTraits(NibbleDecoder, NibbleIntKernel, **_q8, **_amx),
@@ -78,10 +81,10 @@ TRAITS: dict[str, MatmulTraits] = {
     "Q6_K": MatmulTraits(Q6KDecoder, Q6KInt, repacked=True, **_kq),
     "TQ1_0": MatmulTraits(TQ1Decoder, TQ1Int, **_kq, **_amx),
     "TQ2_0": MatmulTraits(TQ2Decoder, TQ2Int, **_kq, **_amx),
-    "IQ4_NL": MatmulTraits(LUTDecoder, LUTIntKernel, Q8Gemm),
-    "IQ4_XS": MatmulTraits(IQ4XSDecoder, IQ4XSIntKernel, Q8Gemm),
-    "MXFP4": MatmulTraits(MXFP4Decoder, MXFP4IntKernel, Q8Gemm),
-    "QSF_Q8": MatmulTraits(QSFQ8Decoder, QSFIntKernel, Q8Gemm),
+    "IQ4_NL": MatmulTraits(LUTDecoder, LUTIntKernel, Q8Gemm, **_amx),
+    "IQ4_XS": MatmulTraits(IQ4XSDecoder, IQ4XSIntKernel, Q8Gemm, **_amx),
+    "MXFP4": MatmulTraits(MXFP4Decoder, MXFP4IntKernel, Q8Gemm, **_amx),
+    "QSF_Q8": MatmulTraits(QSFQ8Decoder, QSFIntKernel, Q8Gemm, **_amx),
     "QSF_Q4": MatmulTraits(QSFQ4Decoder, QSFIntKernel, Q8Gemm, **_amx),
     "QSF_Q2": MatmulTraits(QSFQ2Decoder, QSFIntKernel, Q8Gemm, **_amx),
     "QSF_Q2S": MatmulTraits(QSFQ2SDecoder, QSFIntKernel, Q8Gemm),
