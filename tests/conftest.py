@@ -1,6 +1,13 @@
 """Test-session setup: a private compile cache, so tests never touch (or
 depend on) the user's ~/.cache/lmc; and how many pytest-xdist workers
-``-n auto`` starts."""
+``-n auto`` starts.
+
+The session's processes (the controller and its xdist workers, which
+inherit its environment) share one cache: what one worker compiled for a
+model the others find. Every entry is written whole and renamed into place
+(``frontends.cache_dir.write_entry``, ``Artifact.write``), so workers filling
+it at once cannot read a half-written one; a test that needs an empty cache
+makes its own (``private_cache`` fixtures)."""
 from __future__ import annotations
 
 import atexit
@@ -12,16 +19,21 @@ import tempfile
 #: test, llama.cpp's): more workers than memory allows would swap or be killed
 WORKER_BYTES = 8 << 30
 
-_cache = tempfile.mkdtemp(prefix="lmc-test-cache-")
-os.environ["LMC_CACHE_DIR"] = _cache
-# each pytest process (the controller and every xdist worker) compiles about 1 GB into its own
-# cache: left behind, 600 of them filled a 250 GB disk
-atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+#: set by the process that made the session's cache, for the workers it starts
+SESSION_CACHE = "LMC_TEST_SESSION_CACHE"
+
+if os.environ.get(SESSION_CACHE) and os.path.isdir(os.environ[SESSION_CACHE]):
+    os.environ["LMC_CACHE_DIR"] = os.environ[SESSION_CACHE]     # a worker: its controller's cache
+else:
+    _cache = tempfile.mkdtemp(prefix="lmc-test-cache-")
+    os.environ["LMC_CACHE_DIR"] = os.environ[SESSION_CACHE] = _cache
+    # a session compiles a few GB into it: left behind, 600 of them filled a 250 GB disk
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
     """One worker per core the process may use, as far as memory holds
-    WORKER_BYTES for each (each worker has its own compile cache above)."""
+    WORKER_BYTES for each."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
