@@ -63,6 +63,10 @@ class CompileOptions:
     #: the most rows a decode/prefill step takes (the native prompt chunk): sliding-window
     #: layers then keep a ring of window + max_rows positions (``build_graph``); None: whole caches
     max_rows: int | None = None
+    #: prompt chunks' attention on AMX bf16 tiles where the host has them (``k_attention_tiled``;
+    #: opt-in: prompt rows then differ in their last bits from decode steps); not the verify graph,
+    #: whose rows must have the decode step's bits
+    attn_tiled: bool = False
 
 
 def repack_width(vector_width: int | None = None) -> int | None:
@@ -75,6 +79,14 @@ def repack_width(vector_width: int | None = None) -> int | None:
     from .codegen.target import host_target, vnni_width
 
     return vnni_width(vector_width or host_target().vector_width)
+
+
+def attention_tiles() -> bool:
+    """``LMC_ATTN_TILED=1``: prompt chunks' attention on AMX bf16 tiles where the host has them
+    and the cache is f16 (``codegen/k_attention_tiled``), as llama.cpp's opt-in flash attention:
+    a long prompt's attention several times faster, but a prompt row no longer has the bits of
+    the same token's decode step (rows to ~1e-6). Off by default."""
+    return os.environ.get("LMC_ATTN_TILED", "0") == "1"
 
 
 def pass_names(options: CompileOptions) -> tuple[str, ...]:
@@ -104,6 +116,10 @@ def model_graph(model: LoadedModel, mode: str, options: CompileOptions | None = 
     rows = {"max_rows": options.max_rows} if mode != "batch" and options.max_rows else {}
     g = build_graph(model.config, model.weights, mode, ctx=options.ctx, all_logits=all_logits, name=model.name,
                     kv_type=options.kv_type, key_offsets=getattr(model, "key_offsets", None), **paged, **rows)
+    if options.attn_tiled and mode == "prefill" and not decode_rows:
+        for node in g.nodes:
+            if node.op == "attention":
+                node.attrs["tiled"] = 1
     if mode == "batch":
         g.meta.update(max_batch=bo.max_batch, decode_rows=decode_rows)
     if options.repack_width:

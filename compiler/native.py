@@ -35,7 +35,7 @@ from .codegen.ctl import PROFILE_HEADER
 from .codegen.target import Target, host_target
 from .memory import plan_manifest
 from .objpack import pack
-from .driver import BatchOptions, CompileOptions, build_graphs, max_blocks_per_seq, repack_width
+from .driver import BatchOptions, CompileOptions, attention_tiles, build_graphs, max_blocks_per_seq, repack_width
 
 if TYPE_CHECKING:
     from .kernel_build import KernelStats
@@ -130,9 +130,11 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
                 "codegen": codegen_fingerprint(), "llvmlite": llvmlite.__version__}
     # a warm start skips planning when it compiled these inputs before (the
     # planned graphs are then not returned: dumps and profiles plan anyway)
-    # (the repack width follows the host and LMC_REPACK, rings LMC_KV_RING, not the options)
+    # (the repack width follows the host and LMC_REPACK, rings LMC_KV_RING, tiles LMC_ATTN_TILED,
+    # not the options)
     memo = (key_memo.memo_key(model, o, {**versions, "repack": repack_width(o.vector_width),
-                                         "rings": ring_rows_for(1) is not None})
+                                         "rings": ring_rows_for(1) is not None,
+                                         **({"attn_tiled": True} if attention_tiles() else {})})
             if o.use_cache and not (o.dump_dir or o.profile) else None)
     known = key_memo.recall(memo) if memo else None
     if known is not None:
@@ -317,7 +319,7 @@ def plan_native(model: LoadedModel, o: NativeOptions) -> NativePlan:
     graphs = build_graphs(model, CompileOptions(backend="llvm", ctx=ctx, dump_dir=o.dump_dir, passes=o.passes,
                                                 kv_type=o.kv_type, dump_after=o.dump_after, batch=batch,
                                                 verify=o.verify and batch is None, repack_width=rw,
-                                                max_rows=ring_rows_for(chunk)))
+                                                max_rows=ring_rows_for(chunk), attn_tiled=attention_tiles()))
     # a batch step takes a decode row per sequence or one sequence's prompt chunk
     symbols = {"T": max(chunk, batch.max_batch) if batch is not None else chunk}
     plans = {name: plan_arena(g, symbols) for name, g in graphs.items()}
@@ -359,7 +361,8 @@ def _fit_budget(model: LoadedModel, o: NativeOptions, graphs: dict, plans: dict,
         graphs = build_graphs(model, CompileOptions(backend="llvm", ctx=mp.ctx, dump_dir=o.dump_dir,
                                                     passes=o.passes, kv_type=mp.kv_type, split_rows=split,
                                                     dump_after=o.dump_after, verify=o.verify,
-                                                    repack_width=repack_width, max_rows=ring_rows_for(symbols["T"])))
+                                                    repack_width=repack_width, max_rows=ring_rows_for(symbols["T"]),
+                                                    attn_tiled=attention_tiles()))
         plans = {name: plan_arena(g, symbols) for name, g in graphs.items()}
     repacked = repack_cache.repack_regions(packed_regions(w.ref for g in graphs.values() for w in g.weights.values()))
     sched = build_schedule(graphs, mp.stream_layers, mp.stream_head, o.stream_io,

@@ -214,3 +214,47 @@ def test_scratch_grows_only_when_tiled():
     assert on * 4 >= k_attention_tiled.scratch_bytes(_sig(tiled=1)) > off * 4
     if k_attention_tiled.DEFAULT == 0:
         assert k_attention.scratch_floats(_sig()) == off
+
+
+def test_lmc_attn_tiled_puts_a_models_prompts_on_the_tiles(monkeypatch):
+    """``LMC_ATTN_TILED=1`` (opt-in, as llama.cpp's flash attention) through
+    ``runtime.load``: SmolLM2's prompt chunks take the tiles, so its prompt
+    rows' logits move by attention rounding (amplified by the int8
+    activations that follow): not the default's bits, the same predictions
+    except where the default's top two are close. The prefill graphs carry
+    the attribute; the verify graph, whose rows must have the decode step's
+    bits, does not."""
+    if not (HOST.amx and HOST.has("amx-bf16")):
+        pytest.skip("no AMX bf16 on this host: the switch changes nothing")
+    import runtime
+    from compiler.native import NativeOptions, plan_native
+    from frontends.loader import load_model
+    from shared_data import SMOLLM2, instruct_models
+
+    path = instruct_models()[SMOLLM2]
+    prompt = ("The tiled kernel multiplies sixteen query rows by sixteen keys at a time, so a long "
+              "prompt reads each key once per tile instead of once per row. ") * 3
+
+    def prompt_logits(tiled: bool) -> np.ndarray:
+        if tiled:
+            monkeypatch.setenv("LMC_ATTN_TILED", "1")
+        else:
+            monkeypatch.delenv("LMC_ATTN_TILED", raising=False)
+        m = runtime.load(path, ctx=256)
+        ids = m.encode(prompt, bos=True)
+        assert len(ids) >= 3 * k_attention_tiled.MIN_ROWS
+        m.executor.reset()
+        return np.array(m.executor.prefill(ids, 0, all_logits=True))
+
+    base, tiled = prompt_logits(False), prompt_logits(True)
+    diff = np.abs(tiled - base).max()
+    assert 0 < diff < 3.0, diff     # SmolLM2 on this prompt: 1.32 (Emerald Rapids)
+    same = np.argmax(tiled, -1) == np.argmax(base, -1)
+    assert same.mean() >= 0.9
+    top2 = np.sort(base, -1)[:, -2:]
+    assert ((top2[:, 1] - top2[:, 0])[~same] < 1.0).all()
+
+    plan = plan_native(load_model(path), NativeOptions(ctx=256, verify=True))
+    tiled_nodes = {name: [n.attrs.get("tiled") for n in g.nodes if n.op == "attention"]
+                   for name, g in plan.graphs.items()}
+    assert set(tiled_nodes["prefill"]) == {1} and set(tiled_nodes["verify"]) == {None}, tiled_nodes

@@ -56,7 +56,8 @@ TR = 16
 #: CPU time of one call, 128 rows at 3,500 positions (Qwen2.5 shape, 1 thread, alternated): 12.5, 15.5,
 #: 11.9 ms split; 7.6, 10.8, 11.1 ms not; the per-row kernel 24.6 ms
 PV_SPLIT = True
-#: the kernel attribute ``tiled``'s default: off. On, Qwen2.5-Coder's 3,500-token prompt prefilled at
+#: the kernel attribute ``tiled``'s default: off (``LMC_ATTN_TILED=1`` sets it on a model's prompt
+#: chunks: ``compiler.driver.attention_tiles``). On, Qwen2.5-Coder's 3,500-token prompt prefilled at
 #: 101% of its 128-token rate (lmc bench, Emerald Rapids, 2 threads; per-row kernel: attention 43.9%
 #: of that prefill, tiled 16.6%), but a prompt row no longer has the bits of the same token's decode
 #: step (tests/test_repack.py::test_one_arithmetic_for_every_row_count), the invariant the integer
