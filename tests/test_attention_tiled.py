@@ -210,7 +210,8 @@ def test_no_amx_means_per_row_kernel():
 def test_scratch_grows_only_when_tiled():
     """The bf16 keys and values take scratch (per thread) only where the tiles may run."""
     on, off = k_attention.scratch_floats(_sig(tiled=1)), k_attention.scratch_floats(_sig(tiled=0))
-    assert off == 256 * k_attention.heads_per_unit(_sig(tiled=0))
+    # the rows path's scores (ROWS rows of a unit's heads, each 256 positions and a pad) and key block
+    assert off == (256 + k_attention.SCORE_PAD) * k_attention.heads_per_unit(_sig(tiled=0)) * k_attention.ROWS + 64 * 16
     assert on * 4 >= k_attention_tiled.scratch_bytes(_sig(tiled=1)) > off * 4
     if k_attention_tiled.DEFAULT == 0:
         assert k_attention.scratch_floats(_sig()) == off

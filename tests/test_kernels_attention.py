@@ -213,6 +213,40 @@ def test_attention_peaked_scores():
         attention_case(2, 16, 2, 2, 37, 0, 2, vw, qscale=30.0)
 
 
+@pytest.mark.parametrize("hd,kvh,group,cache,cap", [
+    (64, 2, 7, "f16", 0.0),     # Qwen2.5-0.5B's shape
+    (64, 3, 3, "f32", 0.0),     # SmolLM2's
+    (256, 1, 4, "f16", 0.0),    # Gemma 3's
+    (48, 2, 2, "f32", 0.0),
+    (24, 1, 2, "f16", 0.0),     # 8-key blocks on 16 lanes
+    (64, 1, 2, "f32", 50.0),    # a soft cap
+])
+@pytest.mark.parametrize("vw", sorted({8, HOST_VW}))
+def test_chunk_rows_have_the_decode_steps_bits(hd, kvh, group, cache, cap, vw):
+    """A chunk's rows (taken ROWS at a time, keys transposed) and the decode
+    steps of the same rows (one at a time, horizontal sums) give the same
+    bits: the invariant prompt rows and decode steps keep model-wide."""
+    H, T, past = kvh * group, 13, 37           # 13 rows: a unit of rows past the chunk's end
+    S = past + T + 5
+    dt = np.float16 if cache == "f16" else np.float32
+    kc = rng.standard_normal((S, kvh * hd)).astype(dt)
+    vc = rng.standard_normal((S, kvh * hd)).astype(dt)
+    q = act(T, H * hd, 3.0)
+    attrs = dict(n_heads=H, n_kv_heads=kvh, head_dim=hd, scale=1.0 / math.sqrt(hd), window=0, softcap=cap)
+    ct = TensorType((S, kvh * hd), cache)
+    sig = sig_for("attention", [f32("T", H * hd), ct, ct, i32()], **attrs)
+    assert k_attention.rows_together(sig)
+    chunk = run(sig, [q, kc, vc, past], pos=past, T=T, nthreads=2, vw=vw)
+    one = sig_for("attention", [f32(H * hd), ct, ct, i32()], **attrs)
+    for t in range(T):
+        step = run(one, [q[t], kc, vc, past + t], pos=past + t, nthreads=2, vw=vw)
+        np.testing.assert_array_equal(chunk[t], step, err_msg=f"row {t}")
+        same_sig = run(sig, [q[t:t + 1], kc, vc, past + t], pos=past + t, T=1, nthreads=1, vw=vw)
+        np.testing.assert_array_equal(chunk[t], same_sig[0], err_msg=f"row {t}, T=1")
+    want = ops.attention_ref(q, kc.astype(np.float32), vc.astype(np.float32), past, **attrs)
+    close(chunk, want, rtol=1e-4, atol=2e-5)
+
+
 # --- emit helpers ------------------------------------------------------------------
 def _helper_kernel(name: str, emit, n: int, vw: int) -> CompiledKernel:
     EMITTERS[name] = emit
@@ -265,7 +299,12 @@ def test_scratch_rules():
     att = sig_for("attention", [f32("T", 64), f32(300, 32), f32(300, 32), i32()], n_heads=4, n_kv_heads=2,
                   head_dim=16, scale=0.25, window=0)
     assert k_attention.heads_per_unit(att) == 2            # the group of 2 heads: 2 units for a decode step
-    assert k_attention.scratch_floats(att) == 300 * 2      # a score per position and head of a unit
+    # a score per position (and pad) and head of a unit, for ROWS rows, and a transposed key block
+    pad = k_attention.SCORE_PAD
+    assert k_attention.scratch_floats(att) == (300 + pad) * 2 * k_attention.ROWS + 16 * 16
+    windowed = sig_for("attention", [f32("T", 64), f32(300, 32), f32(300, 32), i32()], n_heads=4,
+                       n_kv_heads=2, head_dim=16, scale=0.25, window=8)
+    assert k_attention.scratch_floats(windowed) == (300 + pad) * 2     # one row a unit
     rope = sig_for("rope", [f32("T", 64), i32()], head_dim=16, theta=1e4, style="neox")
     assert k_norm_rope.scratch_floats(rope) == 16
     assert k_norm_rope.scratch_floats(sig_for("take_last", [f32("T", 5)])) == 0

@@ -40,6 +40,19 @@ Per unit, three passes over the visible positions:
    reads its own part of it. Each accumulator takes the same products in
    the same order as before.
 
+A call of ROWS rows or more on an f32 or f16 contiguous cache without a
+window (a prompt chunk, a speculative check) takes pass 1 for ROWS rows at
+once (``_emit_scores_rows``): each block of 16 keys is widened and
+transposed once (lanes = keys) for the rows x heads, and every key's score
+is the same chain of multiply-adds and the same tree of adds as in the
+one-row pass, done as vertical operations on 16 keys instead of
+horizontal sums per key; passes 2 and 3 stay per row. The bits are the
+decode step's (tests/test_kernels_attention.py::
+test_chunk_rows_have_the_decode_steps_bits). Qwen2.5's shape, 128 rows at
+3,500 positions, 1 thread: 21.7-22.1 CPU ms per call before, 16.8-17.1
+after; one decode row at 3,500 positions 179-193 us before, 165-170 after
+(the softmax's exponentials 16 lanes at a time).
+
 With the kernel attribute ``tiled`` = 1 (off by default: see
 ``k_attention_tiled.DEFAULT``), a call of ``k_attention_tiled.MIN_ROWS``
 rows or more (a prompt chunk) on a host with AMX bf16 takes the tiled
@@ -83,6 +96,7 @@ from . import kv_lowbit as lb_emit
 from .emit import F32, KernelBuilder, exp_poly, fconst, fmuladd, hsum_many, i64, pow2_divisor
 from .kernels import KernelSig, kernel
 from .paging import PagedRows
+from .simd import shuffle
 
 #: positions per block in the score / weighted-sum passes (the kernel
 #: attribute ``unroll`` replaces it: ``lmc kernel`` tries other blocks)
@@ -123,6 +137,8 @@ def heads_per_unit(sig: KernelSig) -> int:
 #: Qwen2.5-0.5B step of 8 decode rows at position 120 (alternated, 3 runs each): attention
 #: 1.72-1.83 ms with one block (8) ahead into L1, 1.50-1.56 with 32 into L2, 1.65-1.78 with 64
 PREFETCH_AHEAD = 32
+#: lanes of the softmax's exponentials (``exp_poly`` is lane by lane: any width gives the same bits)
+EXP_LANES = 16
 #: accumulators (vectors) the weighted sum keeps in registers at once
 GROUP_ACCS = 16
 
@@ -138,18 +154,53 @@ def _vectors_per_group(heads: int, nvec: int, unit: int) -> int:
     return best
 
 
+#: query rows a unit of a chunk takes together (``_emit_scores_rows``): each key block is widened and
+#: transposed once for ROWS rows x the unit's heads
+ROWS = 4
+#: the most head-rows whose scores take each transposed key vector from one load (their trees side
+#: by side). Qwen2.5's shape, 128 rows at 3,500 positions, 1 thread, CPU ms per call (best of 2):
+#: 4 rows x groups of 4 head-rows 17.6, of 7 16.5, of 8 16.8, of 14 18.2, of 28 20.5; 8 rows x 7 18.0
+SCORE_GROUP = 8
+#: keys past the cache length a row's scores may take (a 16-key block of the rows' pass runs past the
+#: last visible key; those scores are never read)
+SCORE_PAD = 64
+
+
+def rows_together(sig: KernelSig) -> bool:
+    """Whether a chunk's rows take the scores pass ROWS rows at a time: an f32 or
+    f16 contiguous cache without a window (each of the rows sees keys [0, its
+    end)) and head_dim a multiple of 8 (a key block is 8 or 16 keys, as wide
+    as the pieces of head_dim). Quantized caches, windows and rings keep
+    the one-row pass; so does a call of fewer than ROWS rows. Both give the
+    same bits (see ``_emit_scores_rows``)."""
+    a = sig.attr
+    return (cache_kind(sig.in_types[1]) in ("f32", "f16") and not a.get("ring")
+            and not int(a.get("window", 0) or 0) and int(a["head_dim"]) % 8 == 0)
+
+
+def _positions(sig: KernelSig) -> int:
+    """Scores one head of one row keeps (scratch floats): the cache length and a pad
+    (paged: a block table's worth of positions)."""
+    if sig.op == "attention_paged":
+        return int(sig.in_types[4].shape[1]) * int(sig.attr["block_size"])
+    return int(sig.in_types[1].shape[0]) + SCORE_PAD
+
+
 def scratch_floats(sig: KernelSig) -> int:
     """Per-thread scratch (float32 elements): attention keeps one score per
     visible position and head of its unit, at most the cache length
-    (paged: a block table's worth of positions); the other ops here need none."""
+    (paged: a block table's worth of positions), for ROWS rows when they are
+    taken together, and a transposed key block; the other ops here need none."""
     if sig.op == "attention":
-        rows = int(sig.in_types[1].shape[0]) * heads_per_unit(sig)
+        rows = _positions(sig) * heads_per_unit(sig)
+        if rows_together(sig):
+            rows = rows * ROWS + int(sig.attr["head_dim"]) * 16
         if (k_attention_tiled.supported(sig, cache_kind(sig.in_types[1]))
                 and int(sig.attr.get("tiled", k_attention_tiled.DEFAULT))):
             rows = max(rows, -(-k_attention_tiled.scratch_bytes(sig) // 4))
         return rows
     if sig.op == "attention_paged":
-        return int(sig.in_types[4].shape[1]) * int(sig.attr["block_size"]) * heads_per_unit(sig)
+        return _positions(sig) * heads_per_unit(sig)
     return 0
 
 
@@ -211,17 +262,28 @@ class _PagedRows(_Rows):
 def emit_attention(kb: KernelBuilder, sig: KernelSig) -> None:
     rows = _Rows(kb, int(sig.attr.get("ring") or 0))
     kind = cache_kind(sig.in_types[1])
+    b = kb.b
+    T = kb.rows_of(sig.in_types[0].shape)
+
+    def float_kernel() -> None:
+        """ROWS rows a unit for a chunk, one for a decode step: the same bits per row."""
+        if not (rows_together(sig) and pow2_divisor(int(sig.attr["head_dim"]), kb.vw) >= 8):
+            _emit_attention(kb, sig, rows)
+            return
+        with b.if_else(b.icmp_signed(">=", T, i64(ROWS))) as (together, alone):
+            with together:
+                _emit_attention(kb, sig, rows, ROWS)
+            with alone:
+                _emit_attention(kb, sig, rows)
     if not k_attention_tiled.usable(kb, sig, kind):
-        _emit_attention(kb, sig, rows)
+        float_kernel()
         return
     # a prompt chunk (T >= MIN_ROWS) on AMX bf16 tiles, fewer rows (decode, a check) per row
-    b = kb.b
-    many = b.icmp_signed(">=", kb.rows_of(sig.in_types[0].shape), i64(k_attention_tiled.MIN_ROWS))
-    with b.if_else(many) as (tiled, per_row):
+    with b.if_else(b.icmp_signed(">=", T, i64(k_attention_tiled.MIN_ROWS))) as (tiled, per_row):
         with tiled:
             k_attention_tiled.emit_tiled(kb, sig, kind)
         with per_row:
-            _emit_attention(kb, sig, rows)
+            float_kernel()
 
 
 @kernel("attention_paged")
@@ -229,7 +291,9 @@ def emit_attention_paged(kb: KernelBuilder, sig: KernelSig) -> None:
     _emit_attention(kb, sig, _PagedRows(kb, sig))
 
 
-def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
+def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) -> None:
+    """The kernel, a unit being one row (R = 1) or R rows (``_emit_scores_rows``: contiguous
+    f32 / f16 caches without a window) of a run of query heads; each row ends with the same bits."""
     b = kb.b
     a = sig.attr
     H, KVH, hd = int(a["n_heads"]), int(a["n_kv_heads"]), int(a["head_dim"])
@@ -268,7 +332,8 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
         raise NotImplementedError(f"attention: {hg} heads per unit do not divide the group of {group}")
     per_unit = H // hg
     nrows = kb.rows_of(qt.shape)
-    units = b.mul(nrows, i64(per_unit))
+    nblk = b.sdiv(b.add(nrows, i64(R - 1)), i64(R)) if R > 1 else nrows   # units of rows
+    units = b.mul(nblk, i64(per_unit))
     if addr.strided:
         lo, hi, step = kb.tid, units, kb.nthreads
     else:
@@ -284,25 +349,22 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
         kc, vc = kb.in_raw[1], kb.in_raw[2]
     out = kb.out_f32()
     scratch = kb.fptr(kb.scratch)
-    positions = scratch_floats(sig) // hg     # scores of one head
-    scale_s = fconst(scale)
-    scale_v = fconst(scale, B)
+    positions = _positions(sig)     # scores of one head of one row
     cap = float(a.get("softcap", 0.0) or 0.0)
 
     def scaled(s: ir.Value) -> ir.Value:
-        """A score (or B of them) times the scale, soft-capped if the op says so."""
-        s = kb.fmul(s, scale_v if isinstance(s.type, ir.VectorType) else scale_s)
+        """A score (or a vector of them) times the scale, soft-capped if the op says so."""
+        w = s.type.count if isinstance(s.type, ir.VectorType) else None
+        s = kb.fmul(s, fconst(scale, w))
         if cap:
-            w = s.type.count if isinstance(s.type, ir.VectorType) else None
             s = kb.fmul(kb.tanh(kb.fmul(s, fconst(1.0 / cap, w))), fconst(cap, w))
         return s
 
     heads = range(hg)
-    with kb.loop(lo, hi, step=step, name="unit") as u:
-        if addr.strided:    # t-major: a paged step's rows are different sequences
-            t, hu = b.udiv(u, i64(per_unit)), b.urem(u, i64(per_unit))
-        else:               # head-group-major: a thread's share keeps to few KV heads (see below)
-            t, hu = b.urem(u, nrows), b.udiv(u, nrows)
+
+    def unit(t: ir.Value, hu: ir.Value, scs: list[ir.Value], scored: bool) -> None:
+        """Row t, heads hu * hg ...: scores into ``scs`` (one pointer a head) unless
+        ``scored`` (already there), then the softmax and the weighted sum."""
         h0 = b.mul(hu, i64(hg))     # the unit's first query head
         kvh = b.udiv(h0, i64(group))
         end = addr.end(t)
@@ -315,7 +377,6 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
         row = b.add(b.mul(t, i64(H)), h0)               # (t, h0) as a row of q and out
         qps = [kb.gep(q, b.mul(b.add(row, i64(i)), i64(hd))) for i in heads]
         ops = [kb.gep(out, b.mul(b.add(row, i64(i)), i64(hd))) for i in heads]
-        scs = [kb.gep(scratch, i * positions) for i in heads]
         qv = [[kb.vload(qp, c * wd, wd) for c in range(nvec)] for qp in qps]
         if low is not None:
             if low.rotate:
@@ -379,44 +440,68 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
                 return acc
             raise AssertionError(kind)   # f32 / f16 rows took keys() above
 
-        # pass 1: scores and their max, per head (each key row read once for the unit's heads)
-        ninf = fconst(float("-inf"), B)
-        last = b.sub(n, i64(1))
-        with kb.loop_carry(0, nb, [ninf] * hg, step=B, name="sb") as (j, mvs, setv):
-            # ask for the keys PREFETCH_AHEAD positions on and this block's values (pass 3 reads
-            # them), into L2. Paged: a sequence's rows jump from pool block to pool block, where the
-            # hardware's stream prefetch restarts. Contiguous: a unit reads one KV head's half of
-            # each row (stride 2 slices for Qwen2.5), and after the weights of a decode step the
-            # rows come from memory. Qwen2.5-Coder decode after a 3,500-token prompt, lmc bench,
-            # alternated: 45.5, 45.8 tok/s without, 50.4, 47.0 with; after 128 tokens 51.5 / 51.6
-            for p in range(B):
-                kb.prefetch(b.bitcast(krow(kb.imin(b.add(j, i64(PREFETCH_AHEAD + p)), last)), kb.scratch.type),
-                            slice_bytes, locality=2)
-                kb.prefetch(b.bitcast(vrow(b.add(j, i64(p))), kb.scratch.type), slice_bytes, locality=2)
-            new = []
-            # every key row of the block widened once before any head's dots (loaded per head, f16
-            # rows were widened 7 times for Qwen2.5's unit of 7 heads: the conversions, not the
-            # products, bounded the pass)
-            kvs = [keys(b.add(j, i64(p))) for p in range(B)]
-            for i in heads:
-                s = scaled(hsum_many(kb, [dot(i, b.add(j, i64(p)), kvs[p]) for p in range(B)]))
-                kb.vstore(s, scs[i], j)
-                new.append(kb.fmax(mvs[i], s))
-            setv(new)
-        m0 = [kb.hmax(v) for v in kb.last_carry]
-        with kb.loop_carry(nb, n, m0, name="st") as (j, ms, setv):
-            new = []
-            kv = keys(j)
-            for i in heads:
-                s = scaled(b.extract_element(hsum_many(kb, [dot(i, j, kv)]), i64(0)))
-                kb.store(s, scs[i], j)
-                new.append(kb.fmax(ms[i], s))
-            setv(new)
-        mx = list(kb.last_carry)
+        if scored:   # the scores are in place (``_emit_scores_rows``); their max per head
+            nf = b.and_(n, i64(-16))
+            with kb.loop_carry(0, nf, [fconst(float("-inf"), 16)] * hg, step=16, name="mr") as (j, mvs, setv):
+                setv([kb.fmax(mvs[i], kb.vload(scs[i], j, 16)) for i in heads])
+            m0 = [kb.hmax(v) for v in kb.last_carry]
+            with kb.loop_carry(nf, n, m0, name="mrt") as (j, ms, setv):
+                setv([kb.fmax(ms[i], kb.load(scs[i], j)) for i in heads])
+            mx = list(kb.last_carry)
+        else:
+            # pass 1: scores and their max, per head (each key row read once for the unit's heads)
+            ninf = fconst(float("-inf"), B)
+            last = b.sub(n, i64(1))
+            with kb.loop_carry(0, nb, [ninf] * hg, step=B, name="sb") as (j, mvs, setv):
+                # ask for the keys PREFETCH_AHEAD positions on and this block's values (pass 3 reads
+                # them), into L2. Paged: a sequence's rows jump from pool block to pool block, where the
+                # hardware's stream prefetch restarts. Contiguous: a unit reads one KV head's half of
+                # each row (stride 2 slices for Qwen2.5), and after the weights of a decode step the
+                # rows come from memory. Qwen2.5-Coder decode after a 3,500-token prompt, lmc bench,
+                # alternated: 45.5, 45.8 tok/s without, 50.4, 47.0 with; after 128 tokens 51.5 / 51.6
+                for p in range(B):
+                    kb.prefetch(b.bitcast(krow(kb.imin(b.add(j, i64(PREFETCH_AHEAD + p)), last)), kb.scratch.type),
+                                slice_bytes, locality=2)
+                    kb.prefetch(b.bitcast(vrow(b.add(j, i64(p))), kb.scratch.type), slice_bytes, locality=2)
+                new = []
+                # every key row of the block widened once before any head's dots (loaded per head, f16
+                # rows were widened 7 times for Qwen2.5's unit of 7 heads: the conversions, not the
+                # products, bounded the pass)
+                kvs = [keys(b.add(j, i64(p))) for p in range(B)]
+                for i in heads:
+                    s = scaled(hsum_many(kb, [dot(i, b.add(j, i64(p)), kvs[p]) for p in range(B)]))
+                    kb.vstore(s, scs[i], j)
+                    new.append(kb.fmax(mvs[i], s))
+                setv(new)
+            m0 = [kb.hmax(v) for v in kb.last_carry]
+            with kb.loop_carry(nb, n, m0, name="st") as (j, ms, setv):
+                new = []
+                kv = keys(j)
+                for i in heads:
+                    s = scaled(b.extract_element(hsum_many(kb, [dot(i, j, kv)]), i64(0)))
+                    kb.store(s, scs[i], j)
+                    new.append(kb.fmax(ms[i], s))
+                setv(new)
+            mx = list(kb.last_carry)
         mx_v = [kb.splat(m, B) for m in mx]
 
-        # pass 2: p_j = exp(s_j - max) in place of the scores, and their sum per head
-        with kb.loop_carry(0, nb, [fconst(0.0, B)] * hg, step=B, name="pb") as (j, sums, setv):
+        # pass 2: p_j = exp(s_j - max) in place of the scores, and their sum per head: a
+        # <B x float> per head taking block after block (then ``hsum``, then the tail one by one),
+        # the exponentials EXP_LANES at a time when B is narrower (each lane's sum the same adds)
+        E = max(B, EXP_LANES)
+        ne = b.and_(n, i64(-E))
+        mx_e = [kb.splat(m, E) for m in mx]
+        with kb.loop_carry(0, ne, [fconst(0.0, B)] * hg, step=E, name="pe") as (j, sums, setv):
+            new = []
+            for i in heads:
+                pv = exp_poly(kb, kb.fsub(kb.vload(scs[i], j, E), mx_e[i]))
+                kb.vstore(pv, scs[i], j)
+                acc = sums[i]
+                for part in range(E // B):
+                    acc = kb.fadd(acc, pv if E == B else shuffle(b, pv, None, range(part * B, (part + 1) * B)))
+                new.append(acc)
+            setv(new)
+        with kb.loop_carry(ne, nb, kb.last_carry, step=B, name="pb") as (j, sums, setv):
             pvs = [exp_poly(kb, kb.fsub(kb.vload(scs[i], j, B), mx_v[i])) for i in heads]
             for i in heads:
                 kb.vstore(pvs[i], scs[i], j)
@@ -473,6 +558,108 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows) -> None:
                 vs = lb_emit.fwht(kb, [kb.vload(ops[i], c * wd, wd) for c in range(nvec)])
                 for c in range(nvec):
                     kb.vstore(vs[c], ops[i], c * wd)
+
+    with kb.loop(lo, hi, step=step, name="unit") as u:
+        if addr.strided:    # t-major: a paged step's rows are different sequences
+            t, hu = b.udiv(u, i64(per_unit)), b.urem(u, i64(per_unit))
+        else:               # head-group-major: a thread's share keeps to few KV heads (see below)
+            t, hu = b.urem(u, nblk), b.udiv(u, nblk)
+        if R == 1:
+            unit(t, hu, [kb.gep(scratch, i * positions) for i in heads], False)
+        else:
+            t0 = b.mul(t, i64(R))
+            scs = _emit_scores_rows(kb, sig, addr, t0, hu, R, nrows, scaled)
+            for r in range(R):
+                tr = b.add(t0, i64(r))
+                with kb.if_then(b.icmp_signed("<", tr, nrows)):
+                    unit(tr, hu, scs[r], True)
+
+
+def _emit_scores_rows(kb: KernelBuilder, sig: KernelSig, addr: _Rows, t0: ir.Value, hu: ir.Value,
+                      R: int, nrows: ir.Value, scaled: Callable[[ir.Value], ir.Value]) -> list[list[ir.Value]]:
+    """Pass 1 for rows t0 .. t0 + R - 1 (those past the chunk repeat its last) and the unit's heads
+    hu * hg ...: every row's scaled scores into scratch; returns per row the pointer per head.
+
+    The same bits as the one-row pass, with less work: there a key's score is lane l's chain
+    k[l] q[l] + k[wd + l] q[wd + l] + ... (a multiply, then fused multiply-adds), the wd lanes
+    then summed by ``hsum_many``'s tree (lane l + lane l + wd/2, ...), shuffles for every key,
+    head and row. Here a block of wd keys is widened once and transposed (lanes = keys) for
+    all R rows x heads, and each lane chain and tree add is one vertical operation for wd keys:
+    the same operations in the same order on each key, so prompt rows keep the bits of the
+    decode step of the same token (tests/test_repack.py::test_one_arithmetic_for_every_row_count)."""
+    b = kb.b
+    a = sig.attr
+    H, KVH, hd = int(a["n_heads"]), int(a["n_kv_heads"]), int(a["head_dim"])
+    group, hg = H // KVH, heads_per_unit(sig)
+    kind = cache_kind(sig.in_types[1])
+    wd = pow2_divisor(hd, kb.vw)
+    nvec = hd // wd
+    KB = wd                        # keys per block: the transpose is square
+    positions = _positions(sig)
+    scratch = kb.fptr(kb.scratch)
+    q = kb.in_f32(0)
+    kc = kb.in_f32(1) if kind == "f32" else b.bitcast(kb.in_raw[1], ir.PointerType(HALF))
+    h0 = b.mul(hu, i64(hg))
+    kvh = b.udiv(h0, i64(group))
+    tl = kb.imin(b.add(t0, i64(R - 1)), b.sub(nrows, i64(1)))
+    nl = addr.end(tl)               # keys the last row sees: every row's keys start at 0 (no window)
+    last = b.sub(nl, i64(1))
+    krow = addr.rows(kc, tl, i64(0), b.mul(kvh, i64(hd)), KVH * hd)
+    kt = kb.gep(scratch, R * hg * positions)      # the transposed block: kt[d * KB + k] = key k's dim d
+    heads = range(hg)
+    scs = [[kb.gep(scratch, (r * hg + i) * positions) for i in heads] for r in range(R)]
+    qps = [[kb.gep(q, b.mul(b.add(b.mul(kb.imin(b.add(t0, i64(r)), b.sub(nrows, i64(1))), i64(H)),
+                                  b.add(h0, i64(i))), i64(hd))) for i in heads] for r in range(R)]
+
+    def piece(kp: ir.Value, c: int) -> ir.Value:
+        v = kb.vload(kp, c * wd, wd)
+        return v if kind == "f32" else b.fpext(v, ir.VectorType(F32, wd))
+
+    with kb.loop(0, nl, step=KB, name="kblk") as j:
+        rows = [krow(kb.imin(b.add(j, i64(k)), last)) for k in range(KB)]   # past the end: the last key again
+        for c in range(nvec):
+            cols = _transpose(kb, [piece(kp, c) for kp in rows])
+            for l_ in range(wd):
+                kb.vstore(cols[l_], kt, (c * wd + l_) * KB)
+        pairs = [(r, i) for r in range(R) for i in heads]
+        size = -(-len(pairs) // -(-len(pairs) // SCORE_GROUP))     # groups of equal size, at most SCORE_GROUP
+        for g0 in range(0, len(pairs), size):   # head-rows sharing each key vector's load
+            grp = pairs[g0:g0 + size]
+
+            def lane(l_: int, grp: list[tuple[int, int]] = grp) -> list[ir.Value]:
+                accs: list[ir.Value | None] = [None] * len(grp)
+                for c in range(nvec):
+                    d = c * wd + l_
+                    kd = kb.vload(kt, d * KB, KB)
+                    for x, (r, i) in enumerate(grp):
+                        qd = kb.splat(kb.load(qps[r][i], d), KB)
+                        accs[x] = kb.fmul(kd, qd) if accs[x] is None else fmuladd(kb, kd, qd, accs[x])
+                return accs
+
+            def folded(l_: int, h: int, lane=lane) -> list[ir.Value]:
+                """Lane l_ after the tree's fold of half h (``hsum_many``: lane l_ + lane l_ + h)."""
+                if h == wd:
+                    return lane(l_)
+                return [kb.fadd(x, y) for x, y in zip(folded(l_, 2 * h, lane), folded(l_ + h, 2 * h, lane))]
+            for (r, i), v in zip(grp, folded(0, 1)):
+                kb.vstore(scaled(v), scs[r][i], j)
+    return scs
+
+
+def _transpose(kb: KernelBuilder, rows: list[ir.Value]) -> list[ir.Value]:
+    """n vectors of n floats (n a power of two) -> the n columns: log2(n) rounds of two-input
+    shuffles, each swapping the off-diagonal h x h blocks of every 2h x 2h block."""
+    n = len(rows)
+    m = list(rows)
+    h = n // 2
+    while h >= 1:
+        lo = [k if (k // h) % 2 == 0 else n + k - h for k in range(n)]
+        hi = [k + h if (k // h) % 2 == 0 else n + k for k in range(n)]
+        for r in range(n):
+            if (r // h) % 2 == 0:
+                m[r], m[r + h] = shuffle(kb.b, m[r], m[r + h], lo), shuffle(kb.b, m[r], m[r + h], hi)
+        h //= 2
+    return m
 
 
 def _vsum(kb: KernelBuilder, vs: list[ir.Value]) -> ir.Value:
