@@ -42,7 +42,7 @@ Per unit, three passes over the visible positions:
 
 A call of ROWS rows or more on an f32 or f16 contiguous cache without a
 window (a prompt chunk, a speculative check) takes pass 1 for ROWS rows at
-once (``_emit_scores_rows``): each block of 16 keys is widened and
+once (``_emit_scores_rows``): each block of 16 keys (8 on 8 lanes) is widened and
 transposed once (lanes = keys) for the rows x heads, and every key's score
 is the same chain of multiply-adds and the same tree of adds as in the
 one-row pass, done as vertical operations on 16 keys instead of
@@ -158,8 +158,9 @@ def _vectors_per_group(heads: int, nvec: int, unit: int) -> int:
 #: transposed once for ROWS rows x the unit's heads
 ROWS = 4
 #: the most head-rows whose scores take each transposed key vector from one load (their trees side
-#: by side). Qwen2.5's shape, 128 rows at 3,500 positions, 1 thread, CPU ms per call (best of 2):
-#: 4 rows x groups of 4 head-rows 17.6, of 7 16.5, of 8 16.8, of 14 18.2, of 28 20.5; 8 rows x 7 18.0
+#: by side). Qwen2.5's shape, 128 rows at 3,500 positions, 1 thread, CPU ms per call (the lower of
+#: two runs' minimums): 4 rows x groups of 4 head-rows 17.6, of 7 16.5, of 8 16.8, of 14 18.2, of 28
+#: 20.5; 8 rows x 7 18.0
 SCORE_GROUP = 8
 #: keys past the cache length a row's scores may take (a 16-key block of the rows' pass runs past the
 #: last visible key; those scores are never read)
