@@ -11,9 +11,12 @@ makes its own (``private_cache`` fixtures)."""
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
+
+import pytest
 
 #: what one worker can hold at its peak (real models, a server beside the
 #: test, llama.cpp's): more workers than memory allows would swap or be killed
@@ -40,3 +43,26 @@ def pytest_xdist_auto_num_workers(config) -> int:
     except (ValueError, OSError):
         return 1
     return max(1, min(cores, mem // WORKER_BYTES))
+
+
+def _rss_mb() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_after_module(request):
+    """Free what a module's models, executors and servers leave in reference
+    cycles when it ends: the cycle collector runs by counts of Python objects,
+    not bytes, so a few objects holding a model's arenas could outlive their
+    module by many. (Workers grew to 10-11 GB over a run; whether cycles are
+    why is not known: LMC_TEST_RSS_LOG=FILE appends each module's resident MB
+    before and after the collection, per worker, to find out.)"""
+    yield
+    log = os.environ.get("LMC_TEST_RSS_LOG")
+    before = _rss_mb() if log else 0
+    gc.collect()
+    if log:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(log, "a") as f:
+            f.write(f"{worker} {request.module.__name__} {before} {_rss_mb()}\n")
