@@ -11,6 +11,7 @@ makes its own (``private_cache`` fixtures)."""
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 import os
 import shutil
@@ -50,18 +51,36 @@ def _rss_mb() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
 
 
+#: module globals in which test modules keep what they compiled for their own tests (kernels by
+#: signature, tokenizers by file): emptied when the module ends
+MODULE_CACHES = ("_KERNELS", "_CACHE")
+
+
+def _release_memory() -> None:
+    """Collect cycles, then give the C heap's free pages back (glibc): compiling a kernel
+    leaves ~10 MB of freed but held heap behind it."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 @pytest.fixture(autouse=True, scope="module")
-def _collect_after_module(request):
-    """Free what a module's models, executors and servers leave in reference
-    cycles when it ends: the cycle collector runs by counts of Python objects,
-    not bytes, so a few objects holding a model's arenas could outlive their
-    module by many. (Workers grew to 10-11 GB over a run; whether cycles are
-    why is not known: LMC_TEST_RSS_LOG=FILE appends each module's resident MB
-    before and after the collection, per worker, to find out.)"""
+def _release_after_module(request):
+    """What a module held for its own tests goes when it ends: its kernel caches
+    (``MODULE_CACHES``), whatever its models, executors and servers left in reference
+    cycles, and the heap they used. Without it a worker kept every kernel the session
+    compiled (test_bits_on_every_cpu alone: +4.5 GB) and was OOM-killed at 11.0 GB.
+    LMC_TEST_RSS_LOG=FILE appends each module's resident MB before and after, per worker."""
     yield
     log = os.environ.get("LMC_TEST_RSS_LOG")
     before = _rss_mb() if log else 0
-    gc.collect()
+    for name in MODULE_CACHES:
+        cache = getattr(request.module, name, None)
+        if isinstance(cache, dict):
+            cache.clear()
+    _release_memory()
     if log:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         with open(log, "a") as f:
