@@ -15,6 +15,7 @@ import ctypes
 import gc
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -76,10 +77,12 @@ def _release_after_module(request):
     yield
     log = os.environ.get("LMC_TEST_RSS_LOG")
     before = _rss_mb() if log else 0
-    for name in MODULE_CACHES:
-        cache = getattr(request.module, name, None)
-        if isinstance(cache, dict):
-            cache.clear()
+    # the module's own, and the helper the layout test files share
+    for mod in (request.module, sys.modules.get("kernel_checks")):
+        for name in MODULE_CACHES:
+            cache = getattr(mod, name, None)
+            if isinstance(cache, dict):
+                cache.clear()
     _release_memory()
     if log:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
