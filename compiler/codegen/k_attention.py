@@ -42,7 +42,7 @@ Per unit, three passes over the visible positions:
 
 A call of ROWS rows or more on an f32 or f16 contiguous cache without a
 window (a prompt chunk, a speculative check) takes pass 1 for ROWS rows at
-once (``_emit_scores_rows``): each block of 16 keys (8 on 8 lanes) is widened and
+once (``scores_rows``): each block of 16 keys (8 on 8 lanes) is widened and
 transposed once (lanes = keys) for the rows x heads, and every key's score
 is the same chain of multiply-adds and the same tree of adds as in the
 one-row pass, done as vertical operations on 16 keys instead of
@@ -154,7 +154,7 @@ def _vectors_per_group(heads: int, nvec: int, unit: int) -> int:
     return best
 
 
-#: query rows a unit of a chunk takes together (``_emit_scores_rows``): each key block is widened and
+#: query rows a unit of a chunk takes together (``scores_rows``): each key block is widened and
 #: transposed once for ROWS rows x the unit's heads
 ROWS = 4
 #: the most head-rows whose scores take each transposed key vector from one load (their trees side
@@ -173,7 +173,7 @@ def rows_together(sig: KernelSig) -> bool:
     end)) and head_dim a multiple of 8 (a key block is 8 or 16 keys, as wide
     as the pieces of head_dim). Quantized caches, windows and rings keep
     the one-row pass; so does a call of fewer than ROWS rows. Both give the
-    same bits (see ``_emit_scores_rows``)."""
+    same bits (see ``scores_rows`` in ``_emit_attention``)."""
     a = sig.attr
     return (cache_kind(sig.in_types[1]) in ("f32", "f16") and not a.get("ring")
             and not int(a.get("window", 0) or 0) and int(a["head_dim"]) % 8 == 0)
@@ -293,7 +293,7 @@ def emit_attention_paged(kb: KernelBuilder, sig: KernelSig) -> None:
 
 
 def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) -> None:
-    """The kernel, a unit being one row (R = 1) or R rows (``_emit_scores_rows``: contiguous
+    """The kernel, a unit being one row (R = 1) or R rows (``scores_rows``: contiguous
     f32 / f16 caches without a window) of a run of query heads; each row ends with the same bits."""
     b = kb.b
     a = sig.attr
@@ -363,6 +363,11 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
 
     heads = range(hg)
 
+    def load(p: ir.Value, idx: int) -> ir.Value:
+        """<wd x float> of an f32 or f16 cache row."""
+        v = kb.vload(p, idx, wd)
+        return v if kind == "f32" else b.fpext(v, ir.VectorType(F32, wd))
+
     def unit(t: ir.Value, hu: ir.Value, scs: list[ir.Value], scored: bool) -> None:
         """Row t, heads hu * hg ...: scores into ``scs`` (one pointer a head) unless
         ``scored`` (already there), then the softmax and the weighted sum."""
@@ -384,11 +389,6 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
                 qv = [lb_emit.fwht(kb, v) for v in qv]
             gpv = GROUP // wd   # vectors of a group
             qsum = [[_vsum(kb, v[g * gpv:(g + 1) * gpv]) for g in range(hd // GROUP)] for v in qv]
-
-        def load(p: ir.Value, idx: int) -> ir.Value:
-            """<wd x float> of an f32 or f16 cache row."""
-            v = kb.vload(p, idx, wd)
-            return v if kind == "f32" else b.fpext(v, ir.VectorType(F32, wd))
 
         def q8_blocks(p: ir.Value, blocks: range | None = None):
             """Per block of a q8 head slice at byte pointer p (of ``blocks``,
@@ -441,7 +441,7 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
                 return acc
             raise AssertionError(kind)   # f32 / f16 rows took keys() above
 
-        if scored:   # the scores are in place (``_emit_scores_rows``); their max per head
+        if scored:   # the scores are in place (``scores_rows``); their max per head
             nf = b.and_(n, i64(-16))
             with kb.loop_carry(0, nf, [fconst(float("-inf"), 16)] * hg, step=16, name="mr") as (j, mvs, setv):
                 setv([kb.fmax(mvs[i], kb.vload(scs[i], j, 16)) for i in heads])
@@ -560,6 +560,57 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
                 for c in range(nvec):
                     kb.vstore(vs[c], ops[i], c * wd)
 
+    def scores_rows(t0: ir.Value, hu: ir.Value) -> list[list[ir.Value]]:
+        """Pass 1 for rows t0 .. t0 + R - 1 (those past the chunk repeat its last) and the unit's
+        heads hu * hg ...: every row's scaled scores into scratch; returns per row the pointer per head.
+
+        The same bits as the one-row pass, with less work: there a key's score is lane l's chain
+        k[l] q[l] + k[wd + l] q[wd + l] + ... (a multiply, then fused multiply-adds), the wd lanes
+        then summed by ``hsum_many``'s tree (lane l + lane l + wd/2, ...), shuffles for every key,
+        head and row. Here a block of wd keys is widened once and transposed (lanes = keys) for
+        all R rows x heads, and each lane chain and tree add is one vertical operation for wd keys:
+        the same operations in the same order on each key, so prompt rows keep the bits of the
+        decode step of the same token (tests/test_repack.py::test_one_arithmetic_for_every_row_count)."""
+        KB = wd                        # keys per block: the transpose is square
+        h0 = b.mul(hu, i64(hg))
+        tl = kb.imin(b.add(t0, i64(R - 1)), b.sub(nrows, i64(1)))
+        nl = addr.end(tl)               # keys the last row sees: every row's keys start at 0 (no window)
+        last = b.sub(nl, i64(1))
+        krow = addr.rows(kc, tl, i64(0), b.mul(b.udiv(h0, i64(group)), i64(head_step)), row_step)
+        kt = kb.gep(scratch, R * hg * positions)      # the transposed block: kt[d * KB + k] = key k's dim d
+        scs = [[kb.gep(scratch, (r * hg + i) * positions) for i in heads] for r in range(R)]
+        qps = [[kb.gep(q, b.mul(b.add(b.mul(kb.imin(b.add(t0, i64(r)), b.sub(nrows, i64(1))), i64(H)),
+                                      b.add(h0, i64(i))), i64(hd))) for i in heads] for r in range(R)]
+        pairs = [(r, i) for r in range(R) for i in heads]
+        size = -(-len(pairs) // -(-len(pairs) // SCORE_GROUP))     # groups of equal size, at most SCORE_GROUP
+        with kb.loop(0, nl, step=KB, name="kblk") as j:
+            rows = [krow(kb.imin(b.add(j, i64(k)), last)) for k in range(KB)]   # past the end: the last key again
+            for c in range(nvec):
+                cols = _transpose(kb, [load(kp, c * wd) for kp in rows])
+                for l_ in range(wd):
+                    kb.vstore(cols[l_], kt, (c * wd + l_) * KB)
+            for g0 in range(0, len(pairs), size):   # head-rows sharing each key vector's load
+                grp = pairs[g0:g0 + size]
+
+                def lane(l_: int, grp: list[tuple[int, int]] = grp) -> list[ir.Value]:
+                    accs: list[ir.Value | None] = [None] * len(grp)
+                    for c in range(nvec):
+                        d = c * wd + l_
+                        kd = kb.vload(kt, d * KB, KB)
+                        for x, (r, i) in enumerate(grp):
+                            qd = kb.splat(kb.load(qps[r][i], d), KB)
+                            accs[x] = kb.fmul(kd, qd) if accs[x] is None else fmuladd(kb, kd, qd, accs[x])
+                    return accs
+
+                def folded(l_: int, h: int, lane=lane) -> list[ir.Value]:
+                    """Lane l_ after the tree's fold of half h (``hsum_many``: lane l_ + lane l_ + h)."""
+                    if h == wd:
+                        return lane(l_)
+                    return [kb.fadd(x, y) for x, y in zip(folded(l_, 2 * h, lane), folded(l_ + h, 2 * h, lane))]
+                for (r, i), v in zip(grp, folded(0, 1)):
+                    kb.vstore(scaled(v), scs[r][i], j)
+        return scs
+
     with kb.loop(lo, hi, step=step, name="unit") as u:
         if addr.strided:    # t-major: a paged step's rows are different sequences
             t, hu = b.udiv(u, i64(per_unit)), b.urem(u, i64(per_unit))
@@ -569,82 +620,11 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
             unit(t, hu, [kb.gep(scratch, i * positions) for i in heads], False)
         else:
             t0 = b.mul(t, i64(R))
-            scs = _emit_scores_rows(kb, sig, addr, t0, hu, R, nrows, scaled)
+            scs = scores_rows(t0, hu)
             for r in range(R):
                 tr = b.add(t0, i64(r))
                 with kb.if_then(b.icmp_signed("<", tr, nrows)):
                     unit(tr, hu, scs[r], True)
-
-
-def _emit_scores_rows(kb: KernelBuilder, sig: KernelSig, addr: _Rows, t0: ir.Value, hu: ir.Value,
-                      R: int, nrows: ir.Value, scaled: Callable[[ir.Value], ir.Value]) -> list[list[ir.Value]]:
-    """Pass 1 for rows t0 .. t0 + R - 1 (those past the chunk repeat its last) and the unit's heads
-    hu * hg ...: every row's scaled scores into scratch; returns per row the pointer per head.
-
-    The same bits as the one-row pass, with less work: there a key's score is lane l's chain
-    k[l] q[l] + k[wd + l] q[wd + l] + ... (a multiply, then fused multiply-adds), the wd lanes
-    then summed by ``hsum_many``'s tree (lane l + lane l + wd/2, ...), shuffles for every key,
-    head and row. Here a block of wd keys is widened once and transposed (lanes = keys) for
-    all R rows x heads, and each lane chain and tree add is one vertical operation for wd keys:
-    the same operations in the same order on each key, so prompt rows keep the bits of the
-    decode step of the same token (tests/test_repack.py::test_one_arithmetic_for_every_row_count)."""
-    b = kb.b
-    a = sig.attr
-    H, KVH, hd = int(a["n_heads"]), int(a["n_kv_heads"]), int(a["head_dim"])
-    group, hg = H // KVH, heads_per_unit(sig)
-    kind = cache_kind(sig.in_types[1])
-    wd = pow2_divisor(hd, kb.vw)
-    nvec = hd // wd
-    KB = wd                        # keys per block: the transpose is square
-    positions = _positions(sig)
-    scratch = kb.fptr(kb.scratch)
-    q = kb.in_f32(0)
-    kc = kb.in_f32(1) if kind == "f32" else b.bitcast(kb.in_raw[1], ir.PointerType(HALF))
-    h0 = b.mul(hu, i64(hg))
-    kvh = b.udiv(h0, i64(group))
-    tl = kb.imin(b.add(t0, i64(R - 1)), b.sub(nrows, i64(1)))
-    nl = addr.end(tl)               # keys the last row sees: every row's keys start at 0 (no window)
-    last = b.sub(nl, i64(1))
-    krow = addr.rows(kc, tl, i64(0), b.mul(kvh, i64(hd)), KVH * hd)
-    kt = kb.gep(scratch, R * hg * positions)      # the transposed block: kt[d * KB + k] = key k's dim d
-    heads = range(hg)
-    scs = [[kb.gep(scratch, (r * hg + i) * positions) for i in heads] for r in range(R)]
-    qps = [[kb.gep(q, b.mul(b.add(b.mul(kb.imin(b.add(t0, i64(r)), b.sub(nrows, i64(1))), i64(H)),
-                                  b.add(h0, i64(i))), i64(hd))) for i in heads] for r in range(R)]
-
-    def piece(kp: ir.Value, c: int) -> ir.Value:
-        v = kb.vload(kp, c * wd, wd)
-        return v if kind == "f32" else b.fpext(v, ir.VectorType(F32, wd))
-
-    with kb.loop(0, nl, step=KB, name="kblk") as j:
-        rows = [krow(kb.imin(b.add(j, i64(k)), last)) for k in range(KB)]   # past the end: the last key again
-        for c in range(nvec):
-            cols = _transpose(kb, [piece(kp, c) for kp in rows])
-            for l_ in range(wd):
-                kb.vstore(cols[l_], kt, (c * wd + l_) * KB)
-        pairs = [(r, i) for r in range(R) for i in heads]
-        size = -(-len(pairs) // -(-len(pairs) // SCORE_GROUP))     # groups of equal size, at most SCORE_GROUP
-        for g0 in range(0, len(pairs), size):   # head-rows sharing each key vector's load
-            grp = pairs[g0:g0 + size]
-
-            def lane(l_: int, grp: list[tuple[int, int]] = grp) -> list[ir.Value]:
-                accs: list[ir.Value | None] = [None] * len(grp)
-                for c in range(nvec):
-                    d = c * wd + l_
-                    kd = kb.vload(kt, d * KB, KB)
-                    for x, (r, i) in enumerate(grp):
-                        qd = kb.splat(kb.load(qps[r][i], d), KB)
-                        accs[x] = kb.fmul(kd, qd) if accs[x] is None else fmuladd(kb, kd, qd, accs[x])
-                return accs
-
-            def folded(l_: int, h: int, lane=lane) -> list[ir.Value]:
-                """Lane l_ after the tree's fold of half h (``hsum_many``: lane l_ + lane l_ + h)."""
-                if h == wd:
-                    return lane(l_)
-                return [kb.fadd(x, y) for x, y in zip(folded(l_, 2 * h, lane), folded(l_ + h, 2 * h, lane))]
-            for (r, i), v in zip(grp, folded(0, 1)):
-                kb.vstore(scaled(v), scs[r][i], j)
-    return scs
 
 
 def _transpose(kb: KernelBuilder, rows: list[ir.Value]) -> list[ir.Value]:
