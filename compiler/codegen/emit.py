@@ -237,6 +237,18 @@ class KernelBuilder:
             n = self.b.mul(n, self.dim(d))
         return n
 
+    @staticmethod
+    def static_rows(shape: tuple[Dim, ...]) -> int | None:
+        """The rows of an activation when its shape fixes them (a decode
+        step's ``(dim,)``: 1), else None: a kernel need not emit paths
+        for more rows than it can be called with."""
+        n = 1
+        for d in shape[:-1]:
+            if not isinstance(d, int):
+                return None
+            n *= d
+        return n
+
     def thread_share(self, n: ir.Value | int) -> tuple[ir.Value, ir.Value]:
         """[lo, hi) of ``n`` items for this thread: n*tid/nt .. n*(tid+1)/nt."""
         n = i64(n) if isinstance(n, int) else n

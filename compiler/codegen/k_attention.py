@@ -265,10 +265,12 @@ def emit_attention(kb: KernelBuilder, sig: KernelSig) -> None:
     kind = cache_kind(sig.in_types[1])
     b = kb.b
     T = kb.rows_of(sig.in_types[0].shape)
+    fixed = kb.static_rows(sig.in_types[0].shape)   # a decode step's kernel: 1 row, no chunk paths
 
     def float_kernel() -> None:
         """ROWS rows a unit for a chunk, one for a decode step: the same bits per row."""
-        if not (rows_together(sig) and pow2_divisor(int(sig.attr["head_dim"]), kb.vw) >= 8):
+        if not (rows_together(sig) and pow2_divisor(int(sig.attr["head_dim"]), kb.vw) >= 8) or \
+                (fixed is not None and fixed < ROWS):
             _emit_attention(kb, sig, rows)
             return
         with b.if_else(b.icmp_signed(">=", T, i64(ROWS))) as (together, alone):
@@ -276,7 +278,7 @@ def emit_attention(kb: KernelBuilder, sig: KernelSig) -> None:
                 _emit_attention(kb, sig, rows, ROWS)
             with alone:
                 _emit_attention(kb, sig, rows)
-    if not k_attention_tiled.usable(kb, sig, kind):
+    if not k_attention_tiled.usable(kb, sig, kind) or (fixed is not None and fixed < k_attention_tiled.MIN_ROWS):
         float_kernel()
         return
     # a prompt chunk (T >= MIN_ROWS) on AMX bf16 tiles, fewer rows (decode, a check) per row
