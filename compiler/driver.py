@@ -168,7 +168,8 @@ def _rows_as_decode(g: Graph) -> None:
         node.kernel = {"decode_rows": PROMPT_ROWS if "gemm" in node.kernel else VERIFY_ROWS}
 
 
-def build_graphs(model: LoadedModel, options: CompileOptions | None = None) -> dict[str, Graph]:
+def build_graphs(model: LoadedModel, options: CompileOptions | None = None,
+                 only: tuple[str, ...] | None = None) -> dict[str, Graph]:
     """The graphs a runtime needs: a decode step, a prefill chunk (last-row
     logits) and a prefill that returns every row (for ``logits``/perplexity).
     With ``options.batch``, the paged batch graphs instead: ``batch`` (a row
@@ -189,7 +190,8 @@ def build_graphs(model: LoadedModel, options: CompileOptions | None = None) -> d
     ``options.verify``, also ``verify``: a
     prefill returning every row, each row computed as the decode step
     computes it, so that speculative decoding's batched check of drafted
-    tokens gives plain decoding's logits bit for bit."""
+    tokens gives plain decoding's logits bit for bit. ``only``: a single
+    stream's graphs of these names alone (a decode step to start on)."""
     if options is not None and options.batch is not None:
         graphs = {
             "batch": model_graph(model, "batch", options, all_logits=True),
@@ -203,14 +205,14 @@ def build_graphs(model: LoadedModel, options: CompileOptions | None = None) -> d
         if "batch_decode" not in graphs:   # decode rows have batch's numbers: they may share a step with prompts
             graphs["batch_sel"] = model_graph(model, "batch", options, select=True)
         return graphs
-    graphs = {
-        "decode": model_graph(model, "decode", options),
-        "prefill": model_graph(model, "prefill", options),
-        "prefill_all": model_graph(model, "prefill", options, all_logits=True),
+    how = {
+        "decode": lambda: model_graph(model, "decode", options),
+        "prefill": lambda: model_graph(model, "prefill", options),
+        "prefill_all": lambda: model_graph(model, "prefill", options, all_logits=True),
     }
     if options is not None and options.verify:
-        graphs["verify"] = model_graph(model, "prefill", options, all_logits=True, decode_rows=True)
-    return graphs
+        how["verify"] = lambda: model_graph(model, "prefill", options, all_logits=True, decode_rows=True)
+    return {name: make() for name, make in how.items() if only is None or name in only}
 
 
 def load_tokenizer_file(path: str | os.PathLike, vocab_size: int | None = None):

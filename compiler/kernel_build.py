@@ -4,7 +4,10 @@ compiled in worker processes.
 llvmlite serialises every call into LLVM behind one lock, so threads
 cannot compile two kernels at once; forked worker processes can (each has
 its own LLVM). The build is started first and collected later, so the
-caller compiles the glue module while the workers compile kernels. With
+caller compiles the glue module while the workers compile kernels. A
+build can hand over its kernels as soon as they are done (``wait_for``: a
+decode step's), then take more (``add``) for the same workers; ``cancel``
+stops them where they are (what is done stays in the kernel cache). With
 ``jobs=1`` (a memory budget: one kernel module in memory at a time) or
 where processes cannot be forked, kernels compile one after another in
 this process.
@@ -65,7 +68,7 @@ class KernelBuild:
 
         load_emitters()   # before forking: the workers inherit the emitters
         self.sigs = list(dict.fromkeys(sigs))
-        self.target, self.vw, self.level = target, vector_width, level
+        self.target, self.vw, self.level, self.codegen = target, vector_width, level, codegen
         self.use_cache = use_cache
         self.progress = progress
         self.objects: dict[KernelSig, bytes] = {}
@@ -82,15 +85,47 @@ class KernelBuild:
                 self.objects[s] = obj
         self.stats.cached = len(self.objects)
         self.missing.sort(key=lambda s: s.op not in _SLOW_OPS)
-        want = min(jobs or default_jobs(), len(self.missing))
+        self.jobs = jobs or default_jobs()
+        want = min(self.jobs, len(self.missing))
         self._pool = None
         self._futures: dict[Future, KernelSig] = {}
         if want > 1:
-            self._start_pool(want)
+            self._start_pool(want, self.missing)
         self.stats.jobs = max(1, want if self._pool is not None else 1)
+        self._niced = False
+        self._cancelled = False
         self._say()
 
-    def _start_pool(self, jobs: int) -> None:
+    def add(self, sigs: list[KernelSig]) -> None:
+        """More kernels for the same build (the rest of a ``decode_first``
+        build): from the kernel cache, else to the workers still running."""
+        new = [s for s in dict.fromkeys(sigs) if s not in self.keys]
+        for s in new:
+            self.keys[s] = kernel_cache.kernel_key(kernel_parts(s, self.target, self.vw, self.level, self.codegen))
+            obj, corrupt = kernel_cache.load(self.keys[s]) if self.use_cache else (None, False)
+            self.stats.corrupt += corrupt
+            if obj is None:
+                self.missing.append(s)
+            else:
+                self.objects[s] = obj
+                self.stats.cached += 1
+        self.sigs += new
+        self.stats.total = len(self.sigs)
+        todo = sorted((s for s in new if s not in self.objects), key=lambda s: s.op not in _SLOW_OPS)
+        if self._pool is None and min(self.jobs, len(todo)) > 1:
+            self._start_pool(min(self.jobs, len(todo)), todo)
+            self.stats.jobs = max(self.stats.jobs, len(self._processes()))
+            if self._niced:
+                self.yield_cpu()
+        elif self._pool is not None:
+            from .codegen.objects import timed_kernel_object
+            try:
+                for s in todo:
+                    self._futures[self._pool.submit(timed_kernel_object, s, self.target, self.vw, self.level)] = s
+            except RuntimeError:   # the pool broke or shut down: finish compiles them here
+                pass
+
+    def _start_pool(self, jobs: int, sigs: list[KernelSig]) -> None:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
@@ -100,7 +135,7 @@ class KernelBuild:
             return
         try:
             self._pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
-            for s in self.missing:
+            for s in sigs:
                 self._futures[self._pool.submit(timed_kernel_object, s, self.target, self.vw, self.level)] = s
         except (OSError, RuntimeError):
             self.close()
@@ -123,27 +158,85 @@ class KernelBuild:
             kernel_cache.store(self.keys[sig], obj)
         self._say()
 
+    def wait_for(self, sigs: list[KernelSig]) -> dict[KernelSig, bytes]:
+        """The object code of ``sigs`` (a subset of the build's), once they
+        are done; the workers go on with the rest."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        from .codegen.objects import timed_kernel_object
+
+        while any(s not in self.objects for s in sigs) and self._futures:
+            done = [f for f in self._futures if f.done()]
+            if not done:
+                wait(list(self._futures), return_when=FIRST_COMPLETED)
+            elif not self._collect(done):
+                break
+        for s in sigs:   # no workers (or they died): compile here
+            if s not in self.objects:
+                self._got(s, *timed_kernel_object(s, self.target, self.vw, self.level))
+        return {s: self.objects[s] for s in sigs}
+
+    def _collect(self, futures) -> bool:
+        """Take the results of finished ``futures``; False when a worker
+        died (out of memory?): the pool is closed and the rest compile here."""
+        from concurrent.futures.process import BrokenProcessPool
+
+        for fut in futures:
+            sig = self._futures.pop(fut)
+            try:
+                obj, seconds = fut.result()
+            except BrokenProcessPool:
+                self.close()
+                return False
+            self._got(sig, obj, seconds)
+        return True
+
     def finish(self) -> dict[KernelSig, bytes]:
         """Wait for the workers (or compile here what they did not)."""
         from concurrent.futures import as_completed
-        from concurrent.futures.process import BrokenProcessPool
 
         from .codegen.objects import timed_kernel_object
 
         try:
             for fut in as_completed(list(self._futures)):
-                sig = self._futures[fut]
-                try:
-                    obj, seconds = fut.result()
-                except BrokenProcessPool:
-                    break   # a worker died (out of memory?): the rest compile here
-                self._got(sig, obj, seconds)
+                if fut in self._futures and not self._collect([fut]):
+                    break
         finally:
             self.close()
         for s in self.missing:
-            if s not in self.objects:
+            if s not in self.objects and not self._cancelled:
                 self._got(s, *timed_kernel_object(s, self.target, self.vw, self.level))
-        return {s: self.objects[s] for s in self.sigs}
+        return {s: self.objects[s] for s in self.sigs if s in self.objects}
+
+    def _processes(self) -> list:
+        # ProcessPoolExecutor keeps its processes private (3.14 adds terminate_workers())
+        return list(getattr(self._pool, "_processes", {}).values()) if self._pool is not None else []
+
+    def yield_cpu(self) -> None:
+        """The workers go on at the lowest priority: a model is running on
+        the cores now, and its first tokens should not wait for kernels it
+        does not need yet."""
+        self._niced = True
+        for p in self._processes():
+            try:
+                os.setpriority(os.PRIO_PROCESS, p.pid, 19)
+            except (OSError, AttributeError):   # gone already, or not POSIX
+                pass
+
+    def cancel(self) -> None:
+        """Stop now: queued kernels are dropped and the workers killed in
+        the middle of a kernel (a process exiting must not wait seconds for
+        one); kernels already done are in the kernel cache."""
+        self._cancelled = True
+        processes = self._processes()
+        pool, self._pool, self._futures = self._pool, None, {}
+        if pool is None:
+            return
+        pool.shutdown(wait=False, cancel_futures=True)
+        for p in processes:
+            p.kill()
+        for p in processes:
+            p.join(timeout=5)
 
     def close(self) -> None:
         """Stop the workers (after ``finish``, or when the caller failed)."""

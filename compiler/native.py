@@ -69,6 +69,9 @@ class NativeOptions:
     progress: Callable[[str], None] | None = None
     batch: BatchOptions | None = None   # paged batch entries (batch, batch_last, batch_decode), not decode/prefill
     verify: bool = False    # also the verify entry: prefill rows as decode computes them (speculative decoding)
+    #: on a cache miss, return an artifact of the decode step alone as soon as its kernels are
+    #: compiled; the rest of the build goes on in the background (``CompileResult.rest``)
+    decode_first: bool = False
 
 
 @dataclass
@@ -80,6 +83,8 @@ class CompileResult:
     graphs: dict | None = None   # the planned graphs, by entry name (None: a warm start that skipped planning)
     kernels: "KernelStats | None" = None   # what a compile found in the kernel cache and compiled
     child_peak: int | None = None        # compiled in a child process (a budget): its peak resident bytes
+    #: ``decode_first``: the build of the whole artifact, still going (``artifact`` has the decode step only)
+    rest: "RestOfBuild | None" = None
 
 
 def scratch_floats(graphs: dict, ctx: int) -> int:
@@ -141,98 +146,275 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
         hit = _cached(known, model)
         if hit is not None:
             return CompileResult(hit, True, time.perf_counter() - t0, cache.cache_path(known))
+    if o.decode_first and _can_start_first(o) and not o.lookup_only:
+        return _decode_first(model, o, target, versions, memo, t0)
     planned = plan_native(model, o)
-    graphs, plans, memory, sched = planned.graphs, planned.plans, planned.memory, planned.schedule
-    ctx, chunk = planned.ctx, planned.chunk
+    key, hit = _key_of(model, o, planned, versions, memo)
+    if hit is not None:
+        return CompileResult(hit, True, time.perf_counter() - t0, cache.cache_path(key), planned.graphs)
+    if o.lookup_only:
+        return None
+    from .kernel_build import KernelBuild
+
+    # workers fork first, then this process lowers and compiles the glue (and
+    # hashes the model file on a thread) while they compile kernels
+    kernels = KernelBuild(_sigs(planned.graphs), target, o.vector_width or target.vector_width, o.opt_level,
+                          codegen_fingerprint(), use_cache=o.use_cache, jobs=o.jobs, progress=o.progress)
+    try:
+        link = _Linker(model, o, target, planned, key)
+        glue = link.glue(list(planned.graphs))
+        objects = kernels.finish()
+    finally:
+        kernels.close()
+    art = link.artifact(list(planned.graphs), objects, glue)
+    path = link.store(art, memo)
+    return CompileResult(art, False, time.perf_counter() - t0, path, planned.graphs, kernels.stats)
+
+
+def _key_of(model: LoadedModel, o: NativeOptions, planned: NativePlan, versions: dict,
+            memo: str | None) -> tuple[str, Artifact | None]:
+    """The artifact cache's key of a plan, and the artifact when cached."""
     what = {
-        "graphs": {n: print_graph(g) for n, g in graphs.items()},
-        "chunk": chunk, "vw": o.vector_width, "opt": o.opt_level, "profile": o.profile,
-        "memory": plan_manifest(memory, sched) if memory else None,
+        "graphs": {n: print_graph(g) for n, g in planned.graphs.items()},
+        "chunk": planned.chunk, "vw": o.vector_width, "opt": o.opt_level, "profile": o.profile,
+        "memory": plan_manifest(planned.memory, planned.schedule) if planned.memory else None,
         **versions,   # llvmlite's version pins LLVM's; asking LLVM would load it
     }
     if planned.batch is not None:   # only then: other artifacts keep their keys
         what["batch"] = dataclasses.asdict(planned.batch)
     key = cache.cache_key(what)
-    if o.use_cache:
-        hit = _cached(key, model)
-        if hit is not None:
-            if memo:
-                key_memo.remember(memo, key)
-            return CompileResult(hit, True, time.perf_counter() - t0, cache.cache_path(key), graphs)
-    if o.lookup_only:
-        return None
+    hit = _cached(key, model) if o.use_cache else None
+    if hit is not None and memo:
+        key_memo.remember(memo, key)
+    return key, hit
+
+
+def _sigs(graphs: dict) -> list:
     from .codegen.kernels import KernelSig
-    from .codegen.lower import lower_graphs
-    from .codegen.objects import barrier_object, glue_object
+
+    return list(dict.fromkeys(KernelSig.of(node) for g in graphs.values() for node in g.nodes))
+
+
+def _decode_first(model: LoadedModel, o: NativeOptions, target: Target, versions: dict, memo: str | None,
+                  t0: float) -> CompileResult:
+    """``NativeOptions.decode_first`` on a cache miss: plan and compile the
+    decode step alone and return its artifact; the rest of the build
+    (planning every graph, their kernels, the whole artifact) goes on in
+    the background (``RestOfBuild``), in the same worker processes."""
     from .kernel_build import KernelBuild
 
-    sigs = list(dict.fromkeys(KernelSig.of(node) for g in graphs.values() for node in g.nodes))
-    # workers fork first, then this process lowers and compiles the glue (and
-    # hashes the model file on a thread) while they compile kernels
+    planned = plan_native(model, o, only=(FIRST_GRAPH,))
+    sigs = _sigs(planned.graphs)
     kernels = KernelBuild(sigs, target, o.vector_width or target.vector_width, o.opt_level, codegen_fingerprint(),
                           use_cache=o.use_cache, jobs=o.jobs, progress=o.progress)
-    regions = packed_regions(w.ref for g in graphs.values() for w in g.weights.values())
-    _check_disjoint(regions)
     try:
-        fingerprint = _in_background(file_fingerprint, model.path)
-        # repacked weights are built now, beside LLVM, and cached for the runtime to map
-        repacked = (_in_background(_prepare_repacked, model, fingerprint, regions)
-                    if o.use_cache and repack_cache.repack_regions(regions) else None)
-        module, entries, state_offsets, state_bytes = lower_graphs(graphs, plans, target, o.vector_width,
-                                                                   profile=o.profile, stream=sched,
-                                                                   symbols=planned.symbols, external_kernels=True)
-        glue = glue_object(module, [s.name for s in sigs], target, o.opt_level)
-        barrier = barrier_object(target, o.opt_level)
-        objects = kernels.finish()
-    finally:
+        link = _Linker(model, o, target, planned, None)
+        glue = link.glue([FIRST_GRAPH])
+        art = link.artifact([FIRST_GRAPH], kernels.wait_for(sigs), glue)
+        link.finish_weights()
+        rest = RestOfBuild(model, o, target, versions, memo, kernels)
+    except BaseException:
         kernels.close()
-    obj = pack([glue, barrier, *objects.values()])
-    import llvmlite.binding as llvm
+        raise
+    return CompileResult(art, False, time.perf_counter() - t0, None, planned.graphs, kernels.stats, rest=rest)
 
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "lmc_version": LMC_VERSION,
-        "llvm": ".".join(map(str, llvm.llvm_version_info)),
-        "target": _target_info(target),
-        "vector_width": o.vector_width or target.vector_width,
-        "cache_key": key,
-        "model": {"path": os.path.abspath(model.path), "format": model.format, **fingerprint()},
-        "tokenizer": getattr(model.tokenizer, "path", None),
-        "config": dataclasses.asdict(model.config),
-        "ctx": ctx,
-        "kv_type": next(iter(graphs.values())).meta.get("kv_type", "f32"),
-        "prefill_chunk": chunk,
-        "ring_slack": next(iter(graphs.values())).meta.get("ring_slack"),
-        "entries": {n: {"index": e.index, "output_offset": e.output_offset,
-                        "output_shape": list(e.output_shape), "inputs": e.inputs} for n, e in entries.items()},
-        "io_bytes": max(e.io_bytes for e in entries.values()),
-        "arena_bytes": max(p.size for p in plans.values()),
-        "plans": {n: {"size": p.size, "lower_bound": p.lower_bound, "no_sharing": p.no_sharing,
-                      "strategy": p.strategy} for n, p in plans.items()},
-        "state_offsets": state_offsets,
-        "state_bytes": state_bytes,
-        "scratch_floats": scratch_floats(graphs, ctx),
-        "kernels": sorted({n.op for g in graphs.values() for n in g.nodes}),
-        "updates_state": sorted({n.op for g in graphs.values() for n in g.nodes if get_op(n.op).updates_state}),
-    }
-    if o.profile:
-        manifest["profile"] = {"slots": max(e.profile[0] + PROFILE_HEADER + e.profile[1] for e in entries.values()),
-                               "entries": {n: {"base": e.profile[0], "nodes": e.profile[1]}
-                                           for n, e in entries.items()}}
-    if memory is not None:
-        manifest["memory"] = plan_manifest(memory, sched)
-    if planned.batch is not None:
-        manifest["batch"] = batch_manifest(planned.batch, ctx, planned.symbols["T"], next(iter(graphs.values())))
-    if regions:  # compressed layers, repacked weights: the runtime builds the weight image (runtime/weight_image.py)
-        manifest["image"] = {"size": max(r.image_offset + r.size for r in regions),
-                             "regions": [dataclasses.asdict(r) for r in regions]}
-    if repacked is not None:
-        repacked()
-    art = Artifact(manifest, obj)
-    path = cache.store(key, art) if o.use_cache else None
-    if path and memo:
-        key_memo.remember(memo, key)
-    return CompileResult(art, False, time.perf_counter() - t0, path, graphs, kernels.stats)
+
+#: the graph a run needs first: a prompt can run as decode steps, with the
+#: same bits as a prompt chunk (what ``test_repack``'s one-arithmetic test
+#: checks), so a cold start waits for the decode step's kernels only
+FIRST_GRAPH = "decode"
+
+
+def _can_start_first(o: NativeOptions) -> bool:
+    """Whether the decode step can run before the other graphs are built:
+    a single stream's artifact, without a budget (one compile at a time)
+    or profiling, whose prompt rows have the decode step's bits (not so
+    with ``LMC_ATTN_TILED=1``)."""
+    return (o.batch is None and o.mem_budget is None and not o.stream and not o.profile and not o.dump_dir
+            and not attention_tiles())
+
+
+class _Linker:
+    """Glue and manifest for a plan's graphs, or some of them. It starts
+    the file's fingerprint and the repacked weights' cache entry on
+    threads at once, so they are made beside LLVM."""
+
+    def __init__(self, model: LoadedModel, o: NativeOptions, target: Target, planned: NativePlan,
+                 key: str | None) -> None:
+        self.model, self.o, self.target, self.planned, self.key = model, o, target, planned, key
+        self.regions = packed_regions(w.ref for g in planned.graphs.values() for w in g.weights.values())
+        _check_disjoint(self.regions)
+        self.fingerprint = _in_background(file_fingerprint, model.path)
+        # repacked weights are built now, beside LLVM, and cached for the runtime to map
+        self._repacked = (_in_background(_prepare_repacked, model, self.fingerprint, self.regions)
+                          if o.use_cache and repack_cache.repack_regions(self.regions) else None)
+
+    def glue(self, names: list[str]) -> tuple[bytes, bytes, dict, dict, int]:
+        from .codegen.lower import lower_graphs
+        from .codegen.objects import barrier_object, glue_object
+
+        p, o = self.planned, self.o
+        graphs = {n: p.graphs[n] for n in names}
+        module, entries, state_offsets, state_bytes = lower_graphs(graphs, {n: p.plans[n] for n in names}, self.target,
+                                                                   o.vector_width, profile=o.profile,
+                                                                   stream=p.schedule, symbols=p.symbols,
+                                                                   external_kernels=True)
+        glue = glue_object(module, [s.name for s in _sigs(graphs)], self.target, o.opt_level)
+        return glue, barrier_object(self.target, o.opt_level), entries, state_offsets, state_bytes
+
+    def finish_weights(self) -> None:
+        """Wait for the repacked weights' cache entry (the runtime maps it)."""
+        if self._repacked is not None:
+            self._repacked()
+
+    def store(self, art: Artifact, memo: str | None) -> str | None:
+        """Put ``art`` in the artifact cache (and the memo's key beside it)."""
+        self.finish_weights()
+        path = cache.store(self.key, art) if self.o.use_cache else None
+        if path and memo:
+            key_memo.remember(memo, self.key)
+        return path
+
+    def artifact(self, names: list[str], objects: dict, glue: tuple) -> Artifact:
+        import llvmlite.binding as llvm
+
+        p, o, target = self.planned, self.o, self.target
+        graphs, plans, memory, sched, ctx, chunk = p.graphs, p.plans, p.memory, p.schedule, p.ctx, p.chunk
+        glue_obj, barrier, entries, state_offsets, state_bytes = glue
+        obj = pack([glue_obj, barrier, *(objects[s] for s in _sigs({n: graphs[n] for n in names}))])
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "lmc_version": LMC_VERSION,
+            "llvm": ".".join(map(str, llvm.llvm_version_info)),
+            "target": _target_info(target),
+            "vector_width": o.vector_width or target.vector_width,
+            "cache_key": self.key,
+            "model": {"path": os.path.abspath(self.model.path), "format": self.model.format, **self.fingerprint()},
+            "tokenizer": getattr(self.model.tokenizer, "path", None),
+            "config": dataclasses.asdict(self.model.config),
+            "ctx": ctx,
+            "kv_type": next(iter(graphs.values())).meta.get("kv_type", "f32"),
+            "prefill_chunk": chunk,
+            "ring_slack": next(iter(graphs.values())).meta.get("ring_slack"),
+            "entries": {n: {"index": e.index, "output_offset": e.output_offset,
+                            "output_shape": list(e.output_shape), "inputs": e.inputs} for n, e in entries.items()},
+            "io_bytes": max(e.io_bytes for e in entries.values()),
+            "arena_bytes": max(plans[n].size for n in names),
+            "plans": {n: {"size": plans[n].size, "lower_bound": plans[n].lower_bound,
+                          "no_sharing": plans[n].no_sharing, "strategy": plans[n].strategy} for n in names},
+            "state_offsets": state_offsets,
+            "state_bytes": state_bytes,
+            "scratch_floats": scratch_floats({n: graphs[n] for n in names}, ctx),
+            "kernels": sorted({nd.op for n in names for nd in graphs[n].nodes}),
+            "updates_state": sorted({nd.op for n in names for nd in graphs[n].nodes if get_op(nd.op).updates_state}),
+        }
+        if o.profile:
+            manifest["profile"] = {"slots": max(e.profile[0] + PROFILE_HEADER + e.profile[1] for e in entries.values()),
+                                   "entries": {n: {"base": e.profile[0], "nodes": e.profile[1]}
+                                               for n, e in entries.items()}}
+        if memory is not None:
+            manifest["memory"] = plan_manifest(memory, sched)
+        if p.batch is not None:
+            manifest["batch"] = batch_manifest(p.batch, ctx, p.symbols["T"], next(iter(graphs.values())))
+        if self.regions:  # compressed layers, repacked weights: the runtime builds the weight image (runtime/weight_image.py)
+            manifest["image"] = {"size": max(r.image_offset + r.size for r in self.regions),
+                                 "regions": [dataclasses.asdict(r) for r in self.regions]}
+        return Artifact(manifest, obj)
+
+
+class RestOfBuild:
+    """The rest of a ``decode_first`` build, on a thread: every graph
+    planned, the kernels the decode step did not need compiled in the same
+    worker processes (at the lowest priority: the model runs meanwhile),
+    the whole artifact linked and cached. ``result`` waits for it;
+    ``cancel`` stops it (a run that ends first: the kernels compiled so
+    far stay in the kernel cache, and the next start needs fewer)."""
+
+    def __init__(self, model: LoadedModel, o: NativeOptions, target: Target, versions: dict, memo: str | None,
+                 kernels: Any) -> None:
+        import threading
+
+        self._args = (model, o, target, versions, memo)
+        self._pid = os.getpid()
+        self._kernels = kernels
+        kernels.progress = None   # the terminal's status line has moved on
+        kernels.yield_cpu()
+        self._done = threading.Event()
+        self._cancelled = False
+        self._result: CompileResult | None = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Artifact], None]] = []
+        self._lock = threading.Lock()
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="lmc-compile-rest", daemon=True)
+        self._thread.start()
+        # a process that ends first must not wait for the workers' kernels: concurrent.futures
+        # waits for them in a threading-atexit call, and those run last registered, first called
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            register(self.cancel)
+
+    def _build(self) -> CompileResult | None:
+        model, o, target, versions, memo = self._args
+        planned = plan_native(model, o)
+        key, hit = _key_of(model, o, planned, versions, memo)
+        if hit is not None or self._cancelled:
+            self._kernels.close()
+            return CompileResult(hit, True, time.perf_counter() - self._t0, cache.cache_path(key),
+                                 planned.graphs) if hit is not None else None
+        kernels = self._kernels
+        kernels.add(_sigs(planned.graphs))
+        try:
+            link = _Linker(model, o, target, planned, key)
+            glue = link.glue(list(planned.graphs))
+            objects = kernels.finish()
+        finally:
+            kernels.close()
+        if self._cancelled:
+            return None
+        art = link.artifact(list(planned.graphs), objects, glue)
+        path = link.store(art, memo)
+        return CompileResult(art, False, time.perf_counter() - self._t0, path, planned.graphs, kernels.stats)
+
+    def _run(self) -> None:
+        try:
+            result = self._build()
+            with self._lock:   # whoever result() wakes finds the artifact offered already
+                self._result, callbacks, self._callbacks = result, self._callbacks, []
+            if result is not None:
+                for cb in callbacks:
+                    cb(result.artifact)
+        except BaseException as e:   # told to whoever waits
+            self._error = e
+        finally:
+            self._done.set()
+
+    def when_done(self, callback: Callable[[Artifact], None]) -> None:
+        """Call ``callback(artifact)`` (on the build's thread) when the
+        whole artifact is built; at once if it already is."""
+        with self._lock:
+            if self._result is None:
+                self._callbacks.append(callback)
+                return
+        callback(self._result.artifact)
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self) -> CompileResult:
+        """Wait for the whole artifact."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        if self._result is None:
+            raise RuntimeError("the build was cancelled")
+        return self._result
+
+    def cancel(self) -> None:
+        if os.getpid() != self._pid:   # a forked compile worker at its exit: the atexit call is inherited
+            return
+        self._cancelled = True
+        self._kernels.cancel()
 
 
 def _check_disjoint(regions: list) -> None:
@@ -306,8 +488,9 @@ def ring_rows_for(chunk: int) -> int | None:
     return None if os.environ.get("LMC_KV_RING", "1") == "0" else chunk
 
 
-def plan_native(model: LoadedModel, o: NativeOptions) -> NativePlan:
-    """The planning half of ``compile_native`` (``lmc plan`` stops here)."""
+def plan_native(model: LoadedModel, o: NativeOptions, only: tuple[str, ...] | None = None) -> NativePlan:
+    """The planning half of ``compile_native`` (``lmc plan`` stops here).
+    ``only``: plan these graphs alone (``decode_first``; no budget)."""
     ctx = o.ctx or model.config.seq_len
     chunk = max(1, min(o.prefill_chunk, ctx))
     batch = o.batch.resolved(ctx) if o.batch is not None else None
@@ -319,7 +502,8 @@ def plan_native(model: LoadedModel, o: NativeOptions) -> NativePlan:
     graphs = build_graphs(model, CompileOptions(backend="llvm", ctx=ctx, dump_dir=o.dump_dir, passes=o.passes,
                                                 kv_type=o.kv_type, dump_after=o.dump_after, batch=batch,
                                                 verify=o.verify and batch is None, repack_width=rw,
-                                                max_rows=ring_rows_for(chunk), attn_tiled=attention_tiles()))
+                                                max_rows=ring_rows_for(chunk), attn_tiled=attention_tiles()),
+                          only=only)
     # a batch step takes a decode row per sequence or one sequence's prompt chunk
     symbols = {"T": max(chunk, batch.max_batch) if batch is not None else chunk}
     plans = {name: plan_arena(g, symbols) for name, g in graphs.items()}

@@ -20,7 +20,7 @@ def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, ba
          kv_type: str | None = None, stream_io: str = "pread",
          status: Callable[[str], None] | None = None,
          speculation: Speculation | None = None, context_shift: bool | str = False,
-         keep: int | None = None) -> Model:
+         keep: int | None = None, decode_first: bool = False) -> Model:
     """Load a model file (llama2.c .bin, GGUF, QSF) or a compiled artifact
     (``lmc compile``) and make it ready to run; native code comes from the
     compile cache when it can. ``status(text)`` hears about the slow steps
@@ -31,7 +31,11 @@ def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, ba
     ``context_shift=True`` goes on past the context (``runtime.context_shift``):
     the first ``keep`` tokens stay (None: 0 for ``complete``, the system
     prompt's for ``chat``), the oldest half of the rest goes; ``"rotate"``
-    turns the kept keys instead of recomputing them (``runtime.kv_rotate``). Batched serving
+    turns the kept keys instead of recomputing them (``runtime.kv_rotate``).
+    ``decode_first=True`` shortens a cold start: the model runs as soon as
+    its decode step is compiled (a prompt runs as decode steps, with the
+    same results) and takes the prompt chunks' code once the rest is
+    compiled in the background (``lmc run`` and ``lmc chat`` do). Batched serving
     (a paged KV pool for many sequences) is ``runtime.engine.load_batch_model``."""
     if status is not None:
         status(loading_text(os.fspath(path)))
@@ -41,7 +45,8 @@ def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, ba
                      mem_budget=mem_budget, context_shift=context_shift, keep=keep)
     return Model(load_model(path, tokenizer), backend=backend, ctx=ctx, threads=threads, use_cache=use_cache,
                  passes=passes, mem_budget=mem_budget, stream=stream, kv_type=kv_type, stream_io=stream_io,
-                 status=status, speculation=speculation, context_shift=context_shift, keep=keep)
+                 status=status, speculation=speculation, context_shift=context_shift, keep=keep,
+                 decode_first=decode_first)
 
 
 def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None) -> Any:

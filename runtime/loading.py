@@ -75,14 +75,17 @@ def f32_executor(loaded: LoadedModel, build: BuildOptions) -> Callable[[int], An
 def build_executor(loaded: LoadedModel, build: BuildOptions, ctx: int, *, artifact: Artifact | None = None,
                    user_ctx: bool = True, mem_budget: int | None = None, stream: str | None = None,
                    kv_type: str | None = None, stream_io: str = "pread", batch: BatchOptions | None = None,
-                   verify: bool = False) -> BuiltExecutor:
+                   verify: bool = False, decode_first: bool = False) -> BuiltExecutor:
     """The executor of ``loaded`` for a KV cache of ``ctx`` positions (an
     artifact's own context wins). ``mem_budget``: bytes of peak resident
     memory for the whole process (llvm backend): weights may stream from
     disk and, unless ``user_ctx``, the context shrink to fit. ``kv_type``:
     f16 (the default), f32 or q8; None lets a budget choose. ``batch``:
     the paged batch steps (``runtime.paged``) instead of decode/prefill.
-    ``verify``: also the speculative ``verify`` step."""
+    ``verify``: also the speculative ``verify`` step. ``decode_first``: on
+    a cache miss, start as soon as the decode step is compiled (a prompt
+    runs as decode steps meanwhile) and take the prompt chunks' code when
+    the rest is built (``compiler.native.RestOfBuild``)."""
     if batch is not None:
         try:
             batch = batch.resolved(ctx)
@@ -107,9 +110,10 @@ def build_executor(loaded: LoadedModel, build: BuildOptions, ctx: int, *, artifa
     from .native import NativeExecutor
 
     info: dict = dict(koff)
+    res = None
     if artifact is None:
         opts = NativeOptions(ctx=ctx, use_cache=build.use_cache, passes=build.passes, kv_type=kv_type or DEFAULT_KV_TYPE,
-                             progress=build.status, batch=batch, verify=verify)
+                             progress=build.status, batch=batch, verify=verify, decode_first=decode_first)
         if mem_budget is not None or stream:
             opts.mem_budget, opts.auto_ctx, opts.threads = mem_budget, not user_ctx, build.threads
             opts.auto_kv, opts.stream, opts.stream_io = True, stream, stream_io
@@ -123,7 +127,12 @@ def build_executor(loaded: LoadedModel, build: BuildOptions, ctx: int, *, artifa
             info.update(kernels_compiled=res.kernels.compiled, kernels_cached=res.kernels.cached)
         if res.child_peak:
             info["compile_child_peak_bytes"] = res.child_peak
-        if build.status is not None and not res.cached:
+        if res.rest is not None:
+            info["decode_first"] = True
+        if build.status is not None and res.rest is not None:
+            build.status(f"compiled the decode step in {res.seconds:.1f} s; the prompt kernels go on compiling "
+                         "in the background")
+        elif build.status is not None and not res.cached:
             build.status(f"compiled for this CPU in {res.seconds:.1f} s" +
                          (" (cached for next time)" if build.use_cache else ""))
     elif mem_budget is not None:
@@ -133,6 +142,8 @@ def build_executor(loaded: LoadedModel, build: BuildOptions, ctx: int, *, artifa
         b = man["batch"]
         batch = BatchOptions(int(b["block_size"]), int(b["n_blocks"]), int(b["max_batch"]))
     ex = NativeExecutor(artifact, loaded.path, build.threads)
+    if res is not None and res.rest is not None:
+        ex.follow(res.rest)
     return BuiltExecutor(ex, int(man["ctx"]), man.get("kv_type", "f32"), int(man["state_bytes"]), batch, info)
 
 

@@ -64,7 +64,7 @@ class Model:
                  mem_budget: int | None = None, stream: str | None = None, kv_type: str | None = None,
                  stream_io: str = "pread", status: Callable[[str], None] | None = None,
                  speculation: Speculation | None = None, context_shift: bool | str = False,
-                 keep: int | None = None) -> None:
+                 keep: int | None = None, decode_first: bool = False) -> None:
         """``passes``: the compiler's pass list; None for the backend's default
         (``compiler.pipeline.default_pipeline``). ``mem_budget``: bytes of
         peak resident memory for the whole process (llvm backend): weights
@@ -80,7 +80,10 @@ class Model:
         ``chat`` (``context_shift.chat_keep``). ``context_shift="rotate"``:
         a shift while generating moves the kept rows and turns their keys
         (``runtime.kv_rotate``, llama.cpp's way: cheap, not exact) where
-        the cache allows, else recomputes."""
+        the cache allows, else recomputes. ``decode_first``: a cold start
+        runs as soon as the decode step is compiled (a prompt as decode
+        steps, the same bits) while the prompt chunk's kernels compile in
+        the background (``runtime.loading.build_executor``)."""
         full_ctx = check_run_options(loaded, ctx, threads, kv_type)
         if speculation is not None:
             try:
@@ -94,7 +97,7 @@ class Model:
         self.build = BuildOptions(backend, threads, use_cache, passes, status)
         built = build_executor(loaded, self.build, full_ctx, artifact=artifact, user_ctx=ctx is not None,
                                mem_budget=mem_budget, stream=stream, kv_type=kv_type, stream_io=stream_io,
-                               verify=speculation is not None)
+                               verify=speculation is not None, decode_first=decode_first)
         if built.batch is not None:
             raise RunError(f"{loaded.path}: this compiled model was built for batched serving; load it with "
                            f"runtime.engine.load_batch_model")
@@ -124,6 +127,24 @@ class Model:
             self.speculation = speculation
         if mem_budget is not None:
             return_freed_memory()
+
+    @property
+    def compiling(self) -> bool:
+        """Whether a ``decode_first`` start is still compiling the rest of
+        its code (the prompt chunks') in the background."""
+        return bool(getattr(self.executor, "building", False))
+
+    def finish_compiling(self) -> None:
+        """Wait for that compile, so that the next load of this model is
+        warm (a command that ends early would otherwise drop it, keeping
+        only the kernels done so far). Without the compile cache there is
+        no next load to serve: the compile stops instead."""
+        if not self.compiling:
+            return
+        if self.build.use_cache:
+            self.executor.wait_for_build()
+        else:
+            self.executor.stop_building()
 
     # --- text --------------------------------------------------------------
     def encode(self, text: str, bos: bool = True, special: bool = False) -> list[int]:

@@ -77,45 +77,83 @@ class NativeExecutor(PagedBatch, RingReach):
         draft of the first layers: its state layout must be a prefix of
         that executor's, which the caller checks)."""
         m = art.manifest
-        self.manifest = m
         self.threads = max(1, int(threads or os.cpu_count() or 1))
-        self.code = LoadedCode(art.obj, shared=True)   # a shared library: LLVM stays unloaded
-        self._run = _RUN(self.code.address("lmc_run"))
-        self._worker = _WORKER(self.code.address("lmc_worker"))
-        self._stop = _STOP(self.code.address("lmc_stop"))
+        self._offered: Artifact | None = None   # the whole artifact, when this one is its decode step alone
+        self._rest = None                       # and the build that makes it (compiler.native.RestOfBuild)
         self.stream = (m.get("memory") or {}).get("stream")
         if os.path.getsize(model_path) != m["model"]["size"]:
             raise ValueError(f"{model_path}: size changed since it was compiled")
-        if m.get("image"):   # compressed layers: the file plus the decompressed ones, at one address
-            from .weight_image import WeightImage, regions_of
-
-            skip = frozenset((self.stream or {}).get("packed_image_offsets", []))
-            from compiler.repack_cache import cache_key
-
-            key = cache_key(m["model"], m["image"].get("regions", []))
-            self._map = WeightImage(model_path, regions_of(m["image"]), int(m["image"]["size"]), skip, key,
-                                    streamed_repacked=bool((self.stream or {}).get("reads_repacked")))
-            self._weights = self._map.array
-        else:
-            if self.stream:   # the streamed layers are read into buffers: the mapping holds the rest
-                with open(model_path, "rb") as f:
-                    self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            else:
-                from .weight_map import map_weights
-
-                self._map = map_weights(model_path)
-            self._weights = np.frombuffer(self._map, np.uint8)
+        self._model_path = model_path
+        self._map, self._weights = self._map_weights(m)
         self.chunk = int(m["prefill_chunk"])
         self.ring_slack = m.get("ring_slack")
-        self.arena = _aligned(max(64, int(m["arena_bytes"])))
+        self._buffers_for(m)
         if state is not None and state.nbytes < int(m["state_bytes"]):
             raise ValueError(f"a shared KV cache of {state.nbytes} bytes is smaller than {m['state_bytes']}")
         self.state = _aligned(max(64, int(m["state_bytes"]))) if state is None else state
+        prof = m.get("profile")
+        self._profile = np.zeros(int(prof["slots"]), np.int64) if prof else None
+        self.vocab = int(m["config"]["vocab_size"])
+        self.ctx = int(m["ctx"])
+        if m.get("batch"):
+            bm = m["batch"]
+            self.pool = PoolShape(int(bm["block_size"]), int(bm["n_blocks"]), int(bm["max_blocks_per_seq"]),
+                                  self.ctx, self.vocab, int(bm["max_rows"]), int(bm["max_batch"]),
+                                  int(bm.get("window", 0)))
+        self._fds: list[int] = []
+        self._buffers: list[np.ndarray] = []
+        self._bind(art)
+        if self.stream:
+            self._start_io(model_path)
+        self._finalizer = self._finalize_with(self._threads)
+
+    def _map_weights(self, m: dict) -> tuple:
+        """The weights at one address: the model file mapped, or the weight
+        image (the file plus repacked or decompressed layers)."""
+        model_path = self._model_path
+        if m.get("image"):   # compressed layers: the file plus the decompressed ones, at one address
+            from compiler.repack_cache import cache_key
+
+            from .weight_image import WeightImage, regions_of
+
+            skip = frozenset((self.stream or {}).get("packed_image_offsets", []))
+            key = cache_key(m["model"], m["image"].get("regions", []))
+            image = WeightImage(model_path, regions_of(m["image"]), int(m["image"]["size"]), skip, key,
+                                streamed_repacked=bool((self.stream or {}).get("reads_repacked")))
+            return image, image.array
+        if self.stream:   # the streamed layers are read into buffers: the mapping holds the rest
+            with open(model_path, "rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        else:
+            from .weight_map import map_weights
+
+            mapped = map_weights(model_path)
+        return mapped, np.frombuffer(mapped, np.uint8)
+
+    def _buffers_for(self, m: dict) -> None:
+        """The arena, per-thread scratch and IO area ``m`` needs (kept when
+        they are large enough: a step's outputs are views of the arena)."""
+        if getattr(self, "arena", None) is None or self.arena.nbytes < int(m["arena_bytes"]):
+            self.arena = _aligned(max(64, int(m["arena_bytes"])))
         stride = int(m["scratch_floats"]) * 4
-        self.scratch = _aligned(stride * self.threads)
-        # graph inputs at the offsets the manifest gives (the token ids at 0)
-        self.io = _aligned(max(64, int(m.get("io_bytes", 0)), 4 * self.chunk))
-        self._tokens = self.io[: 4 * self.chunk].view(np.int32)
+        if getattr(self, "scratch", None) is None or self._stride < stride:
+            self.scratch, self._stride = _aligned(stride * self.threads), stride
+        io = max(64, int(m.get("io_bytes", 0)), 4 * self.chunk)
+        if getattr(self, "io", None) is None or self.io.nbytes < io:
+            # graph inputs at the offsets the manifest gives (the token ids at 0)
+            self.io = _aligned(io)
+            self._tokens = self.io[: 4 * self.chunk].view(np.int32)
+
+    def _bind(self, art: Artifact) -> None:
+        """Load ``art``'s code, give it a fresh control block over this
+        executor's buffers and start its worker threads."""
+        m = art.manifest
+        self.manifest = m
+        self.code = LoadedCode(art.obj, shared=True)   # a shared library: LLVM stays unloaded
+        self._native_run = _RUN(self.code.address("lmc_run"))
+        self._run = self._native_run
+        self._worker = _WORKER(self.code.address("lmc_worker"))
+        self._stop = _STOP(self.code.address("lmc_stop"))
         self.ctl = _aligned(Ctl.SLOTS * 8).view(np.int64)
         c = self.ctl
         c[Ctl.NTHREADS] = self.threads
@@ -124,33 +162,71 @@ class NativeExecutor(PagedBatch, RingReach):
         c[Ctl.STATE] = self.state.ctypes.data
         c[Ctl.IO] = self.io.ctypes.data
         c[Ctl.SCRATCH] = self.scratch.ctypes.data
-        c[Ctl.SCRATCH_STRIDE] = stride
-        prof = m.get("profile")
-        self._profile = np.zeros(int(prof["slots"]), np.int64) if prof else None
+        c[Ctl.SCRATCH_STRIDE] = self._stride
         if self._profile is not None:
             c[Ctl.PROFILE] = self._profile.ctypes.data
         self._ctl_ptr = c.ctypes.data
         self.entries = m["entries"]
-        self.vocab = int(m["config"]["vocab_size"])
-        self.ctx = int(m["ctx"])
-        if m.get("batch"):
-            bm = m["batch"]
-            self.pool = PoolShape(int(bm["block_size"]), int(bm["n_blocks"]), int(bm["max_blocks_per_seq"]),
-                                  self.ctx, self.vocab, int(bm["max_rows"]), int(bm["max_batch"]),
-                                  int(bm.get("window", 0)))
         self._threads: list[threading.Thread] = []
         for tid in range(1, self.threads):
             t = threading.Thread(target=self._worker, args=(self._ctl_ptr, tid), daemon=True,
                                  name=f"lmc-worker-{tid}")
             t.start()
             self._threads.append(t)
-        self._fds: list[int] = []
-        self._buffers: list[np.ndarray] = []
-        if self.stream:
-            self._start_io(model_path)
+
+    def _finalize_with(self, threads: list[threading.Thread]) -> weakref.finalize:
         keep = (self.code, self._map, self._weights, self.arena, self.state, self.scratch, self.io,
                 self._buffers)
-        self._finalizer = weakref.finalize(self, _shutdown, self._stop, self.ctl, self._threads, keep, self._fds)
+        return weakref.finalize(self, _shutdown, self._stop, self.ctl, threads, keep, self._fds)
+
+    # --- an early decode step, then the whole artifact --------------------------------
+    def follow(self, rest) -> None:
+        """This executor runs an artifact of the decode step alone while
+        ``rest`` (``compiler.native.RestOfBuild``) builds the whole one:
+        it takes that at the first step after it is done. Until then a
+        prompt runs as decode steps, which compute its rows with the same
+        bits as a prompt chunk."""
+        self._rest = rest
+        rest.when_done(self.offer)
+
+    def offer(self, art: Artifact) -> None:
+        """Run ``art`` from the next step on (called from any thread)."""
+        self._offered = art
+
+    def _take_offer(self) -> None:
+        art, self._offered = self._offered, None
+        m, old = art.manifest, self.manifest
+        differ = [k for k in ("state_bytes", "state_offsets", "ctx", "prefill_chunk", "ring_slack", "kv_type")
+                  if m.get(k) != old.get(k)]
+        if differ:
+            raise RuntimeError(f"the whole artifact does not fit its decode step's KV cache ({', '.join(differ)})")
+        timed = self._run is not self._native_run
+        self._finalizer.detach()
+        _shutdown(self._stop, self.ctl, self._threads, (self.code,), [])   # the old code's workers
+        if m.get("image") != old.get("image"):
+            self._map, self._weights = self._map_weights(m)
+        self._buffers_for(m)
+        self._bind(art)
+        if timed:
+            self.time_steps(self._times)
+        self._finalizer = self._finalize_with(self._threads)
+        self._rest = None
+
+    def wait_for_build(self) -> None:
+        """Wait until the whole artifact is built (and cached: the next
+        load is warm); it is taken at the next step."""
+        if self._rest is not None:
+            self._rest.result()
+
+    def stop_building(self) -> None:
+        """Stop the build of the whole artifact (this one runs on)."""
+        if self._rest is not None:
+            self._rest.cancel()
+
+    @property
+    def building(self) -> bool:
+        """Whether the whole artifact is still being built."""
+        return self._rest is not None and not self._rest.done() or self._offered is not None
 
     # --- layer streaming ------------------------------------------------------------
     def _start_io(self, model_path: str) -> None:
@@ -191,6 +267,7 @@ class NativeExecutor(PagedBatch, RingReach):
                 "read_bytes": int(c[S.READ_BYTES]), "reader_idle_s": float(c[S.IO_IDLE_NS]) / 1e9}
 
     def close(self) -> None:
+        self.stop_building()
         self._finalizer()
 
     # --- profiling builds ------------------------------------------------------
@@ -211,11 +288,12 @@ class NativeExecutor(PagedBatch, RingReach):
         if self._profile is not None:
             self._profile[:] = 0
 
-    def time_steps(self) -> list[float]:
+    def time_steps(self, times: list[float] | None = None) -> list[float]:
         """From now on, append the wall time (s) of each native step, the
         ``lmc_run`` call alone, to the returned list."""
-        times: list[float] = []
-        run = self._run
+        times = [] if times is None else times
+        self._times = times
+        run = self._native_run
 
         def timed(ctl: int) -> None:
             t0 = time.perf_counter()
@@ -230,6 +308,8 @@ class NativeExecutor(PagedBatch, RingReach):
         self.forget_writes()
 
     def _step(self, entry: str, pos: int, T: int) -> np.ndarray:
+        if self._offered is not None:
+            self._take_offer()
         e = self.entries[entry]
         c = self.ctl
         c[Ctl.ENTRY] = e["index"]
@@ -261,6 +341,10 @@ class NativeExecutor(PagedBatch, RingReach):
         return self._step("decode", pos, 1)
 
     def prefill(self, ids: list[int], pos: int, all_logits: bool = False) -> np.ndarray:
+        if self._offered is not None:
+            self._take_offer()
+        if "prefill" not in self.entries and self._rest is not None:
+            return self._prefill_by_steps(ids, pos, all_logits)
         if "prefill" not in self.entries:
             raise single_stream_only("prefill")
         self._check(ids, pos)
@@ -273,6 +357,22 @@ class NativeExecutor(PagedBatch, RingReach):
             out = self._step("prefill_all" if all_logits else "prefill", pos + start, len(part))
             if all_logits:
                 rows.append(out.copy())
+        return np.concatenate(rows) if all_logits else out
+
+    def _prefill_by_steps(self, ids: list[int], pos: int, all_logits: bool) -> np.ndarray:
+        """A prompt as decode steps, while the prompt chunk's kernels are
+        still compiling; the rest as chunks once they are there."""
+        self._check(ids, pos)
+        rows = []
+        for i, tok in enumerate(ids):
+            if self._offered is not None:
+                self._take_offer()
+            if "prefill" in self.entries:
+                rest = self.prefill(ids[i:], pos + i, all_logits)
+                return np.concatenate([*rows, rest]) if all_logits else rest
+            out = self.decode(tok, pos + i)
+            if all_logits:
+                rows.append(out.copy()[None])
         return np.concatenate(rows) if all_logits else out
 
     def verify(self, ids: list[int], pos: int) -> np.ndarray:

@@ -20,7 +20,7 @@ from ..errors import RunError
 from ..sampling import SamplerConfig
 from ..status import StatusLine
 from .common import (CliError, check_context_shift, constraint_args, constraint_of, context_shift_args, exec_args,
-                     kv_type_arg, model_args, positive_or_zero, resolve_model, sampling_args, sampling_of,
+                     finish_compiling, kv_type_arg, model_args, positive_or_zero, resolve_model, sampling_args, sampling_of,
                      speculation_args, speculation_of)
 
 HELP = """commands:
@@ -71,13 +71,12 @@ def run(args: argparse.Namespace) -> int:
         session = _session(args, status)
     finally:
         status.clear()
-    if args.messages is not None:
-        return _answer_once(session, args)
-    if args.json:
+    if args.json and args.messages is None:
         raise CliError("--json goes with --messages (one answer as one object)")
-    if sys.stdin.isatty() and sys.stdout.isatty():
-        return _interactive(session, args)
-    return _piped(session)
+    code = (_answer_once(session, args) if args.messages is not None
+            else _interactive(session, args) if sys.stdin.isatty() and sys.stdout.isatty() else _piped(session))
+    finish_compiling(session.model, StatusLine())
+    return code
 
 
 def _session(args: argparse.Namespace, status: StatusLine) -> ChatSession:
@@ -90,7 +89,8 @@ def _session(args: argparse.Namespace, status: StatusLine) -> ChatSession:
     messages = read_messages(args.messages) if args.messages is not None else None
     model = load(model_path, tok_path, backend=args.backend, ctx=args.ctx, threads=args.threads,
                  use_cache=not args.no_cache, kv_type=args.kv_type, status=status, speculation=speculation_of(args),
-                 context_shift=args.context_shift and args.shift_by, keep=args.keep)
+                 context_shift=args.context_shift and args.shift_by, keep=args.keep,
+                 decode_first=True)
     tok = model.tokenizer
     if args.chat_template is not None:
         tok.chat_template = resolve_chat_template(args.chat_template, tok.model_chat_template,

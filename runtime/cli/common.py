@@ -227,3 +227,12 @@ def speculation_of(args: argparse.Namespace):
         raise CliError("--draft-tokenizer goes with --draft MODEL")
     return Speculation(lookup=args.lookup or 0, draft=args.draft, draft_layers=args.draft_layers or 0,
                        draft_max=args.draft_max or DEFAULT_DRAFT_MAX, draft_tokenizer=args.draft_tokenizer)
+
+
+def finish_compiling(model, status) -> None:
+    """Before a command that started on its decode step exits: wait for
+    the background compile, so the next run starts warm (Ctrl-C skips it)."""
+    if model.compiling:
+        status("compiling the prompt kernels for the next run (Ctrl-C skips)")
+        model.finish_compiling()
+        status.clear()

@@ -8,8 +8,8 @@ import sys
 
 from ..api import load
 from ..status import StatusLine
-from .common import (constraint_args, constraint_of, exec_args, kv_type_arg, memory_args, model_args,
-                     positive_or_zero, resolve_model, sampling_args, sampling_of, speculation_args, speculation_of)
+from .common import (constraint_args, constraint_of, exec_args, finish_compiling, kv_type_arg, memory_args,
+                     model_args, positive_or_zero, resolve_model, sampling_args, sampling_of, speculation_args, speculation_of)
 
 
 def add_parser(sub) -> None:
@@ -40,13 +40,18 @@ def run(args: argparse.Namespace) -> int:
         status.clear()
 
 
+def _finished(model, status: StatusLine, code: int) -> int:
+    finish_compiling(model, status)
+    return code
+
+
 def _run(args: argparse.Namespace, status: StatusLine) -> int:
     model_path, tok_path = resolve_model(args)
     spec = speculation_of(args)
     grammar = constraint_of(args)
     model = load(model_path, tok_path, backend=args.backend, ctx=args.ctx, threads=args.threads,
                  use_cache=not args.no_cache, kv_type=args.kv_type, mem_budget=args.mem_budget,
-                 stream=args.stream, stream_io=args.stream_io, status=status, speculation=spec)
+                 stream=args.stream, stream_io=args.stream_io, status=status, speculation=spec, decode_first=True)
     prompt_ids = model.encode(args.prompt, bos=True, special=args.special)
     text = model.complete(prompt_ids, args.max_new_tokens, stream=True, stop=args.stop, reuse_cache=False,
                           grammar=grammar, **sampling_of(args))
@@ -65,7 +70,7 @@ def _run(args: argparse.Namespace, status: StatusLine) -> int:
                       "threads": getattr(model.executor, "threads", 1), "kv_type": model.kv_type,
                       "kv_bytes": model.kv_bytes},
         }))
-        return 0
+        return _finished(model, status, 0)
     write = sys.stdout.write
     first = True
     for piece in text:
@@ -85,4 +90,4 @@ def _run(args: argparse.Namespace, status: StatusLine) -> int:
                 else "")
         sys.stderr.write(f"[{st['prompt_tokens']} prompt tokens, {st['generated_tokens']} generated, "
                          f"{st['decode_tok_s']} tok/s decode{spec}, stopped: {comp.stop_reason}]\n")
-    return 0
+    return _finished(model, status, 0)
