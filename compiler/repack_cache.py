@@ -94,7 +94,7 @@ def lookup(key: str, size: int) -> str | None:
     except (OSError, UnicodeDecodeError):
         return None                      # none, or not sealed yet (a compile beside us is writing it)
     try:
-        if os.path.getsize(path) == size and want == sampled_digest(path):
+        if os.path.getsize(path) == size and want == _digest(path):
             return path
     except OSError:
         pass
@@ -106,9 +106,29 @@ def lookup(key: str, size: int) -> str | None:
     return None
 
 
+#: digests this process computed when it sealed an entry, by path, with the (size, mtime) they
+#: hold for: the runtime that maps an entry right after its compile wrote it (a cold start)
+#: need not read the sample again
+_SEALED: dict[str, tuple[tuple[int, int], str]] = {}
+
+
+def _stamp(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+def _digest(path: str) -> str:
+    known = _SEALED.get(path)
+    if known is not None and known[0] == _stamp(path):
+        return known[1]
+    return sampled_digest(path)
+
+
 def _seal(path: str) -> None:
     """Write the digest that ``lookup`` checks beside a finished entry."""
-    write_entry(path + ".sha256", sampled_digest(path).encode("ascii"))
+    digest = sampled_digest(path)
+    _SEALED[path] = (_stamp(path), digest)
+    write_entry(path + ".sha256", digest.encode("ascii"))
 
 
 def _jobs(regions: Sequence[Any]) -> list[tuple[Any, int, int]]:

@@ -141,8 +141,9 @@ def build_executor(loaded: LoadedModel, build: BuildOptions, ctx: int, *, artifa
     if man.get("batch"):
         b = man["batch"]
         batch = BatchOptions(int(b["block_size"]), int(b["n_blocks"]), int(b["max_batch"]))
-    ex = NativeExecutor(artifact, loaded.path, build.threads)
-    if res is not None and res.rest is not None:
+    early = res is not None and res.rest is not None
+    ex = NativeExecutor(artifact, loaded.path, build.threads, settle_later=early)
+    if early:
         ex.follow(res.rest)
     return BuiltExecutor(ex, int(man["ctx"]), man.get("kv_type", "f32"), int(man["state_bytes"]), batch, info)
 

@@ -137,14 +137,16 @@ class Model:
     def finish_compiling(self) -> None:
         """Wait for that compile, so that the next load of this model is
         warm (a command that ends early would otherwise drop it, keeping
-        only the kernels done so far). Without the compile cache there is
+        only the kernels done so far), and put the weights, mapped at once
+        by the cold start, on large pages (``NativeExecutor.settle_weights``). Without the compile cache there is
         no next load to serve: the compile stops instead."""
-        if not self.compiling:
+        if not hasattr(self.executor, "wait_for_build"):   # the interpreter
             return
-        if self.build.use_cache:
-            self.executor.wait_for_build()
-        else:
+        if not self.build.use_cache:
             self.executor.stop_building()
+            return
+        self.executor.wait_for_build()
+        self.executor.settle_weights()
 
     # --- text --------------------------------------------------------------
     def encode(self, text: str, bos: bool = True, special: bool = False) -> list[int]:

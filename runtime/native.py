@@ -72,10 +72,13 @@ class NativeExecutor(PagedBatch, RingReach):
     name = "llvm"
 
     def __init__(self, art: Artifact, model_path: str, threads: int | None = None,
-                 state: np.ndarray | None = None) -> None:
+                 state: np.ndarray | None = None, settle_later: bool = False) -> None:
         """``state``: run on another executor's KV cache (a self-speculative
         draft of the first layers: its state layout must be a prefix of
-        that executor's, which the caller checks)."""
+        that executor's, which the caller checks). ``settle_later``: a cold
+        start's repacked weights are mapped at once and put on large pages
+        by ``settle_weights`` (``WeightImage``)."""
+        self._settle_later = settle_later
         m = art.manifest
         self.threads = max(1, int(threads or os.cpu_count() or 1))
         self._offered: Artifact | None = None   # the whole artifact, when this one is its decode step alone
@@ -119,7 +122,8 @@ class NativeExecutor(PagedBatch, RingReach):
             skip = frozenset((self.stream or {}).get("packed_image_offsets", []))
             key = cache_key(m["model"], m["image"].get("regions", []))
             image = WeightImage(model_path, regions_of(m["image"]), int(m["image"]["size"]), skip, key,
-                                streamed_repacked=bool((self.stream or {}).get("reads_repacked")))
+                                streamed_repacked=bool((self.stream or {}).get("reads_repacked")),
+                                settle_later=self._settle_later)
             return image, image.array
         if self.stream:   # the streamed layers are read into buffers: the mapping holds the rest
             with open(model_path, "rb") as f:
@@ -217,6 +221,14 @@ class NativeExecutor(PagedBatch, RingReach):
         load is warm); it is taken at the next step."""
         if self._rest is not None:
             self._rest.result()
+
+    def settle_weights(self) -> None:
+        """Between steps: the weights mapped with ``settle_later`` go on
+        large pages now (a read of the repacked bytes), for this run's
+        remaining steps and the next load."""
+        settle = getattr(self._map, "settle", None)
+        if settle is not None:
+            settle()
 
     def stop_building(self) -> None:
         """Stop the build of the whole artifact (this one runs on)."""

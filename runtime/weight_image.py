@@ -50,13 +50,19 @@ class WeightImage:
     """The file, then its decompressed regions, at one address."""
 
     def __init__(self, path: str, regions: list[Region], image_size: int, skip: frozenset[int] = frozenset(),
-                 repack_key: str | None = None, streamed_repacked: bool = False) -> None:
+                 repack_key: str | None = None, streamed_repacked: bool = False, settle_later: bool = False) -> None:
         """``repack_key``: names the repacked regions' bytes in the cache
         (``compiler.repack_cache``): mapped from there when present, else
         built and stored there for the next load. ``streamed_repacked``:
         some repacked weights stream (a memory budget), so their bytes must
-        be in a file (``repacked_fd``), never built in this process's memory."""
+        be in a file (``repacked_fd``), never built in this process's memory.
+        ``settle_later``: map the cached repacked bytes as their page cache
+        holds them now, leaving ``settle`` to put them on 2 MiB pages
+        (``runtime.weight_map``): a cold start maps an entry its compile
+        wrote a moment ago, whose reading again would delay the first token."""
         self.path = path
+        self._settle_later = settle_later
+        self._unsettled: tuple[str, int, int] | None = None
         #: how the repacked weights got here: "mapped" (the cache), "built" (repacked now), None (none)
         self.repacked: str | None = None
         #: an open descriptor of the file of the repacked weights (streamed ones are read from it), or -1
@@ -152,13 +158,39 @@ class WeightImage:
         from .weight_map import map_weights
 
         try:
-            map_weights(path).close()      # its page cache on large folios, if it can be
+            if self._settle_later:
+                self._unsettled = (path, lo, size)
+            else:
+                map_weights(path).close()      # its page cache on large folios, if it can be
             with open(path, "rb") as f:
                 got = _libc.mmap(self.address + lo, size, mmap.PROT_READ, mmap.MAP_PRIVATE | _MAP_FIXED,
                                  f.fileno(), 0)
             return got == self.address + lo
         except OSError:
             return False
+
+    def settle(self) -> None:
+        """Put the cached repacked bytes mapped with ``settle_later`` on 2 MiB
+        pages where the kernel can (``weight_map.map_weights`` reads the
+        file again if it must), so the next load finds them there. Their
+        span reads as zeros meanwhile: only while no step runs."""
+        if self._unsettled is None:
+            return
+        from .weight_map import map_weights
+
+        path, lo, size = self._unsettled
+        self._unsettled = None
+        at = self.address + lo
+        # the file's pages must not be mapped while they are dropped and read again
+        if _libc.mmap(at, size, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED, -1, 0) != at:
+            raise OSError(ctypes.get_errno(), "cannot unmap the repacked weights")
+        try:
+            map_weights(path).close()
+        finally:
+            with open(path, "rb") as f:
+                got = _libc.mmap(at, size, mmap.PROT_READ, mmap.MAP_PRIVATE | _MAP_FIXED, f.fileno(), 0)
+            if got != at:
+                raise OSError(ctypes.get_errno(), f"{path}: cannot map the repacked weights again")
 
     def _unpack(self, r: Region) -> None:
         src, dst = self.address + r.file_offset, self.address + r.image_offset

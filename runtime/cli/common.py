@@ -234,5 +234,5 @@ def finish_compiling(model, status) -> None:
     the background compile, so the next run starts warm (Ctrl-C skips it)."""
     if model.compiling:
         status("compiling the prompt kernels for the next run (Ctrl-C skips)")
-        model.finish_compiling()
-        status.clear()
+    model.finish_compiling()
+    status.clear()
