@@ -562,9 +562,10 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
                 for c in range(nvec):
                     kb.vstore(vs[c], ops[i], c * wd)
 
-    def scores_rows(t0: ir.Value, hu: ir.Value) -> list[list[ir.Value]]:
+    def scores_rows(t0: ir.Value, hu: ir.Value) -> None:
         """Pass 1 for rows t0 .. t0 + R - 1 (those past the chunk repeat its last) and the unit's
-        heads hu * hg ...: every row's scaled scores into scratch; returns per row the pointer per head.
+        heads hu * hg ...: every row's scaled scores into scratch, row r's head i at
+        (r * hg + i) * positions.
 
         The same bits as the one-row pass, with less work: there a key's score is lane l's chain
         k[l] q[l] + k[wd + l] q[wd + l] + ... (a multiply, then fused multiply-adds), the wd lanes
@@ -580,38 +581,51 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
         last = b.sub(nl, i64(1))
         krow = addr.rows(kc, tl, i64(0), b.mul(b.udiv(h0, i64(group)), i64(head_step)), row_step)
         kt = kb.gep(scratch, R * hg * positions)      # the transposed block: kt[d * KB + k] = key k's dim d
-        scs = [[kb.gep(scratch, (r * hg + i) * positions) for i in heads] for r in range(R)]
-        qps = [[kb.gep(q, b.mul(b.add(b.mul(kb.imin(b.add(t0, i64(r)), b.sub(nrows, i64(1))), i64(H)),
-                                      b.add(h0, i64(i))), i64(hd))) for i in heads] for r in range(R)]
-        pairs = [(r, i) for r in range(R) for i in heads]
-        size = -(-len(pairs) // -(-len(pairs) // SCORE_GROUP))     # groups of equal size, at most SCORE_GROUP
+        n_pairs = R * hg                              # head-row p: row p // hg, head p % hg of the unit
+        size = -(-n_pairs // -(-n_pairs // SCORE_GROUP))     # groups of equal size, at most SCORE_GROUP
+
+        def member(p: ir.Value) -> tuple[ir.Value, ir.Value]:
+            """Head-row p's query (its row past the chunk: the last) and its scores."""
+            r, i = b.udiv(p, i64(hg)), b.urem(p, i64(hg))
+            row = kb.imin(b.add(t0, r), b.sub(nrows, i64(1)))
+            return (kb.gep(q, b.mul(b.add(b.mul(row, i64(H)), b.add(h0, i)), i64(hd))),
+                    kb.gep(scratch, b.mul(p, i64(positions))))
+
+        def score_group(j: ir.Value, first: ir.Value, n: int) -> None:
+            """Head-rows first .. first + n - 1 of key block j, sharing each key vector's load."""
+            grp = [member(b.add(first, i64(x))) for x in range(n)]
+
+            def lane(l_: int) -> list[ir.Value]:
+                accs: list[ir.Value | None] = [None] * n
+                for c in range(nvec):
+                    d = c * wd + l_
+                    kd = kb.vload(kt, d * KB, KB)
+                    for x, (qp, _) in enumerate(grp):
+                        qd = kb.splat(kb.load(qp, d), KB)
+                        accs[x] = kb.fmul(kd, qd) if accs[x] is None else fmuladd(kb, kd, qd, accs[x])
+                return accs
+
+            def folded(l_: int, h: int) -> list[ir.Value]:
+                """Lane l_ after the tree's fold of half h (``hsum_many``: lane l_ + lane l_ + h)."""
+                if h == wd:
+                    return lane(l_)
+                return [kb.fadd(x, y) for x, y in zip(folded(l_, 2 * h), folded(l_ + h, 2 * h))]
+            for (_, sp), v in zip(grp, folded(0, 1)):
+                kb.vstore(scaled(v), sp, j)
+
         with kb.loop(0, nl, step=KB, name="kblk") as j:
             rows = [krow(kb.imin(b.add(j, i64(k)), last)) for k in range(KB)]   # past the end: the last key again
             for c in range(nvec):
                 cols = _transpose(kb, [load(kp, c * wd) for kp in rows])
                 for l_ in range(wd):
                     kb.vstore(cols[l_], kt, (c * wd + l_) * KB)
-            for g0 in range(0, len(pairs), size):   # head-rows sharing each key vector's load
-                grp = pairs[g0:g0 + size]
-
-                def lane(l_: int, grp: list[tuple[int, int]] = grp) -> list[ir.Value]:
-                    accs: list[ir.Value | None] = [None] * len(grp)
-                    for c in range(nvec):
-                        d = c * wd + l_
-                        kd = kb.vload(kt, d * KB, KB)
-                        for x, (r, i) in enumerate(grp):
-                            qd = kb.splat(kb.load(qps[r][i], d), KB)
-                            accs[x] = kb.fmul(kd, qd) if accs[x] is None else fmuladd(kb, kd, qd, accs[x])
-                    return accs
-
-                def folded(l_: int, h: int, lane=lane) -> list[ir.Value]:
-                    """Lane l_ after the tree's fold of half h (``hsum_many``: lane l_ + lane l_ + h)."""
-                    if h == wd:
-                        return lane(l_)
-                    return [kb.fadd(x, y) for x, y in zip(folded(l_, 2 * h, lane), folded(l_ + h, 2 * h, lane))]
-                for (r, i), v in zip(grp, folded(0, 1)):
-                    kb.vstore(scaled(v), scs[r][i], j)
-        return scs
+            # the groups' code once, in a loop (emitted per group, it was most of a chunk
+            # kernel's code and of its compile time); a smaller last group after it
+            full = n_pairs // size
+            with kb.loop(0, full * size, step=size, name="sgrp") as first:
+                score_group(j, first, size)
+            if n_pairs % size:
+                score_group(j, i64(full * size), n_pairs % size)
 
     with kb.loop(lo, hi, step=step, name="unit") as u:
         if addr.strided:    # t-major: a paged step's rows are different sequences
@@ -622,11 +636,12 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
             unit(t, hu, [kb.gep(scratch, i * positions) for i in heads], False)
         else:
             t0 = b.mul(t, i64(R))
-            scs = scores_rows(t0, hu)
-            for r in range(R):
-                tr = b.add(t0, i64(r))
+            scores_rows(t0, hu)
+            with kb.loop(0, R, name="rrow") as r:    # passes 2 and 3 per row, their code once
+                tr = b.add(t0, r)
                 with kb.if_then(b.icmp_signed("<", tr, nrows)):
-                    unit(tr, hu, scs[r], True)
+                    unit(tr, hu, [kb.gep(scratch, b.mul(b.add(b.mul(r, i64(hg)), i64(i)), i64(positions)))
+                                  for i in heads], True)
 
 
 def _transpose(kb: KernelBuilder, rows: list[ir.Value]) -> list[ir.Value]:
