@@ -162,6 +162,9 @@ ROWS = 4
 #: two runs' minimums): 4 rows x groups of 4 head-rows 17.6, of 7 16.5, of 8 16.8, of 14 18.2, of 28
 #: 20.5; 8 rows x 7 18.0
 SCORE_GROUP = 8
+#: head_dim vectors up to which the rows pass's score chains are unrolled (Qwen2.5's and
+#: SmolLM2's 4 at 16 lanes); longer chains (Gemma 3's 16) are loops
+UNROLLED_CHAIN = 4
 #: keys past the cache length a row's scores may take (a 16-key block of the rows' pass runs past the
 #: last visible key; those scores are never read)
 SCORE_PAD = 64
@@ -596,14 +599,23 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
             grp = [member(b.add(first, i64(x))) for x in range(n)]
 
             def lane(l_: int) -> list[ir.Value]:
-                accs: list[ir.Value | None] = [None] * n
-                for c in range(nvec):
-                    d = c * wd + l_
-                    kd = kb.vload(kt, d * KB, KB)
-                    for x, (qp, _) in enumerate(grp):
-                        qd = kb.splat(kb.load(qp, d), KB)
-                        accs[x] = kb.fmul(kd, qd) if accs[x] is None else fmuladd(kb, kd, qd, accs[x])
-                return accs
+                """Lane l_'s chains (a multiply, then multiply-adds over head_dim's
+                vectors c): unrolled for a few vectors, else a loop (head_dim 256:
+                unrolled, the chains were most of the kernel's code and compile time)."""
+                def step(d: ir.Value | int, accs: list[ir.Value] | None) -> list[ir.Value]:
+                    kd = kb.vload(kt, b.mul(d, i64(KB)) if isinstance(d, ir.Value) else d * KB, KB)
+                    qds = [kb.splat(kb.load(qp, d), KB) for qp, _ in grp]
+                    if accs is None:
+                        return [kb.fmul(kd, qd) for qd in qds]
+                    return [fmuladd(kb, kd, qd, a) for qd, a in zip(qds, accs)]
+                accs = step(l_, None)
+                if nvec <= UNROLLED_CHAIN:
+                    for c in range(1, nvec):
+                        accs = step(c * wd + l_, accs)
+                    return accs
+                with kb.loop_carry(1, nvec, accs, name="lch") as (c, cur, setv):
+                    setv(step(b.add(b.mul(c, i64(wd)), i64(l_)), list(cur)))
+                return list(kb.last_carry)
 
             def folded(l_: int, h: int) -> list[ir.Value]:
                 """Lane l_ after the tree's fold of half h (``hsum_many``: lane l_ + lane l_ + h)."""
