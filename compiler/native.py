@@ -160,15 +160,25 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
     # hashes the model file on a thread) while they compile kernels
     kernels = KernelBuild(_sigs(planned.graphs), target, o.vector_width or target.vector_width, o.opt_level,
                           codegen_fingerprint(), use_cache=o.use_cache, jobs=o.jobs, progress=o.progress)
+    art, path = _link_all(model, o, target, planned, key, kernels, memo)
+    return CompileResult(art, False, time.perf_counter() - t0, path, planned.graphs, kernels.stats)
+
+
+def _link_all(model: LoadedModel, o: NativeOptions, target: Target, planned: NativePlan, key: str, kernels: Any,
+              memo: str | None, cancelled: Callable[[], bool] = lambda: False) -> tuple[Artifact | None, str | None]:
+    """Glue of every graph (compiled here while the kernel build's workers
+    compile), then the whole artifact, stored in the cache; (None, None)
+    when ``cancelled()`` says so once the kernels are done."""
     try:
         link = _Linker(model, o, target, planned, key)
         glue = link.glue(list(planned.graphs))
         objects = kernels.finish()
     finally:
         kernels.close()
+    if cancelled():
+        return None, None
     art = link.artifact(list(planned.graphs), objects, glue)
-    path = link.store(art, memo)
-    return CompileResult(art, False, time.perf_counter() - t0, path, planned.graphs, kernels.stats)
+    return art, link.store(art, memo)
 
 
 def _key_of(model: LoadedModel, o: NativeOptions, planned: NativePlan, versions: dict,
@@ -364,16 +374,9 @@ class RestOfBuild:
                                  planned.graphs) if hit is not None else None
         kernels = self._kernels
         kernels.add(_sigs(planned.graphs))
-        try:
-            link = _Linker(model, o, target, planned, key)
-            glue = link.glue(list(planned.graphs))
-            objects = kernels.finish()
-        finally:
-            kernels.close()
-        if self._cancelled:
+        art, path = _link_all(model, o, target, planned, key, kernels, memo, lambda: self._cancelled)
+        if art is None:
             return None
-        art = link.artifact(list(planned.graphs), objects, glue)
-        path = link.store(art, memo)
         return CompileResult(art, False, time.perf_counter() - self._t0, path, planned.graphs, kernels.stats)
 
     def _run(self) -> None:

@@ -23,20 +23,8 @@ PROMPT = ("def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one so
 
 
 @pytest.fixture
-def empty_cache(tmp_path, monkeypatch):
-    """A compile cache of this test's own, empty: a cold start."""
-    path = tmp_path / "cache"
-    monkeypatch.setenv("LMC_CACHE_DIR", str(path))
-    return path
-
-
-def test_prompt_as_decode_steps_then_as_chunks_has_the_same_logits(empty_cache, monkeypatch):
-    """Held back until released, the rest of the build cannot finish: the
-    model starts on an artifact with a decode step only and a 200-token
-    prompt (more than a 128-row chunk) runs as 200 decode steps. Once the
-    whole artifact is built it runs as chunks. Each row's logits are those
-    of a model loaded warm, bit for bit, and so are the greedy tokens."""
-    model = instruct_models()[SMOLLM2]
+def held_build(monkeypatch) -> threading.Event:
+    """The rest of a decode-first build waits until this event is set."""
     gate = threading.Event()
     build = native.RestOfBuild._build
 
@@ -45,6 +33,24 @@ def test_prompt_as_decode_steps_then_as_chunks_has_the_same_logits(empty_cache, 
         return build(self)
 
     monkeypatch.setattr(native.RestOfBuild, "_build", held)
+    return gate
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    """A compile cache of this test's own, empty: a cold start."""
+    path = tmp_path / "cache"
+    monkeypatch.setenv("LMC_CACHE_DIR", str(path))
+    return path
+
+
+def test_prompt_as_decode_steps_then_as_chunks_has_the_same_logits(empty_cache, held_build):
+    """Held back until released, the rest of the build cannot finish: the
+    model starts on an artifact with a decode step only and a 200-token
+    prompt (more than a 128-row chunk) runs as 200 decode steps. Once the
+    whole artifact is built it runs as chunks. Each row's logits are those
+    of a model loaded warm, bit for bit, and so are the greedy tokens."""
+    model = instruct_models()[SMOLLM2]
     m = runtime.load(model, threads=2, decode_first=True)
     assert m.compile_info["decode_first"] and not m.compile_info["cache_hit"]
     assert set(m.executor.entries) == {"decode"} and m.compiling
@@ -54,7 +60,7 @@ def test_prompt_as_decode_steps_then_as_chunks_has_the_same_logits(empty_cache, 
     greedy_by_steps = list(m.generate(ids[:150], 12))
     assert set(m.executor.entries) == {"decode"}   # still on the decode step alone
 
-    gate.set()
+    held_build.set()
     m.finish_compiling()
     by_chunks = m.logits(ids)     # the whole artifact is taken at this call's first step
     assert {"decode", "prefill", "prefill_all"} <= set(m.executor.entries) and not m.compiling
@@ -68,18 +74,10 @@ def test_prompt_as_decode_steps_then_as_chunks_has_the_same_logits(empty_cache, 
     assert greedy_by_steps == greedy_by_chunks == list(warm.generate(ids[:150], 12))
 
 
-def test_a_prompt_switches_to_chunks_when_the_rest_arrives_between_its_steps(empty_cache, monkeypatch):
+def test_a_prompt_switches_to_chunks_when_the_rest_arrives_between_its_steps(empty_cache, held_build):
     """The whole artifact arrives while a prompt runs as decode steps: the
     rest of that prompt runs as chunks, and the rows keep their bits."""
     model = instruct_models()[SMOLLM2]
-    gate = threading.Event()
-    build = native.RestOfBuild._build
-
-    def held(self):
-        gate.wait(timeout=600)
-        return build(self)
-
-    monkeypatch.setattr(native.RestOfBuild, "_build", held)
     m = runtime.load(model, threads=2, decode_first=True)
     ex = m.executor
     steps: list[int] = []
@@ -89,7 +87,7 @@ def test_a_prompt_switches_to_chunks_when_the_rest_arrives_between_its_steps(emp
         steps.append(pos)
         out = decode(token, pos)
         if len(steps) == 40:   # the build may finish now; the next row finds it offered
-            gate.set()
+            held_build.set()
             m.finish_compiling()
         return out
 
