@@ -116,3 +116,38 @@ def test_cli_json(capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["weight_bytes_per_token"] == header_weight_bytes(MODEL)
     assert r["decode_tok_s"] > 0
+
+
+def test_cold_start_times_lmc_run_from_an_empty_cache(capsys, tmp_path, monkeypatch):
+    """``--cold-start``: each round's lmc run starts on a compile cache of
+    its own, removed afterwards, then runs again warm with the same greedy
+    text; the user's cache is not touched."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))   # where the rounds' caches go
+    monkeypatch.setenv("LMC_CACHE_DIR", str(tmp_path / "user-cache"))
+    p = argparse.ArgumentParser()
+    add_parser(p.add_subparsers(dest="cmd"))
+    args = p.parse_args(["bench", MODEL, "-z", TOKENIZER, "-t", "2", "--prompt-tokens", "8",
+                         "--gen-tokens", "4", "--runs", "2", "--probe-mb", "16", "--cold-start", "--json"])
+    assert run(args) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["cold_start_text_identical"] is True
+    assert len(r["cold_start_first_token_s_runs"]) == len(r["warm_start_first_token_s_runs"]) == 2
+    for first, end in zip(r["cold_start_first_token_s_runs"], r["cold_start_exit_s_runs"]):
+        assert 0 < first <= end
+    assert r["cold_start_first_token_s"] > 0 and r["warm_start_first_token_s"] > 0
+    assert r["cold_start_command"].startswith("lmc run stories260K.bin")
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("lmc-cold-start-")]   # removed after
+    assert not (tmp_path / "user-cache").exists()
+    assert "first token" in format_table(r)
+
+
+def test_cold_start_is_not_a_serve_flag(capsys):
+    p = argparse.ArgumentParser()
+    add_parser(p.add_subparsers(dest="cmd"))
+    args = p.parse_args(["bench", MODEL, "-z", TOKENIZER, "--serve", "--cold-start"])
+    from runtime.cli.common import CliError
+
+    with pytest.raises(CliError, match="--cold-start"):
+        run(args)

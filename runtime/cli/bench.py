@@ -13,7 +13,7 @@ from typing import Any
 
 from ir.types import KV_TYPES
 
-from ..tools import serve_bench
+from ..tools import cold_start, serve_bench
 from ..tools.bench import compare_with, run_bench
 from .common import CliError, memory_args, speculation_args, speculation_of, thread_count, whole_number
 
@@ -28,6 +28,8 @@ _TABLE = [
     ("gen_tokens", "generated tokens", "{}"),
     ("compile_s_cold", "compile, cold", "{:.3f} s"),
     ("compile_s_warm", "compile, cached", "{:.4f} s"),
+    ("cold_start_first_token_s", "lmc run from an empty cache, first token", "{:.2f} s"),
+    ("warm_start_first_token_s", "lmc run again, first token", "{:.2f} s"),
     ("prefill_tok_s", "prefill", "{:.1f} tok/s"),
     ("int8_unit", "int8 unit", "{}"),
     ("int8_peak_gops", "int8 peak (probe)", "{:.0f} GOPS"),
@@ -141,6 +143,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="with --serve: lmc serve --replicas N (engine replicas on Ray Serve, -t threads each)")
     b.add_argument("--parallel", type=whole_number("--parallel", 1), default=None, metavar="P",
                    help="with --serve: lmc serve --parallel, llama.cpp's slots (default: the largest of --streams)")
+    b.add_argument("--cold-start", action="store_true",
+                   help="also time lmc run from an empty compile cache to its first token and exit, then warm "
+                        "(--runs rounds, each with a fresh cache)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--prompt-file", default=None, metavar="FILE",
                    help="the prompt: this file's text (control tokens such as <|im_start|> recognised) instead of "
@@ -193,6 +198,10 @@ def run(args: argparse.Namespace) -> int:
         compare_with(r, "llamacpp", args.model, args.threads, args.runs, prompt_text=prompt_text, json_schema=schema)
     if args.compare_openvino:
         compare_with(r, "openvino", args.model, args.threads, args.runs)
+    if args.cold_start:
+        if args.backend != "llvm":
+            raise CliError("--cold-start times the native compile; not with --backend interp")
+        r.update(cold_start.measure(args.model, args.tokenizer, args.threads, args.runs))
     if args.json:
         print(json.dumps(_jsonable(r)))
     else:
@@ -206,6 +215,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise CliError("--stream: lmc serve keeps its weights in memory; not with --serve")
     if args.compare_openvino:
         raise CliError("--compare-openvino measures one stream; not with --serve")
+    if args.cold_start:
+        raise CliError("--cold-start times lmc run; not with --serve")
     extra = ["--backend", args.backend]
     if args.kv_type:
         extra += ["--kv-type", args.kv_type]
