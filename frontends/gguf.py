@@ -140,8 +140,6 @@ def read_gguf(path: str | os.PathLike) -> GGUFContents:
     view per array element. What was found is cached on disk (keyed by the
     file's path, size and modification time): later loads skip even the
     parse. Errors become one-line ModelErrors."""
-    import threading
-
     from . import gguf_cache
     from .gguf_parse import Unsupported, parse_gguf
 
@@ -161,10 +159,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFContents:
         size = os.path.getsize(path)
         first = (str(e).splitlines() or [""])[0][:120]
         raise ModelError(f"{path}: not a readable GGUF file ({type(e).__name__}: {first}; {size} bytes)") from None
-    # written beside the rest of a cold start (which mostly waits for compiler processes), not
-    # before it; not a daemon thread, so an exiting process finishes the entry
-    threading.Thread(target=gguf_cache.store, name="lmc-gguf-cache", args=(
-        path, dict(meta), [(t.name, t.qtype, list(t.shape), t.offset, t.nbytes) for t in tensors])).start()
+    gguf_cache.store(path, meta, [(t.name, t.qtype, list(t.shape), t.offset, t.nbytes) for t in tensors])
     return GGUFContents(meta, tensors)
 
 
