@@ -67,30 +67,22 @@ class KernelBuild:
         from .codegen.kernels import load_emitters
 
         load_emitters()   # before forking: the workers inherit the emitters
-        self.sigs = list(dict.fromkeys(sigs))
         self.target, self.vw, self.level, self.codegen = target, vector_width, level, codegen
         self.use_cache = use_cache
         self.progress = progress
+        self.sigs: list[KernelSig] = []
         self.objects: dict[KernelSig, bytes] = {}
-        self.keys = {s: kernel_cache.kernel_key(kernel_parts(s, target, vector_width, level, codegen))
-                     for s in self.sigs}
-        self.stats = KernelStats(total=len(self.sigs))
+        self.keys: dict[KernelSig, str] = {}
+        self.stats = KernelStats()
         self.missing: list[KernelSig] = []
-        for s in self.sigs:
-            obj, corrupt = kernel_cache.load(self.keys[s]) if use_cache else (None, False)
-            self.stats.corrupt += corrupt
-            if obj is None:
-                self.missing.append(s)
-            else:
-                self.objects[s] = obj
-        self.stats.cached = len(self.objects)
-        self.missing.sort(key=lambda s: s.op not in _SLOW_OPS)
+        self._look_up(sigs)
         self.jobs = jobs or default_jobs()
         want = min(self.jobs, len(self.missing))
         self._pool = None
         self._futures: dict[Future, KernelSig] = {}
         if want > 1:
-            self._start_pool(want, self.missing)
+            self._start_pool(want)
+            self._submit(self.missing)
         self.stats.jobs = max(1, want if self._pool is not None else 1)
         self._niced = False
         self._cancelled = False
@@ -99,44 +91,54 @@ class KernelBuild:
     def add(self, sigs: list[KernelSig]) -> None:
         """More kernels for the same build (the rest of a ``decode_first``
         build): from the kernel cache, else to the workers still running."""
+        todo = self._look_up(sigs)
+        if self._pool is None and min(self.jobs, len(todo)) > 1:
+            self._start_pool(min(self.jobs, len(todo)))
+        self._submit(todo)
+        self.stats.jobs = max(self.stats.jobs, len(self._processes()))
+        if self._niced:
+            self.yield_cpu()
+
+    def _look_up(self, sigs: list[KernelSig]) -> list[KernelSig]:
+        """Take ``sigs`` (those not in the build yet) from the kernel cache;
+        the ones missing there, slowest first, are also noted as missing."""
         new = [s for s in dict.fromkeys(sigs) if s not in self.keys]
+        todo = []
         for s in new:
             self.keys[s] = kernel_cache.kernel_key(kernel_parts(s, self.target, self.vw, self.level, self.codegen))
             obj, corrupt = kernel_cache.load(self.keys[s]) if self.use_cache else (None, False)
             self.stats.corrupt += corrupt
             if obj is None:
-                self.missing.append(s)
+                todo.append(s)
             else:
                 self.objects[s] = obj
                 self.stats.cached += 1
+        todo.sort(key=lambda s: s.op not in _SLOW_OPS)
         self.sigs += new
+        self.missing += todo
         self.stats.total = len(self.sigs)
-        todo = sorted((s for s in new if s not in self.objects), key=lambda s: s.op not in _SLOW_OPS)
-        if self._pool is None and min(self.jobs, len(todo)) > 1:
-            self._start_pool(min(self.jobs, len(todo)), todo)
-            self.stats.jobs = max(self.stats.jobs, len(self._processes()))
-            if self._niced:
-                self.yield_cpu()
-        elif self._pool is not None:
-            from .codegen.objects import timed_kernel_object
-            try:
-                for s in todo:
-                    self._futures[self._pool.submit(timed_kernel_object, s, self.target, self.vw, self.level)] = s
-            except RuntimeError:   # the pool broke or shut down: finish compiles them here
-                pass
+        return todo
 
-    def _start_pool(self, jobs: int, sigs: list[KernelSig]) -> None:
+    def _submit(self, sigs: list[KernelSig]) -> None:
+        """Hand ``sigs`` to the workers (none: ``finish`` compiles them here)."""
+        if self._pool is None:
+            return
+        from .codegen.objects import timed_kernel_object
+
+        try:
+            for s in sigs:
+                self._futures[self._pool.submit(timed_kernel_object, s, self.target, self.vw, self.level)] = s
+        except (OSError, RuntimeError):   # no fork, or the pool broke: finish compiles them here
+            self.close()
+
+    def _start_pool(self, jobs: int) -> None:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
-
-        from .codegen.objects import timed_kernel_object
 
         if "fork" not in multiprocessing.get_all_start_methods():
             return
         try:
             self._pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
-            for s in sigs:
-                self._futures[self._pool.submit(timed_kernel_object, s, self.target, self.vw, self.level)] = s
         except (OSError, RuntimeError):
             self.close()
 
