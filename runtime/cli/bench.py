@@ -170,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--streams", args.streams), ("--parallel", args.parallel), ("--replicas", args.replicas)):
         if value is not None:
             raise CliError(f"{flag} is a flag of lmc bench --serve")
+    if args.cold_start and args.backend != "llvm":   # refused before the bench runs
+        raise CliError("--cold-start times the native compile; not with --backend interp")
     spec = speculation_of(args)
     constraint = schema = None
     if args.json_schema is not None:
@@ -199,8 +201,6 @@ def run(args: argparse.Namespace) -> int:
     if args.compare_openvino:
         compare_with(r, "openvino", args.model, args.threads, args.runs)
     if args.cold_start:
-        if args.backend != "llvm":
-            raise CliError("--cold-start times the native compile; not with --backend interp")
         r.update(cold_start.measure(args.model, args.tokenizer, args.threads, args.runs))
     if args.json:
         print(json.dumps(_jsonable(r)))
