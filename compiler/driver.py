@@ -12,6 +12,7 @@ from frontends.arch import ModelError, build_graph
 from frontends.loader import LoadedModel, load_model
 from ir.graph import Graph
 from ir.printer import print_graph
+from ir.switches import switch
 from ir.types import DEFAULT_KV_TYPE
 
 from .pipeline import default_pipeline, run_pipeline
@@ -74,7 +75,7 @@ def repack_width(vector_width: int | None = None) -> int | None:
     vector width (16 with AVX-512 VNNI, 8 with 256-bit VNNI), None without
     VNNI or with ``LMC_REPACK=0`` (weights as the file stores them: for
     comparisons)."""
-    if os.environ.get("LMC_REPACK", "1") == "0":
+    if not switch("LMC_REPACK"):
         return None
     from .codegen.target import host_target, vnni_width
 
@@ -86,7 +87,7 @@ def attention_tiles() -> bool:
     and the cache is f16 (``codegen/k_attention_tiled``), as llama.cpp's opt-in flash attention:
     a long prompt's attention several times faster, but a prompt row no longer has the bits of
     the same token's decode step (rows to ~1e-6). Off by default."""
-    return os.environ.get("LMC_ATTN_TILED", "0") == "1"
+    return switch("LMC_ATTN_TILED")
 
 
 def pass_names(options: CompileOptions) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ from ir.graph import packed_regions
 from ir.ops import get_op
 from ir.ops.attention import sliding_window
 from ir.printer import print_graph
+from ir.switches import switch
 from ir.types import DEFAULT_KV_TYPE
 from passes.plan_arena import plan_arena
 
@@ -488,7 +489,7 @@ class NativePlan:
 def ring_rows_for(chunk: int) -> int | None:
     """The rows a step writes, for sizing sliding-window rings; None with
     ``LMC_KV_RING=0`` (whole caches: for comparisons, as LMC_REPACK=0)."""
-    return None if os.environ.get("LMC_KV_RING", "1") == "0" else chunk
+    return chunk if switch("LMC_KV_RING") else None
 
 
 def plan_native(model: LoadedModel, o: NativeOptions, only: tuple[str, ...] | None = None) -> NativePlan:

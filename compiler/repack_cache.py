@@ -28,6 +28,7 @@ import numpy as np
 
 from frontends.cache_dir import cache_root, write_entry
 from ir.quant import repacked_layout
+from ir.switches import switch
 
 from .artifact import sampled_digest
 
@@ -37,7 +38,7 @@ _PAGE = mmap.PAGESIZE
 
 
 def enabled() -> bool:
-    return os.environ.get("LMC_REPACK_CACHE", "1") != "0"
+    return switch("LMC_REPACK_CACHE")
 
 
 def _get(r: Any, name: str) -> Any:

@@ -37,6 +37,7 @@ import numpy as np
 
 from frontends.cache_dir import cache_root, write_entry
 from ir.digest import sha256
+from ir.switches import switch
 from ir.types import KEY_OFFSET_KV_TYPES, kv_cache_type
 
 #: bump when the calibration changes (text, positions, rounding)
@@ -174,7 +175,7 @@ def attach(loaded: Any, kv_type: str | None, status: Callable[[str], None] | Non
     them: from the cache directory, else calibrated now and kept there.
     Returns what happened, for ``compile_info`` (empty when nothing was
     needed)."""
-    if not wants_offsets(kv_type) or loaded.config.n_layers == 0 or os.environ.get("LMC_KEY_OFFSETS", "1") == "0":
+    if not wants_offsets(kv_type) or loaded.config.n_layers == 0 or not switch("LMC_KEY_OFFSETS"):
         return {}
     try:   # a type the model cannot hold is refused by the graph builder: no calibration for it first
         kv_cache_type(kv_type, 1, loaded.config.kv_dim, loaded.config.head_dim)

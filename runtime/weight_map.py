@@ -28,6 +28,8 @@ import os
 
 import numpy as np
 
+from ir.switches import switch
+
 _HUGE = 2 << 20
 #: bytes faulted in to judge the mapping (16 huge pages)
 SAMPLE_BYTES = 32 << 20
@@ -39,7 +41,7 @@ def map_weights(path: str) -> mmap.mmap:
     """``path`` mapped read-only, its page cache on large folios if it can be."""
     with open(path, "rb") as f:
         m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        if os.environ.get("LMC_HUGE_PAGES", "1") == "0" or len(m) < 4 * SAMPLE_BYTES:
+        if not switch("LMC_HUGE_PAGES") or len(m) < 4 * SAMPLE_BYTES:
             return m
         share = huge_share(m)
         try:

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from ir.digest import sha256
+from ir.switches import switch
 
 if TYPE_CHECKING:
     import llvmlite.binding as llvm
@@ -205,7 +206,7 @@ def amx_status(t: Target | None = None) -> dict:
     t = t or _detected_target()
     if not t.amx:
         return {"used": False, "why": "this CPU has no AMX int8 tiles"}
-    if os.environ.get("LMC_AMX", "1") == "0":
+    if not switch("LMC_AMX"):
         return {"used": False, "why": "LMC_AMX=0"}
     if platform.system() != "Linux":
         return {"used": False, "why": f"AMX permission is asked on Linux only, not {platform.system()}"}

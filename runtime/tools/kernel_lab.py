@@ -41,6 +41,7 @@ import numpy as np
 from ir.int_dot import ACT_LAYOUTS, int_act
 from ir.ops import WeightData
 from ir.quant import ACT_BLOCK
+from ir.switches import switch
 from ir.types import TensorType, f32, i32, kv_cache_type
 
 KINDS = ("matvec", "matmul", "qmatvec", "qmatmul", "rmsnorm", "rope", "attention", "softmax")
@@ -472,7 +473,7 @@ def build_case(p: Problem, int_dot: bool) -> Case:
     want = ops.attention_ref(q, kc, vc, pos, **attrs)
     check = _close_check(1e-4, 2e-5)
     if os.environ.get("LMC_ATTN_TILED"):   # A/B of the AMX bf16 prefill kernel (1) and the per-row one (0)
-        attrs = dict(attrs, tiled=int(os.environ["LMC_ATTN_TILED"]))
+        attrs = dict(attrs, tiled=int(switch("LMC_ATTN_TILED")))
     from compiler.codegen import k_attention_tiled
     from compiler.codegen.target import host_target
     tgt = host_target()
