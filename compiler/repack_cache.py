@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
@@ -179,8 +180,6 @@ def prepare(model_path: str, key: str | None, regions: Sequence[Any]) -> None:
     """Make sure the entry of ``key`` exists (the compiler's part), written
     by ``write_file``. Best effort: a failure leaves the runtime to repack
     at load."""
-    import threading
-
     rp = repack_regions(regions)
     if key is None or not rp:
         return
@@ -211,15 +210,24 @@ def write_file(model_path: str, fd: int, regions: Sequence[Any]) -> None:
     rp = repack_regions(regions)
     lo, hi = span(rp)
     os.ftruncate(fd, hi - lo)            # the gaps between regions read as zeros
+    # each thread reads and repacks into two buffers of its own, kept from block to block:
+    # new arrays per block cost a page fault per 4 KB (a tenth of a second for Qwen2.5-Coder)
+    mine = threading.local()
+
+    def buffers(sn: int, dn: int) -> tuple[np.ndarray, np.ndarray]:
+        have = getattr(mine, "buffers", None)
+        if have is None or have[0].size < sn or have[1].size < dn:
+            have = mine.buffers = (np.empty(sn, np.uint8), np.empty(dn, np.uint8))
+        return have[0][:sn], have[1][:dn]
+
     with open(model_path, "rb") as src:
         def run(r: Any, row0: int, rows: int) -> None:
             s0, sn, d0, dn = _rows(r, row0, rows)
-            raw = os.pread(src.fileno(), sn, s0)
-            if len(raw) != sn:
+            raw, out = buffers(sn, dn)
+            if os.preadv(src.fileno(), [raw], s0) != sn:
                 raise OSError(f"{model_path}: short read at byte {s0}")
-            out = repacked_layout(_get(r, "layout"), _get(r, "repack")).repack(np.frombuffer(raw, np.uint8), rows,
-                                                                               int(_get(r, "shape")[1]))
-            if os.pwrite(fd, out.data, d0 - lo) != dn:
+            repacked_layout(_get(r, "layout"), _get(r, "repack")).repack(raw, rows, int(_get(r, "shape")[1]), out=out)
+            if os.pwrite(fd, out, d0 - lo) != dn:
                 raise OSError(f"short write of repacked weights at byte {d0 - lo}")
 
         _in_threads(run, _jobs(rp))

@@ -275,12 +275,16 @@ def _unpack_q4k(qt: QuantType, t: np.ndarray, W: int) -> np.ndarray:
 
 def _q5k_masks(qh: np.ndarray, W: int) -> np.ndarray:
     """[t, r', j, 32] fifth-bit bytes -> [t, j, 8 runs, 8 vectors, W / 2] mask bytes
-    (byte k: the 4 bits of rows 2k, 2k + 1)."""
+    (byte k: the 4 bits of rows 2k, 2k + 1). Four bytes at a time, rows innermost
+    (numpy is slow on short inner loops): bit ``run`` of bytes 4i..4i+3, one in each
+    byte, gathered into a nibble by one multiply."""
     t, _, nb, _ = qh.shape
-    bits = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1          # [t, r', j, run, 32]
-    nib = (bits.reshape(t, W, nb, 8, 8, 4) << np.arange(4, dtype=np.uint8)).sum(-1, dtype=np.uint8)
-    nib = nib.reshape(t, W // 2, 2, nb, 8, 8)
-    return (nib[:, :, 0] | (nib[:, :, 1] << 4)).transpose(0, 2, 3, 4, 1)               # [t, j, run, i, k]
+    words = np.ascontiguousarray(qh.view("<u4").transpose(0, 2, 3, 1))       # [t, j, i, r']
+    out = np.empty((t, nb, 8, 8, W // 2), np.uint8)
+    for run in range(8):
+        nib = (((words >> np.uint32(run)) & np.uint32(0x01010101)) * np.uint32(0x01020408)) >> np.uint32(24)
+        out[:, :, run] = nib[..., 0::2] | (nib[..., 1::2] << np.uint32(4))
+    return out
 
 
 def _q5k_unmasks(m: np.ndarray, W: int) -> np.ndarray:
@@ -303,18 +307,9 @@ def _unpack_q5k(qt: QuantType, t: np.ndarray, W: int) -> np.ndarray:
     return out
 
 
-def _q6k_values(qt: QuantType, blk: np.ndarray) -> np.ndarray:
-    """[..., 210] -> the unsigned quants u = q + 32 (0..63) [..., 256] in value order."""
-    lead = blk.shape[:-1]
-    ql = blk[..., qt.at("ql"):qt.at("ql") + 128].reshape(*lead, 2, 2, 32)
-    qh = blk[..., qt.at("qh"):qt.at("qh") + 64].reshape(*lead, 2, 1, 32)
-    lo = np.concatenate([ql & 15, ql >> 4], axis=-2)                     # h, i, l
-    hi = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
-    return (lo | (hi << 4)).reshape(*lead, 256)
-
-
 def _q6k_bytes(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The inverse of ``_q6k_values``: (ql [..., 128], qh [..., 64])."""
+    """The unsigned quants u = q + 32 (0..63) [..., 256] in value order -> the file's
+    (ql [..., 128], qh [..., 64])."""
     lead = u.shape[:-1]
     v = u.reshape(*lead, 2, 4, 32)
     lo, hi = v & 15, v >> 4
@@ -342,8 +337,9 @@ def _unpack_q6k(qt: QuantType, t: np.ndarray, W: int) -> np.ndarray:
 
 # --- packing: file blocks [tile, r, j, byte] straight into tile blocks [tile, j, byte] --------------
 def _u32s(src: np.ndarray, lo: int, n: int) -> np.ndarray:
-    """Bytes [lo, lo + 4n) of every block of [tile, r, j, byte], as uint32 [tile, r, j, n]."""
-    return np.ascontiguousarray(src[..., lo:lo + 4 * n]).view("<u4")
+    """Bytes [lo, lo + 4n) of every block of [tile, r, j, byte], as uint32 [tile, r, j, n]
+    (a view: the block's bytes are contiguous, and the copy cost a third of a repack)."""
+    return src[..., lo:lo + 4 * n].view("<u4")
 
 
 def _put_vectors(dst: np.ndarray, at: int, words: np.ndarray, W: int) -> None:
@@ -365,13 +361,16 @@ def _put_masks(dst: np.ndarray, at: int, qh: np.ndarray, W: int) -> None:
     mask i bit 4r + c = bit 4i + c of row r, so byte k of a mask holds
     nibble i of rows 2k (low) and 2k + 1 (high)."""
     t, _, nb, _ = qh.shape
-    nib = np.stack([qh & 15, qh >> 4], axis=-1).reshape(t, W // 2, 2, nb, 8)   # nibble i = 2b + (0, 1)
-    pairs = nib[:, :, 0] | (nib[:, :, 1] << 4)                                   # [t, k, j, i]
-    dst[..., at:at + 4 * W].reshape(t, nb, 8, W // 2)[...] = pairs.transpose(0, 2, 3, 1)
+    even, odd = qh[:, 0::2], qh[:, 1::2]                                 # rows 2k, 2k + 1: [t, k, j, b]
+    masks = dst[..., at:at + 4 * W].reshape(t, nb, 4, 2, W // 2)         # mask i = 2b + (0, 1), byte k
+    masks[:, :, :, 0] = ((even & 15) | (odd << 4)).transpose(0, 2, 3, 1)           # nibble 2b: low halves
+    masks[:, :, :, 1] = ((even >> 4) | (odd & 0xF0)).transpose(0, 2, 3, 1)         # nibble 2b + 1: high
 
 
 def _f16_pair(src: np.ndarray, a: int, b: int) -> np.ndarray:
     """The float16s at bytes a and b of every block, as uint16 [..., 2]."""
+    if b == a + 2:   # side by side (Q4_1's d and m, the K-quants' d and dmin): a view
+        return src[..., a:a + 4].view("<u2")
     return np.stack([np.ascontiguousarray(src[..., a:a + 2]).view("<u2")[..., 0],
                      np.ascontiguousarray(src[..., b:b + 2]).view("<u2")[..., 0]], axis=-1)
 
@@ -380,8 +379,9 @@ def _pack32(qt: QuantType, src: np.ndarray, dst: np.ndarray, W: int) -> None:
     """Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 file blocks into tile blocks (module docstring)."""
     qs, d = qt.at("qs"), qt.at("d")
     if qt.name == "Q8_0":
-        _put_vectors(dst, 0, _u32s(src, qs, 8) ^ np.uint32(0x80808080), W)
-        _put_rows(dst, 32 * W, np.ascontiguousarray(src[..., d:d + 2]).view("<u2"), W)
+        _put_vectors(dst, 0, _u32s(src, qs, 8), W)
+        dst[..., :32 * W].view("<u4")[...] ^= np.uint32(0x80808080)   # in place: no temporary
+        _put_rows(dst, 32 * W, src[..., d:d + 2].view("<u2"), W)
         return
     _put_vectors(dst, 0, _u32s(src, qs, 4), W)
     at = 16 * W
@@ -391,7 +391,7 @@ def _pack32(qt: QuantType, src: np.ndarray, dst: np.ndarray, W: int) -> None:
     if qt.offset:        # d then m, W of each
         _put_rows(dst, at, _f16_pair(src, d, qt.at("m")), W)
     else:
-        _put_rows(dst, at, np.ascontiguousarray(src[..., d:d + 2]).view("<u2"), W)
+        _put_rows(dst, at, src[..., d:d + 2].view("<u2"), W)
 
 
 def _put_kfactors(qt: QuantType, src: np.ndarray, dst: np.ndarray, at: int, W: int) -> None:
@@ -419,20 +419,33 @@ def _pack_q5k(qt: QuantType, src: np.ndarray, dst: np.ndarray, W: int) -> None:
 
 
 def _pack_q6k(qt: QuantType, src: np.ndarray, dst: np.ndarray, W: int) -> None:
+    """Straight from the file's bytes (not through the 256 values), 4 bytes at a time and rows innermost, the tile's order (numpy is slow on short
+    inner loops): value h * 128 + i * 32 + l has low bits ql[h, i % 2, l] >> 4 (i // 2)
+    and high bits qh[h, l] >> 2 i; group g = 2 h + i // 2 holds runs i = 2 (g % 2) and
+    2 (g % 2) + 1."""
     t, _, nb, _ = src.shape
-    u = _q6k_values(qt, src).reshape(t, W, nb, 4, 2, 32)                      # g, run 2g + h, value
-    nib = (u[..., 0, :] & 15) | ((u[..., 1, :] & 15) << 4)                    # [t, r, j, g, 32]
-    h = (u >> 4).reshape(t, W, nb, 4, 4, 4, 4)                                # g, k, t, c: vector 4k + t
-    hb = h[..., 0, :] | (h[..., 1, :] << 2) | (h[..., 2, :] << 4) | (h[..., 3, :] << 6)   # [t, r, j, g, k, c]
     sc, d = qt.at("scales"), qt.at("d")
-    _put_rows(dst, 0, np.ascontiguousarray(src[..., sc:sc + 16]), W)                 # sc
-    _put_rows(dst, 16 * W, np.ascontiguousarray(src[..., d:d + 2]).view("<u2"), W)   # d
+    _put_rows(dst, 0, src[..., sc:sc + 16], W)                          # sc
+    _put_rows(dst, 16 * W, src[..., d:d + 2].view("<u2"), W)            # d
     dst[..., 18 * W:20 * W] = 0
     groups = dst[..., 20 * W:].reshape(t, nb, 4, 48 * W)
-    nw = np.ascontiguousarray(nib).view("<u4")                                # [t, r, j, g, 8]
-    groups[..., :32 * W].view("<u4").reshape(t, nb, 4, 8, W)[...] = nw.transpose(0, 2, 3, 4, 1)
-    hw = np.ascontiguousarray(hb).reshape(t, W, nb, 4, 16).view("<u4")        # [t, r, j, g, 4]
-    groups[..., 32 * W:].view("<u4").reshape(t, nb, 4, 4, W)[...] = hw.transpose(0, 2, 3, 4, 1)
+    # low bits: vector (g, v) lane r = bytes 4v..4v+3 of runs 2 (g % 2) | 2 (g % 2) + 1 << 4
+    ql = np.ascontiguousarray(src[..., qt.at("ql"):qt.at("ql") + 128].view("<u4")
+                              .reshape(t, W, nb, 2, 2, 8).transpose(3, 4, 0, 2, 5, 1))   # h, i % 2, t, j, v, r
+    lo = groups[..., :32 * W].view("<u4").reshape(t, nb, 2, 2, 8, W)                     # t, j, h, g % 2, v, r
+    m = np.uint32(0x0F0F0F0F)
+    for h in range(2):
+        lo[:, :, h, 0] = (ql[h, 0] & m) | ((ql[h, 1] << np.uint32(4)) & ~m)   # runs 0, 1: low nibbles
+        lo[:, :, h, 1] = ((ql[h, 0] >> np.uint32(4)) & m) | (ql[h, 1] & ~m)  # runs 2, 3: high nibbles
+    # high bits: byte c of vector (g, k) packs the 2-bit fields of values 16 k + 4 tt + c
+    # of group g at bits 2 tt; k < 2 in run 2 (g % 2), k >= 2 in the next
+    qh = np.ascontiguousarray(src[..., qt.at("qh"):qt.at("qh") + 64].view("<u4")
+                              .reshape(t, W, nb, 2, 2, 4).transpose(5, 0, 2, 3, 4, 1))   # tt, t, j, h, k % 2, r
+    hi = groups[..., 32 * W:].view("<u4").reshape(t, nb, 2, 2, 2, 2, W)                  # t, j, h, g % 2, k // 2, k % 2, r
+    three = np.uint32(0x03030303)
+    for i in range(4):
+        f = [(qh[tt] >> np.uint32(2 * i)) & three for tt in range(4)]
+        hi[:, :, :, i // 2, i % 2] = f[0] | (f[1] << np.uint32(2)) | (f[2] << np.uint32(4)) | (f[3] << np.uint32(6))
 
 
 #: how each repackable type's blocks go into tiles and back (its row's ``tile_bytes`` is the size)
