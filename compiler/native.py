@@ -406,7 +406,10 @@ class RestOfBuild:
         return self._done.is_set()
 
     def result(self) -> CompileResult:
-        """Wait for the whole artifact."""
+        """Wait for the whole artifact (the workers get their priority back:
+        the caller waits for them)."""
+        if not self._done.is_set():
+            self._kernels.take_cpu()
         self._done.wait()
         if self._error is not None:
             raise self._error

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -60,8 +62,26 @@ def test_prompt_as_decode_steps_then_as_chunks_has_the_same_logits(empty_cache, 
     greedy_by_steps = list(m.generate(ids[:150], 12))
     assert set(m.executor.entries) == {"decode"}   # still on the decode step alone
 
-    held_build.set()
-    m.finish_compiling()
+    # the rest compiles at the lowest priority while the model runs; waiting for it gives
+    # the workers their priority back where the system allows a process to raise it
+    kernels = m.executor._rest._kernels
+    workers = [p.pid for p in kernels._processes()]
+    assert workers and {os.getpriority(os.PRIO_PROCESS, w) for w in workers} == {19}
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    may_raise = os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - ours
+    waiter = threading.Thread(target=m.finish_compiling)
+    waiter.start()
+    want = {ours if may_raise else 19}
+    try:
+        for _ in range(500):
+            if {os.getpriority(os.PRIO_PROCESS, w) for w in workers} == want:
+                break
+            time.sleep(0.01)
+        assert {os.getpriority(os.PRIO_PROCESS, w) for w in workers} == want
+    finally:
+        held_build.set()
+        waiter.join(timeout=600)
+    assert not waiter.is_alive()
     by_chunks = m.logits(ids)     # the whole artifact is taken at this call's first step
     assert {"decode", "prefill", "prefill_all"} <= set(m.executor.entries) and not m.compiling
     greedy_by_chunks = list(m.generate(ids[:150], 12))
