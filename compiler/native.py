@@ -333,6 +333,11 @@ class _Linker:
         return Artifact(manifest, obj)
 
 
+#: the longest the rest of a decode-first build waits for the model's first step
+#: (``RestOfBuild.start``; a chat waiting for its first message never takes one)
+START_WAIT_S = 2.0
+
+
 class RestOfBuild:
     """The rest of a ``decode_first`` build, on a thread: every graph
     planned, the kernels the decode step did not need compiled in the same
@@ -351,6 +356,7 @@ class RestOfBuild:
         kernels.progress = None   # the terminal's status line has moved on
         kernels.yield_cpu()
         self._done = threading.Event()
+        self._go = threading.Event()
         self._cancelled = False
         self._result: CompileResult | None = None
         self._error: BaseException | None = None
@@ -367,6 +373,9 @@ class RestOfBuild:
 
     def _build(self) -> CompileResult | None:
         model, o, target, versions, memo = self._args
+        if self._cancelled:
+            self._kernels.close()
+            return None
         planned = plan_native(model, o)
         key, hit = _key_of(model, o, planned, versions, memo)
         if hit is not None or self._cancelled:
@@ -380,8 +389,16 @@ class RestOfBuild:
             return None
         return CompileResult(art, False, time.perf_counter() - self._t0, path, planned.graphs, kernels.stats)
 
+    def start(self) -> None:
+        """The model has taken its first step: plan and compile the rest now.
+        Until then (or ``START_WAIT_S``) the planning, Python under the GIL,
+        stays out of the way of the model's own start: beside it, Gemma 3's
+        executor took 0.36 s to set up instead of ~0.1 s."""
+        self._go.set()
+
     def _run(self) -> None:
         try:
+            self._go.wait(START_WAIT_S)
             result = self._build()
             with self._lock:   # whoever result() wakes finds the artifact offered already
                 self._result, callbacks, self._callbacks = result, self._callbacks, []
@@ -410,6 +427,7 @@ class RestOfBuild:
         the caller waits for them)."""
         if not self._done.is_set():
             self._kernels.take_cpu()
+        self._go.set()
         self._done.wait()
         if self._error is not None:
             raise self._error
@@ -421,6 +439,7 @@ class RestOfBuild:
         if os.getpid() != self._pid:   # a forked compile worker at its exit: the atexit call is inherited
             return
         self._cancelled = True
+        self._go.set()
         self._kernels.cancel()
 
 

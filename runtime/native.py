@@ -83,6 +83,7 @@ class NativeExecutor(PagedBatch, RingReach):
         self.threads = max(1, int(threads or os.cpu_count() or 1))
         self._offered: Artifact | None = None   # the whole artifact, when this one is its decode step alone
         self._rest = None                       # and the build that makes it (compiler.native.RestOfBuild)
+        self._rest_start = None                 # its start, due after this executor's first step
         self.stream = (m.get("memory") or {}).get("stream")
         if os.path.getsize(model_path) != m["model"]["size"]:
             raise ValueError(f"{model_path}: size changed since it was compiled")
@@ -191,6 +192,7 @@ class NativeExecutor(PagedBatch, RingReach):
         prompt runs as decode steps, which compute its rows with the same
         bits as a prompt chunk."""
         self._rest = rest
+        self._rest_start = rest.start   # called after the first step: see RestOfBuild.start
         rest.when_done(self.offer)
 
     def offer(self, art: Artifact) -> None:
@@ -328,6 +330,9 @@ class NativeExecutor(PagedBatch, RingReach):
         c[Ctl.POS] = pos
         c[Ctl.T] = T
         self._run(self._ctl_ptr)
+        if self._rest_start is not None:
+            self._rest_start, start = None, self._rest_start
+            start()
         if self.stream and c[S.IO_ERROR]:
             what = "a compressed layer did not decompress" if c[S.IO_ERROR] == IO_ERR_DECOMPRESS \
                 else "reading streamed weights failed"
