@@ -565,3 +565,12 @@ def test_top_p_from_the_most_probable_first_keeps_the_same_nucleus():
         p = softmax_f32(x / np.float32(rng.choice([0.3, 1.0, 3.0])))
         top_p = np.float32(rng.choice([0.05, 0.5, 0.9, 0.95, 0.999]))
         np.testing.assert_array_equal(top_p_nucleus(p, top_p), _nucleus_reference(p, top_p))
+
+
+def test_the_written_out_exp2_table_is_the_computed_one():
+    """k_sampler's table of 2^(i/32) (glibc's ``__exp2f_data.tab``) is written
+    out for a fast start; it must be what the 60-digit computation gives."""
+    from compiler.codegen.k_sampler import EXP2F_TABLE, _exp2_table
+
+    assert EXP2F_TABLE.dtype == np.uint64 and EXP2F_TABLE.shape == (32,)
+    np.testing.assert_array_equal(EXP2F_TABLE, _exp2_table())
