@@ -219,11 +219,7 @@ class KernelBuild:
         the cores now, and its first tokens should not wait for kernels it
         does not need yet."""
         self._niced = True
-        for p in self._processes():
-            try:
-                os.setpriority(os.PRIO_PROCESS, p.pid, 19)
-            except (OSError, AttributeError):   # gone already, or not POSIX
-                pass
+        self._renice(19)
 
     def take_cpu(self) -> None:
         """Back to the priority the workers started with, where the system
@@ -232,10 +228,15 @@ class KernelBuild:
         priority, beside a busy neighbour (two test workers on two cores),
         the rest of Gemma's build took 237 s instead of ~10."""
         self._niced = False
+        self._renice(os.getpriority(os.PRIO_PROCESS, 0))
+
+    def _renice(self, nice: int) -> None:
+        """Every worker to ``nice``, as far as the system allows (a worker
+        gone already, a priority we may not raise again, not POSIX: left as is)."""
         for p in self._processes():
             try:
-                os.setpriority(os.PRIO_PROCESS, p.pid, os.getpriority(os.PRIO_PROCESS, 0))
-            except (OSError, AttributeError):   # not allowed: they go on at the lowest
+                os.setpriority(os.PRIO_PROCESS, p.pid, nice)
+            except (OSError, AttributeError):
                 pass
 
     def cancel(self) -> None:

@@ -330,8 +330,8 @@ class NativeExecutor(PagedBatch, RingReach):
         c[Ctl.POS] = pos
         c[Ctl.T] = T
         self._run(self._ctl_ptr)
-        if self._rest_start is not None:
-            self._rest_start, start = None, self._rest_start
+        if self._rest_start is not None:   # once: the first step of a decode-first start
+            start, self._rest_start = self._rest_start, None
             start()
         if self.stream and c[S.IO_ERROR]:
             what = "a compressed layer did not decompress" if c[S.IO_ERROR] == IO_ERR_DECOMPRESS \

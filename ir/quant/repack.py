@@ -419,10 +419,11 @@ def _pack_q5k(qt: QuantType, src: np.ndarray, dst: np.ndarray, W: int) -> None:
 
 
 def _pack_q6k(qt: QuantType, src: np.ndarray, dst: np.ndarray, W: int) -> None:
-    """Straight from the file's bytes (not through the 256 values), 4 bytes at a time and rows innermost, the tile's order (numpy is slow on short
-    inner loops): value h * 128 + i * 32 + l has low bits ql[h, i % 2, l] >> 4 (i // 2)
-    and high bits qh[h, l] >> 2 i; group g = 2 h + i // 2 holds runs i = 2 (g % 2) and
-    2 (g % 2) + 1."""
+    """Straight from the file's bytes (not through the 256 values), 4 bytes at a
+    time and rows innermost, the tile's order (numpy is slow on short inner
+    loops): value h * 128 + i * 32 + l has low bits ql[h, i % 2, l] >> 4 (i // 2)
+    and high bits qh[h, l] >> 2 i; group g = 2 h + i // 2 holds runs i = 2 (g % 2)
+    and 2 (g % 2) + 1."""
     t, _, nb, _ = src.shape
     sc, d = qt.at("scales"), qt.at("d")
     _put_rows(dst, 0, src[..., sc:sc + 16], W)                          # sc

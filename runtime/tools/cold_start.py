@@ -19,26 +19,20 @@ import time
 from typing import Any
 
 from ..errors import RunError
+from .bench_servers import ROOT
 
 #: what each start runs: a short prompt and a few tokens (a first run's needs)
 PROMPT = "Hello"
 TOKENS = 4
 
 
-def _root() -> str:
-    """Where ``python -m runtime.cli`` finds this checkout's package."""
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 def _timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float, str]:
     """(seconds to the first byte on stdout, seconds to exit, the output)."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=_root(), bufsize=0)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT, bufsize=0)
     first = p.stdout.read(1)
     t1 = time.perf_counter()
-    rest = p.stdout.read()
-    err = p.stderr.read()
-    p.wait()
+    rest, err = p.communicate()   # both pipes at once: a full stderr pipe cannot block the child
     t2 = time.perf_counter()
     if p.returncode != 0:
         last = (err.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
