@@ -267,7 +267,12 @@ def test_bench_reports_the_speedup_and_identity(tmp_path):
     assert r["speculative_identical"] is True
     assert r["drafted"] > 0 and 0 <= r["acceptance_rate"] <= 1
     assert r["speculative_speedup"] > 0
-    assert "speed-up" in format_table(r)
+    # the check's cost in decode steps, for each size up to the largest draft (draft-max 8 by default: 9 rows)
+    assert r["decode_step_ms"] > 0
+    assert set(r["verify_cost_steps"]) == {"2", "4", "8", "9"}
+    assert all(v > 0 for v in r["verify_cost_steps"].values())
+    table = format_table(r)
+    assert "speed-up" in table and "a check of 8 rows" in table
 
 
 # --- real models -------------------------------------------------------------------------------------

@@ -99,6 +99,36 @@ def median_time(fn, runs: int) -> float:
     return statistics.median(times)
 
 
+#: rounds of the verify-cost measurement (one decode step, then one verify call of each size, a round)
+VERIFY_ROUNDS = 15
+
+
+def verify_cost(ex: Any, ids: list[int], draft_max: int, rounds: int = VERIFY_ROUNDS) -> dict[str, Any]:
+    """What a speculative check costs in decode steps: after a prefill of ``ids``,
+    decode steps and verify calls of 2, 4, 8 ... rows (up to the draft's
+    largest, draft_max + 1, or the chunk) at the same position, taking turns
+    so that neighbours on the machine weigh on both alike; medians. The
+    acceptance line of issue 30 (8 rows <= 1.3 steps) reads this."""
+    ex.reset()
+    ex.prefill(ids, 0)
+    pos = len(ids)
+    room = min(getattr(ex, "chunk", draft_max + 1), ex.ctx - pos, len(ids), draft_max + 1)
+    sizes = sorted({r for r in (2, 4, 8, 16, draft_max + 1) if 2 <= r <= room})
+    steps: list[float] = []
+    calls: dict[int, list[float]] = {r: [] for r in sizes}
+    for _ in range(rounds):
+        t = time.perf_counter()
+        ex.decode(ids[-1], pos)
+        steps.append(time.perf_counter() - t)
+        for r in sizes:
+            t = time.perf_counter()
+            ex.verify(ids[-r:], pos)
+            calls[r].append(time.perf_counter() - t)
+    step = statistics.median(steps)
+    return {"decode_step_ms": 1000 * step,
+            "verify_cost_steps": {str(r): statistics.median(v) / step for r, v in calls.items()}}
+
+
 def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_tokens: int = 128,
               gen_tokens: int = 128, runs: int = 5, backend: str = "llvm", probe_bytes: int = 1 << 30,
               probe_repeats: int = 5, seed: int = 0, kv_type: str | None = None,
@@ -265,6 +295,7 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
             out["acceptance_rate"] = last["acceptance_rate"]
             out["verify_steps"] = last["verify_steps"]
             out["speculative_identical"] = identical
+            out.update(verify_cost(ex, ids, speculation.draft_max, VERIFY_ROUNDS if backend == "llvm" else 3))
         mem = (model.executor.manifest.get("memory") or {}) if hasattr(model.executor, "manifest") else {}
         if mem:
             out["memory_plan"] = {"describe": mem["describe"], "total": mem["total"], "budget": mem["budget"]}
