@@ -333,9 +333,9 @@ GEMM_LAYOUTS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", 
 @pytest.mark.parametrize("layout", GEMM_LAYOUTS)
 def test_gemm_on_amx_tiles_gives_the_vnni_bits(layout: str) -> None:
     """A prompt chunk's GEMM on the file's layout: with AMX (from
-    ``amx_tiles.MIN_TOKENS`` rows, 16 tokens a tile, a short last group;
-    forced on for every type, whatever the traits table chooses) and
-    without, every row the same bits, on 1 and 3 threads."""
+    ``amx_tiles.MIN_TOKENS`` rows, 16 tokens a tile, the rows past the last
+    whole 16 on the VNNI code; forced on for every type, whatever the traits
+    table chooses) and without, every row the same bits, on 1 and 3 threads."""
     host = amx_or_skip()
     rng = np.random.default_rng(14)
     act = quant_type(layout).act
@@ -344,7 +344,7 @@ def test_gemm_on_amx_tiles_gives_the_vnni_bits(layout: str) -> None:
         sig = sig_for("qmatmul", [TensorType(("T", k)), w.type], layout=layout, act=act, gemm=48, amx=1)
         on, off = kernel(sig, host), kernel(sig, without_amx(host))
         x = (2 * rng.standard_normal((70, k))).astype(np.float32)
-        for T, nt in ((70, 2), (17, 3), (16, 1), (2, 1)):
+        for T, nt in ((70, 2), (47, 3), (32, 1), (2, 1)):
             same_bits(call(on, [x[:T], w], T, nt), call(off, [x[:T], w], T, nt), f"{layout} {T} rows, {nt} threads")
 
 
@@ -361,7 +361,7 @@ def test_repacked_on_amx_tiles_gives_the_vnni_bits(base: str) -> None:
     on, off = kernel(sig, host), kernel(sig, without_amx(host))
     one = kernel(sig_for("qmatmul", [TensorType((k,)), wr.type], layout=base, act=act), host)
     x = (2 * rng.standard_normal((70, k))).astype(np.float32)
-    for T, nt in ((70, 2), (33, 3), (16, 1), (2, 1)):
+    for T, nt in ((70, 2), (33, 3), (32, 1), (2, 1)):
         got = call(on, [x[:T], wr], T, nt)
         same_bits(got, call(off, [x[:T], wr], T, nt), f"{base} {T} rows, {nt} threads")
         for t in sorted({0, T - 1}):

@@ -23,10 +23,12 @@ reach the loads), and the 16 tokens' d_x and corrections side by side per
 block in a panel built once per call (the epilogue broadcasts them from one
 pointer instead of sixteen).
 
-The last group of a call may hold fewer than 16 tokens: the A tile still
-reads 16 slots (the scratch has room; rows past the call's are stale
-numbers whose sums are never stored), and the panel and epilogue of those
-rows use the last real token's slot and output row.
+A call's last group may hold fewer than 16 tokens. From ``PADDED_FROM``
+of them it takes the tiles as a short group: the A tile still reads 16
+slots (the scratch has room; rows past the call's are stale numbers whose
+sums are never stored), and the panel and epilogue of those rows use the
+last real token's slot and output row. Fewer take the VNNI code
+(``chunk``'s ``rest``): a short group costs its full products.
 """
 from __future__ import annotations
 
@@ -40,9 +42,20 @@ from ..kernels import KernelSig
 from .common import tuned
 
 #: token rows from which a call takes the tiles; fewer take the VNNI code
-#: (a decode step, [K], always does). Q4_1 1536x576, one thread: 2 rows
-#: 0.33x the VNNI code, 8 rows 0.74x, 16 rows 1.15x, 32 rows 1.32x
-MIN_TOKENS = 16
+#: (a decode step, [K], always does). Q4_1 1536x576, one thread, weights
+#: in cache: 2 rows 0.33x the VNNI code, 8 rows 0.74x, 16 rows 1.15x, 32
+#: rows 1.32x. In a model, weights from memory, the tiles lose below 32:
+#: Qwen2.5-Coder-0.5B checks of 16, 17, 20, 24 rows cost 2.22-2.37,
+#: 3.05-3.27, 3.15-3.32, 3.20-3.47 decode steps from 16 on, 1.97-2.07,
+#: 2.05-2.39, 2.35-2.72, 2.54-2.97 from 32 on (2 threads, alternated runs)
+MIN_TOKENS = 32
+#: rows past the last whole 16 from which they take a padded group of tiles
+#: (fewer take the VNNI code: a group costs its products however few of its
+#: rows are real). Qwen2.5-Coder-0.5B checks, decode steps, all on the
+#: tiles / the rest on VNNI (2 threads, 21 alternated calls, two runs): 33
+#: rows 4.79-4.94 / 4.27-4.35, 36 rows 4.97-5.10 / 4.58-4.73, 40 rows
+#: 5.05-5.24 / 5.00-5.23, 47 rows 5.54-5.73 / 6.32-6.48
+PADDED_FROM = 8
 #: sums buffers in the ring: more than a step's blocks plus those ahead
 RING = 8
 #: room for the sums: RING blocks' (16 x 16 int32 each; the 32-value
@@ -152,11 +165,22 @@ def tokens(g, r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value, s0: ir.Val
 
 
 def chunk(g, stage: Callable[[ir.Value, int | ir.Value, int | ir.Value], None], n: ir.Value, t0: ir.Value,
-          panel: ir.Value, sums: ir.Value) -> Callable[[ir.Value, int | ir.Value, int | ir.Value], None]:
+          panel: ir.Value, sums: ir.Value,
+          rest: Callable[[ir.Value, int | ir.Value, int | ir.Value, ir.Value], None]
+          ) -> Callable[[ir.Value, int | ir.Value, int | ir.Value], None]:
     """The body of a K chunk for ``GemmBase.k_chunks``: ``stage`` its blocks
-    into the scratch tile, then every token, 16 at a time."""
+    into the scratch tile, then the tokens 16 at a time on the tiles, and
+    ``rest(r0, c0, nblk, s0)`` the slots s0 .. n-1 past the last whole 16 on
+    the VNNI code when they are fewer than ``PADDED_FROM`` (the VNNI rows
+    give the same bits)."""
+    b = g.b
+
     def run(r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value) -> None:
         stage(r0, c0, nblk)
-        with g.kb.loop(0, n, step=amx.ROWS, name="amxt") as s0:
+        whole = b.and_(n, i64(-amx.ROWS))
+        whole = b.select(b.icmp_signed(">=", b.sub(n, whole), i64(PADDED_FROM)), n, whole)
+        with g.kb.loop(0, whole, step=amx.ROWS, name="amxt") as s0:
             tokens(g, r0, c0, nblk, s0, t0, n, panel, sums)
+        with g.kb.if_then(b.icmp_signed("<", whole, n)):
+            rest(r0, c0, nblk, whole)
     return run

@@ -213,13 +213,14 @@ class GemmBase:
             yield t0, n
 
     def every_token(self, r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value, n: ir.Value, t0: ir.Value,
-                    P: int) -> None:
-        """``tokens`` for slots 0 .. n-1: P at a time, the rest in blocks of the
-        powers of two below P."""
+                    P: int, start: int | ir.Value = 0) -> None:
+        """``tokens`` for slots start .. n-1: P at a time, the rest in blocks of
+        the powers of two below P."""
         kb, b = self.kb, self.b
-        rest = b.srem(n, i64(P))
+        rest = b.srem(b.sub(n, start if isinstance(start, ir.Value) else i64(start)), i64(P)) if start else \
+            b.srem(n, i64(P))
         n_main = b.sub(n, rest)
-        with kb.loop(0, n_main, step=P, name="gtok") as s0:
+        with kb.loop(start, n_main, step=P, name="gtok") as s0:
             self.tokens(r0, c0, nblk, s0, t0, P)
         q = 1 << max(0, (P - 1).bit_length() - 1)
         while q >= 1 and P > 1:
@@ -459,7 +460,13 @@ def emit_int_gemm(kb: KernelBuilder, sig: KernelSig, kern, gemm: type, amx_faste
             with b.if_else(b.icmp_signed(">=", n, i64(MIN_TOKENS))) as (on_amx, on_vnni):
                 with on_amx:
                     fill_panels(g, n, panel)
-                    tiles(amx_chunk(g, stage, n, t0, panel, sums))
+
+                    def after(r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value, s0: ir.Value) -> None:
+                        """The slots past the last whole 16 (a signed staging is not the VNNI form: unpack again)."""
+                        if g.amx_signed:
+                            unpack(r0, c0, nblk)
+                        g.every_token(r0, c0, nblk, n, t0, P, s0)
+                    tiles(amx_chunk(g, stage, n, t0, panel, sums, after))
                 with on_vnni:
                     tiles(vnni)
     if on_tiles:

@@ -347,7 +347,8 @@ def emit_repacked(kb: KernelBuilder, sig: KernelSig, int_kernel: type, amx_faste
             with b.if_else(b.icmp_signed(">=", n, i64(MIN_TOKENS))) as (on_amx, on_vnni):
                 with on_amx:
                     fill_panels(g, n, g.panel)
-                    tiles(amx_chunk(g, g.stage, n, t0, g.panel, g.sums))
+                    tiles(amx_chunk(g, g.stage, n, t0, g.panel, g.sums,
+                                    lambda r0, c0, nblk, s0: g.every_token(r0, c0, nblk, n, t0, P, s0)))
                 with on_vnni:
                     tiles(vnni)
     if not one and amx_usable(kb, W, sig, amx_faster):
