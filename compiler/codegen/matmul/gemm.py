@@ -217,8 +217,7 @@ class GemmBase:
         """``tokens`` for slots start .. n-1: P at a time, the rest in blocks of
         the powers of two below P."""
         kb, b = self.kb, self.b
-        rest = b.srem(b.sub(n, start if isinstance(start, ir.Value) else i64(start)), i64(P)) if start else \
-            b.srem(n, i64(P))
+        rest = b.srem(b.sub(n, start if isinstance(start, ir.Value) else i64(start)), i64(P))
         n_main = b.sub(n, rest)
         with kb.loop(start, n_main, step=P, name="gtok") as s0:
             self.tokens(r0, c0, nblk, s0, t0, P)
