@@ -92,10 +92,11 @@ def layout(used: int, slots: int, slot_bytes: int, panel_bytes: int) -> tuple[in
 
 def fill_panels(g, n: ir.Value, panel: ir.Value) -> None:
     """Every 16-token group's panel entries (``amx_fill_panel``) for the n
-    tokens in the slots; slots past n stand in for the last."""
+    tokens in the slots, when the call takes the tiles (n >= MIN_TOKENS);
+    slots past n stand in for the last."""
     kb, b = g.kb, g.b
     last = b.sub(n, i64(1))
-    with kb.loop(0, n, step=amx.ROWS, name="apanels") as s0:
+    with kb.if_then(b.icmp_signed(">=", n, i64(MIN_TOKENS))), kb.loop(0, n, step=amx.ROWS, name="apanels") as s0:
         slots = [g.slot(kb.imin(b.add(s0, i64(p)), last)) for p in range(amx.ROWS)]
         grp = b.sdiv(s0, i64(amx.ROWS))
         g.amx_fill_panel(slots, kb.gep(panel, b.mul(grp, i64(g.nb * g.amx_panel_bytes))))
@@ -166,21 +167,26 @@ def tokens(g, r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value, s0: ir.Val
 
 def chunk(g, stage: Callable[[ir.Value, int | ir.Value, int | ir.Value], None], n: ir.Value, t0: ir.Value,
           panel: ir.Value, sums: ir.Value,
-          rest: Callable[[ir.Value, int | ir.Value, int | ir.Value, ir.Value], None]
+          rest: Callable[[ir.Value, int | ir.Value, int | ir.Value, ir.Value, ir.Value], None]
           ) -> Callable[[ir.Value, int | ir.Value, int | ir.Value], None]:
-    """The body of a K chunk for ``GemmBase.k_chunks``: ``stage`` its blocks
-    into the scratch tile, then the tokens 16 at a time on the tiles, and
-    ``rest(r0, c0, nblk, s0)`` the slots s0 .. n-1 past the last whole 16 on
-    the VNNI code when they are fewer than ``PADDED_FROM`` (the VNNI rows
-    give the same bits)."""
+    """The body of a K chunk for ``GemmBase.k_chunks``. A call of
+    ``MIN_TOKENS`` rows or more: ``stage`` its blocks into the scratch tile,
+    then the tokens 16 at a time on the tiles. Then ``rest(r0, c0, nblk, s0,
+    staged)`` takes the slots s0 .. n-1 on the VNNI code: all of a smaller
+    call's (``staged`` false), else those past the last whole 16 when they
+    are fewer than ``PADDED_FROM``. One copy of the VNNI code serves both
+    (the VNNI rows give the same bits)."""
     b = g.b
 
     def run(r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value) -> None:
-        stage(r0, c0, nblk)
+        on = b.icmp_signed(">=", n, i64(MIN_TOKENS))
         whole = b.and_(n, i64(-amx.ROWS))
         whole = b.select(b.icmp_signed(">=", b.sub(n, whole), i64(PADDED_FROM)), n, whole)
-        with g.kb.loop(0, whole, step=amx.ROWS, name="amxt") as s0:
-            tokens(g, r0, c0, nblk, s0, t0, n, panel, sums)
+        whole = b.select(on, whole, i64(0))
+        with g.kb.if_then(on):
+            stage(r0, c0, nblk)
+            with g.kb.loop(0, whole, step=amx.ROWS, name="amxt") as s0:
+                tokens(g, r0, c0, nblk, s0, t0, n, panel, sums)
         with g.kb.if_then(b.icmp_signed("<", whole, n)):
-            rest(r0, c0, nblk, whole)
+            rest(r0, c0, nblk, whole, on)
     return run

@@ -43,7 +43,7 @@ from ..emit import F32, I32, KernelBuilder, i64
 from ..kernels import KernelSig
 from ..simd import I8, call, concat, shuffle, vconst
 from ..target import Target, vnni_width
-from .amx_tiles import MIN_TOKENS, fill_panels
+from .amx_tiles import fill_panels
 from .amx_tiles import chunk as amx_chunk
 from .amx_tiles import layout as amx_layout
 from .amx_tiles import usable as amx_usable
@@ -456,17 +456,18 @@ def emit_int_gemm(kb: KernelBuilder, sig: KernelSig, kern, gemm: type, amx_faste
             po, so, _ = amx_layout(g.ts * g.slot_bytes + g.kc * g.block_bytes, g.ts, g.slot_bytes,
                                    g.amx_panel_bytes * g.nb)
             panel, sums = kb.gep(kb.scratch, po), kb.gep(kb.scratch, so)
-            with b.if_else(b.icmp_signed(">=", n, i64(MIN_TOKENS))) as (on_amx, on_vnni):
-                with on_amx:
-                    fill_panels(g, n, panel)
+            fill_panels(g, n, panel)
 
-                    def after(r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value, s0: ir.Value) -> None:
-                        """The slots past the last whole 16 (a signed staging is not the VNNI form: unpack again)."""
-                        if g.amx_signed:
-                            unpack(r0, c0, nblk)
-                        g.every_token(r0, c0, nblk, n, t0, P, s0)
-                    tiles(amx_chunk(g, stage, n, t0, panel, sums, after))
-                with on_vnni:
-                    tiles(vnni)
+            def rest(r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value, s0: ir.Value,
+                     staged: ir.Value) -> None:
+                """The VNNI code from slot s0 on, on the tile unpacked: the tiles' staging
+                already is that, unless it holds signed quants or did not run."""
+                if g.amx_signed:
+                    unpack(r0, c0, nblk)
+                else:
+                    with kb.if_then(b.not_(staged)):
+                        unpack(r0, c0, nblk)
+                g.every_token(r0, c0, nblk, n, t0, P, s0)
+            tiles(amx_chunk(g, stage, n, t0, panel, sums, rest))
     if on_tiles:
         amx.tile_release(kb)   # at the end: LLVM configures the tiles once, on entry

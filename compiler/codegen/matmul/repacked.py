@@ -38,7 +38,7 @@ from ..emit import F32, I32, KernelBuilder, i64
 from ..k_norm_rope import emit_rmsnorm_row, weight_loader
 from ..kernels import KernelSig
 from ..simd import HALF, I1, I8, vconst
-from .amx_tiles import MIN_TOKENS, fill_panels
+from .amx_tiles import fill_panels
 from .amx_tiles import chunk as amx_chunk
 from .amx_tiles import layout as amx_layout
 from .amx_tiles import usable as amx_usable
@@ -343,14 +343,10 @@ def emit_repacked(kb: KernelBuilder, sig: KernelSig, int_kernel: type, amx_faste
 
         if one or not amx_usable(kb, W, sig, amx_faster):
             tiles(vnni)
-        else:   # several rows: AMX tiles from MIN_TOKENS on (the same bits)
-            with b.if_else(b.icmp_signed(">=", n, i64(MIN_TOKENS))) as (on_amx, on_vnni):
-                with on_amx:
-                    fill_panels(g, n, g.panel)
-                    tiles(amx_chunk(g, g.stage, n, t0, g.panel, g.sums,
-                                    lambda r0, c0, nblk, s0: g.every_token(r0, c0, nblk, n, t0, P, s0)))
-                with on_vnni:
-                    tiles(vnni)
+        else:   # several rows: AMX tiles from MIN_TOKENS on, the rest on the VNNI code (the same bits)
+            fill_panels(g, n, g.panel)
+            tiles(amx_chunk(g, g.stage, n, t0, g.panel, g.sums,
+                            lambda r0, c0, nblk, s0, staged: g.every_token(r0, c0, nblk, n, t0, P, s0)))
     if not one and amx_usable(kb, W, sig, amx_faster):
         amx.tile_release(kb)   # at the end: LLVM configures the tiles once, on entry
 
