@@ -41,6 +41,11 @@ def i64(n: int) -> ir.Constant:
     return ir.Constant(I64, int(n))
 
 
+def as_i64(n: int | ir.Value) -> ir.Value:
+    """An index that may be known at compile time (an int) or only at run time (a value)."""
+    return n if isinstance(n, ir.Value) else i64(n)
+
+
 def f32c(x: float) -> ir.Constant:
     return ir.Constant(F32, float(x))
 
@@ -289,7 +294,7 @@ class KernelBuilder:
         b.position_at_end(body)
         box: dict[str, list[ir.Value]] = {}
         yield i, phis, (lambda vals: box.__setitem__("v", list(vals)))
-        nxt = b.add(i, step if isinstance(step, ir.Value) else i64(step))
+        nxt = b.add(i, as_i64(step))
         end = b.block
         i.add_incoming(nxt, end)
         for p, v in zip(phis, box.get("v", phis)):

@@ -41,7 +41,7 @@ from __future__ import annotations
 import llvmlite.ir as ir
 
 from . import amx
-from .emit import F32, I32, I64, KernelBuilder, exp_poly, fconst, i64
+from .emit import F32, I32, I64, KernelBuilder, fconst, i64
 from .kernels import KernelSig
 from .simd import call
 
@@ -202,7 +202,6 @@ def emit_tiled(kb: KernelBuilder, sig: KernelSig, kind: str) -> None:
     q_h = b.bitcast(qbuf, ir.PointerType(I16))
     q_l = b.bitcast(qlo, ir.PointerType(I16))
     o_f = b.bitcast(obuf, ir.PointerType(F32))
-    kb16 = b.bitcast(kbuf, ir.PointerType(I16))
     vb16 = b.bitcast(vbuf, ir.PointerType(I16))
     vl16 = b.bitcast(vlo, ir.PointerType(I16)) if PV_SPLIT else None
     kb32 = b.bitcast(kbuf, ir.PointerType(I32))

@@ -37,7 +37,7 @@ from typing import Callable
 import llvmlite.ir as ir
 
 from .. import amx
-from ..emit import KernelBuilder, i64
+from ..emit import KernelBuilder, as_i64, i64
 from ..kernels import KernelSig
 from .common import tuned
 
@@ -119,8 +119,8 @@ def tokens(g, r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value, s0: ir.Val
         first = b.icmp_signed("==", c0, i64(0))
         accs = [b.select(first, zero, kb.vload(o, 0, W)) for o in outs]
     a0 = g.slot(s0)
-    c0v = c0 if isinstance(c0, ir.Value) else i64(c0)
-    nb = nblk if isinstance(nblk, ir.Value) else i64(nblk)
+    c0v = as_i64(c0)
+    nb = as_i64(nblk)
     last_blk = b.sub(nb, i64(1))
     group = kb.gep(panel, b.mul(b.sdiv(s0, i64(amx.ROWS)), i64(g.nb * g.amx_panel_bytes)))
     step, ahead = tuned(kb, g.attrs, "amx_step", g.amx_step), tuned(kb, g.attrs, "amx_ahead", g.amx_ahead)

@@ -39,7 +39,7 @@ import llvmlite.ir as ir
 
 from .. import amx
 from ..act_quant import QK, quantize_q8_block
-from ..emit import F32, I32, KernelBuilder, i64
+from ..emit import F32, I32, KernelBuilder, as_i64, i64
 from ..kernels import KernelSig
 from ..simd import I8, call, concat, shuffle, vconst
 from ..target import Target, vnni_width
@@ -195,7 +195,7 @@ class GemmBase:
             first = b.icmp_signed("==", c0, i64(0))
             accs = [b.select(first, zero, kb.vload(o, 0, W)) for o in outs]
         with kb.loop_carry(0, nblk, accs, name="gb") as (jj, cur, setv):
-            j = b.add(jj, c0 if isinstance(c0, ir.Value) else i64(c0))
+            j = b.add(jj, as_i64(c0))
             setv(self.block(j, self.block_source(r0, j, jj), slots, list(cur)))
         for o, v in zip(outs, kb.last_carry):
             kb.vstore(v, o, 0)
@@ -217,7 +217,7 @@ class GemmBase:
         """``tokens`` for slots start .. n-1: P at a time, the rest in blocks of
         the powers of two below P."""
         kb, b = self.kb, self.b
-        rest = b.srem(b.sub(n, start if isinstance(start, ir.Value) else i64(start)), i64(P))
+        rest = b.srem(b.sub(n, as_i64(start)), i64(P))
         n_main = b.sub(n, rest)
         with kb.loop(start, n_main, step=P, name="gtok") as s0:
             self.tokens(r0, c0, nblk, s0, t0, P)
@@ -431,12 +431,12 @@ def emit_int_gemm(kb: KernelBuilder, sig: KernelSig, kern, gemm: type, amx_faste
         def unpack(r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value) -> None:
             """Unpack blocks c0 .. c0 + nblk - 1 of the tile at r0 into scratch."""
             with kb.loop(0, nblk, name="gunpack") as jj:
-                g.unpack(r0, b.add(jj, c0 if isinstance(c0, ir.Value) else i64(c0)), g.tile_block(jj))
+                g.unpack(r0, b.add(jj, as_i64(c0)), g.tile_block(jj))
 
         def stage(r0: ir.Value, c0: int | ir.Value, nblk: int | ir.Value) -> None:
             """``unpack`` for the tiles (their signed quants where ``amx_signed``)."""
             with kb.loop(0, nblk, name="gstage") as jj:
-                j = b.add(jj, c0 if isinstance(c0, ir.Value) else i64(c0))
+                j = b.add(jj, as_i64(c0))
                 if g.amx_signed:
                     g.unpack(r0, j, g.tile_block(jj), signed=True)
                 else:

@@ -34,7 +34,7 @@ import llvmlite.ir as ir
 from ir.quant import quant_type, repacked_layout
 from ir.types import TensorType
 
-from ..emit import F32, I32, KernelBuilder, i64
+from ..emit import F32, I32, KernelBuilder, as_i64, i64
 from ..k_norm_rope import emit_rmsnorm_row, weight_loader
 from ..kernels import KernelSig
 from ..simd import HALF, I1, I8, vconst
@@ -167,7 +167,7 @@ class _Repacked:
         the GEMM's unpacked form (AMX's B operand, the scales as float32)."""
         kb, b = self.kb, self.b
         with kb.loop(0, nblk, name="astage") as jj:
-            j = b.add(jj, c0 if isinstance(c0, ir.Value) else i64(c0))
+            j = b.add(jj, as_i64(c0))
             src = self.block_source(r0, j, jj)
             if self.ahead:
                 kb.prefetch(kb.gep(src, self.ahead), self.tb_bytes, locality=self.locality)
