@@ -7,7 +7,9 @@ inherit its environment) share one cache: what one worker compiled for a
 model the others find. Every entry is written whole and renamed into place
 (``frontends.cache_dir.write_entry``, ``Artifact.write``), so workers filling
 it at once cannot read a half-written one; a test that needs an empty cache
-makes its own (``private_cache`` fixtures)."""
+makes its own (``private_cache`` fixtures).
+
+Each xdist worker runs on cores of its own (``_own_cores``)."""
 from __future__ import annotations
 
 import atexit
@@ -45,6 +47,44 @@ def pytest_xdist_auto_num_workers(config) -> int:
     except (ValueError, OSError):
         return 1
     return max(1, min(cores, mem // WORKER_BYTES))
+
+
+def _own_cores() -> None:
+    """Give this xdist worker (and the processes it starts) its share of the
+    cores. A model's threads wait for each other at every op (lmc's barrier,
+    llama.cpp's); with two workers' threads on the same two cores each wait
+    could last a scheduler slice: on 2 cores (test_families, _batch,
+    _speculative, _memory, _context_shift: 193 tests, an empty cache) 338 s
+    with two workers sharing the cores, 299 s in one process, 287 s with a
+    core each. ``whole_machine`` gives a test module all of them back."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if count < 2 or not worker.startswith("gw") or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < count:
+        return
+    i = int(worker[2:]) % count
+    os.sched_setaffinity(0, cores[i * len(cores) // count:(i + 1) * len(cores) // count])
+
+
+_ALL_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+_own_cores()
+
+
+@pytest.fixture(scope="module")
+def whole_machine():
+    """Every core for a module's tests (a Ray cluster's many processes and
+    its timed scaling), the worker's own share again after it."""
+    if not _ALL_CORES:
+        yield
+        return
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, _ALL_CORES)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mine)
 
 
 def _rss_mb() -> int:

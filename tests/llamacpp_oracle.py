@@ -14,7 +14,12 @@ of its raw next-token distribution. lmc then runs the same sequence (prompt
 compared row by row, centred (log-probabilities and logits differ by a
 per-row constant). llama.cpp keeps its KV cache in f16 by default; the
 child sets f32 and turns flash attention off so that F32 models compare
-at float32 precision.
+at float32 precision. It runs one thread: llama.cpp's threads spin at
+every op until all arrive, so beside another test's threads each op could
+wait a scheduler slice (SmolLM2's three prompts here: 3.3 s alone, 12.4 s
+with both cores busy on 2 threads, 7.2 s on 1), and its results do not
+depend on the count (the same greedy tokens and top-20 log-probabilities,
+to the bit, on 1 and 2 threads).
 """
 from __future__ import annotations
 
@@ -41,8 +46,8 @@ p.use_jinja = True
 p.cache_type_k = x.ggml_type.GGML_TYPE_F32
 p.cache_type_v = x.ggml_type.GGML_TYPE_F32
 p.flash_attn_type = 0
-p.cpuparams.n_threads = 2
-p.cpuparams_batch.n_threads = 2
+p.cpuparams.n_threads = 1
+p.cpuparams_batch.n_threads = 1
 for k, v in params.items():
     setattr(p, k, v)
 s = x.Server(p)

@@ -52,12 +52,23 @@ VARIANTS = [
 ]
 
 
+#: LLVM CPU names of one processor model (the same scheduling and tuning): a variant that
+#: keeps the host's features under another of its names compiles to the host's code (on an
+#: Emerald Rapids host, sapphirerapids gave the same assembly for Q4_K, Q5_0, Q4_1 and Q6_K
+#: matmuls and attention)
+SAME_MODEL = ({"sapphirerapids", "emeraldrapids"},)
+
+
 def variant(label: str) -> Target:
-    """The target of ``label``, or a skip saying what the host lacks for it."""
+    """The target of ``label``, or a skip saying what the host lacks for it
+    (or that it is the host's own code under another name)."""
     _, cpu, drop, needs = next(v for v in VARIANTS if v[0] == label)
     host = host_target()
     if cpu is None:
         return host
+    if not drop and (cpu == host.cpu or any({cpu, host.cpu} <= names for names in SAME_MODEL)):
+        pytest.skip(f"{label}: the host's LLVM processor model ({host.cpu}) and features, so the 'host' "
+                    f"variant's code")
     if not X86:
         pytest.skip(f"{label}: an x86 CPU, and this host is {host.triple}")
     missing = [f for f in needs if not host.has(f)]
@@ -315,6 +326,36 @@ def test_variants_are_what_they_say() -> None:
         assert t.has("avx2") and t.has("fma") and t.triple == host.triple
     assert not variant("haswell, no AVX-512 or VNNI").has("avxvnni")
     assert vnni_width(8, variant("haswell, no AVX-512 or VNNI")) is None
+
+
+def test_a_renamed_host_is_the_hosts_code() -> None:
+    """What lets ``variant`` skip another name of the host's processor model:
+    a matmul of several rows and an attention compile to the same assembly."""
+    import llvmlite.ir as ir
+
+    from compiler.codegen.jit import emit_assembly
+    from compiler.codegen.kernels import emit_kernel
+    from runtime.tools.kernel_lab import Params, Problem, build_case, kernel_sig
+
+    host = host_target()
+    names = next((n for n in SAME_MODEL if host.cpu in n), None)
+    if names is None:
+        pytest.skip(f"{host.cpu} has no other name in SAME_MODEL")
+    for other in sorted(names - {host.cpu}):
+        renamed = host.variant(other, ())
+        for p in (Problem("qmatmul", 256, 512, batch=40, qtype="Q4_K"),
+                  Problem("attention", 100, 256, batch=4, head_dim=64, kv_heads=2)):
+            sig = kernel_sig(build_case(p, True), Params())
+            asm = []
+            for t in (host, renamed):
+                m = ir.Module(name="k")
+                m.triple = t.triple
+                emit_kernel(m, sig, t.vector_width, target=t)
+                for f in m.functions:
+                    if not f.is_declaration:
+                        f.linkage = "external"   # kept whole, not optimized away unused
+                asm.append(emit_assembly(m, t))
+            assert len(asm[0].splitlines()) > 200 and asm[0] == asm[1], (other, p.kind)
 
 
 # --- AMX tiles against the VNNI code: the same integers, the same float operations -----------------

@@ -29,8 +29,9 @@ import pytest
 from serve_process import ROOT, serve
 from shared_data import SMOLLM2, instruct_models
 
-#: one worker runs them all: one Ray cluster at a time, the module's server started once
-pytestmark = pytest.mark.xdist_group("cluster")
+#: one worker runs them all: one Ray cluster at a time, the module's server started once, on every
+#: core (``conftest.whole_machine``: Ray's processes and the timed scaling below need them)
+pytestmark = [pytest.mark.xdist_group("cluster"), pytest.mark.usefixtures("whole_machine")]
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -40,7 +41,7 @@ pytest.importorskip("ray.serve", reason="Ray Serve is the cluster extra: pip ins
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(whole_machine):
     with serve(instruct_models()[SMOLLM2], "--replicas", "2", "-t", "1", "-c", "2048") as s:
         yield s
 
