@@ -20,6 +20,10 @@ import runtime
 from compiler import native
 from shared_data import ROOT, SMOLLM2, instruct_models
 
+#: the background build's worker processes (one per core the process may use) are the subject:
+#: every core, not an xdist worker's share (``conftest.whole_machine``)
+pytestmark = pytest.mark.usefixtures("whole_machine")
+
 PROMPT = ("def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n"
           "    out, i, j = [], 0, 0\n    while i < len(a) and j < len(b):\n")
 
