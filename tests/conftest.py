@@ -61,13 +61,14 @@ def _own_cores() -> None:
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if count < 2 or not worker.startswith("gw") or not hasattr(os, "sched_setaffinity"):
         return
-    cores = sorted(os.sched_getaffinity(0))
+    cores = _ALL_CORES
     if len(cores) < count:
         return
     i = int(worker[2:]) % count
     os.sched_setaffinity(0, cores[i * len(cores) // count:(i + 1) * len(cores) // count])
 
 
+#: the cores the session may use, before a worker takes its share
 _ALL_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 _own_cores()
 
