@@ -24,6 +24,7 @@ import llvmlite
 from . import kernel_cache
 from .codegen.kernels import KernelSig
 from .codegen.target import Target
+from .host_cores import usable_cores
 
 #: kernels whose objects take longest to compile go first (better packing
 #: of the last seconds over the workers)
@@ -52,10 +53,7 @@ def kernel_parts(sig: KernelSig, target: Target, vector_width: int, level: int, 
 
 
 def default_jobs() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    return usable_cores()
 
 
 class KernelBuild:

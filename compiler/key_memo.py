@@ -23,6 +23,7 @@ from frontends.cache_dir import write_entry
 from ir.digest import sha256
 
 from .cache import cache_dir
+from .host_cores import usable_cores
 
 #: NativeOptions fields that do not change the plan or the code
 _NOT_PLAN = ("use_cache", "lookup_only", "progress", "jobs", "dump_dir", "dump_after")
@@ -59,7 +60,7 @@ def memo_key(model: Any, options: Any, parts: dict[str, Any]) -> str | None:
         "weights": weights.hexdigest(),
         "key_offsets": None if koff is None else sha256(koff.tobytes()).hexdigest(),
         "options": repr(opts),
-        "cpus": os.cpu_count(),
+        "cpus": usable_cores(),
         "frontends": frontends_fingerprint(),
         **parts,
     }

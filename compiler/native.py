@@ -34,6 +34,7 @@ from . import cache, key_memo, repack_cache
 from .artifact import FORMAT_VERSION, KINDS, Artifact, ArtifactError, file_fingerprint
 from .codegen.ctl import PROFILE_HEADER
 from .codegen.target import Target, host_target
+from .host_cores import usable_cores
 from .memory import plan_manifest
 from .objpack import pack
 from .driver import BatchOptions, CompileOptions, attention_tiles, build_graphs, max_blocks_per_seq, repack_width
@@ -560,7 +561,7 @@ def _fit_budget(model: LoadedModel, o: NativeOptions, graphs: dict, plans: dict,
 
     sizes = model_sizes(model, graphs, plans, scratch_floats(graphs, 0), 2 << 20, ctx)
     kv = getattr(o, "kv_type", None)
-    mp = plan_memory(sizes, o.mem_budget, o.threads or os.cpu_count() or 1,
+    mp = plan_memory(sizes, o.mem_budget, o.threads or usable_cores(),
                      ctx=None if o.auto_ctx else ctx, kv_type=None if (o.auto_kv or not kv) else kv,
                      stream=o.stream)
     if o.head_rows and mp.stream_head:

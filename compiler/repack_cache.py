@@ -32,6 +32,7 @@ from ir.quant import repacked_layout
 from ir.switches import switch
 
 from .artifact import sampled_digest
+from .host_cores import usable_cores
 
 #: rows of a large weight repacked per job (the threads share a 150 MB head)
 ROW_BLOCK = 8192
@@ -150,7 +151,7 @@ def _rows(r: Any, row0: int, rows: int) -> tuple[int, int, int, int]:
 
 
 def _in_threads(fn, jobs: list) -> None:
-    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), usable_cores()))) as pool:
         for f in [pool.submit(fn, *job) for job in jobs]:
             f.result()
 

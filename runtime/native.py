@@ -19,6 +19,7 @@ import numpy as np
 
 from compiler.artifact import Artifact
 from compiler.codegen.jit import LoadedCode
+from compiler.host_cores import usable_cores
 from compiler.codegen.ctl import IO_ERR_DECOMPRESS, PROFILE_HEADER, Ctl, StreamSlots as S
 
 from .paged import PagedBatch, PoolShape, single_stream_only
@@ -80,7 +81,7 @@ class NativeExecutor(PagedBatch, RingReach):
         by ``settle_weights`` (``WeightImage``)."""
         self._settle_later = settle_later
         m = art.manifest
-        self.threads = max(1, int(threads or os.cpu_count() or 1))
+        self.threads = max(1, int(threads or usable_cores()))
         self._offered: Artifact | None = None   # the whole artifact, when this one is its decode step alone
         self._rest = None                       # and the build that makes it (compiler.native.RestOfBuild)
         self._rest_start = None                 # its start, due after this executor's first step

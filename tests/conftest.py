@@ -41,7 +41,9 @@ else:
 def pytest_xdist_auto_num_workers(config) -> int:
     """One worker per core the process may use, as far as memory holds
     WORKER_BYTES for each."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from compiler.host_cores import usable_cores
+
+    cores = usable_cores()
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):

@@ -7,10 +7,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from typing import Any
 
+from compiler.host_cores import usable_cores
 from ir.types import KV_TYPES
 
 from ..tools import cold_start, serve_bench
@@ -117,7 +117,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     b = subparsers.add_parser("bench", help="measure compile time, prefill/decode speed and the roofline")
     b.add_argument("model", help="model file (.bin, .gguf)")
     b.add_argument("-z", "--tokenizer", default=None, help="tokenizer file (llama2.c tokenizer.bin)")
-    b.add_argument("-t", "--threads", type=thread_count, default=os.cpu_count() or 1,
+    b.add_argument("-t", "--threads", type=thread_count, default=usable_cores(),
                    help="threads (default: all cores)")
     b.add_argument("--prompt-tokens", type=whole_number("--prompt-tokens", 1), default=None,
                    help="random prompt length for prefill (default 128; clipped to the context); with --serve, "

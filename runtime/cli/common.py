@@ -91,7 +91,7 @@ def kv_type_arg(p: argparse.ArgumentParser) -> None:
 def exec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["llvm", "interp"], default="llvm",
                    help="llvm: compiled native code (default); interp: the numpy reference interpreter")
-    p.add_argument("-t", "--threads", type=thread_count, default=None, help="threads (default: the number of cores)")
+    p.add_argument("-t", "--threads", type=thread_count, default=None, help="threads (default: the cores this process may use: its affinity mask and CPU quota)")
     p.add_argument("--no-cache", action="store_true", help="do not use the compile cache")
 
 

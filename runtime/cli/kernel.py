@@ -8,6 +8,8 @@ import json
 import re
 import sys
 
+from compiler.host_cores import usable_cores
+
 from .common import thread_count, whole_number
 from ..tools.kernel_lab import (DEFAULT_REPEATS, KINDS, SWEEP_REPEATS, KernelLabError, Params, Problem, format_sweep,
                          format_text, lab, parse_tile, show, sweep)
@@ -16,7 +18,7 @@ from ..tools.kernel_lab import (DEFAULT_REPEATS, KINDS, SWEEP_REPEATS, KernelLab
 def add_parser(sub) -> None:
     kn = sub.add_parser("kernel", help="compile one kernel on its own: check it, time it, try variants")
     add_arguments(kn)
-    kn.add_argument("-t", "--threads", type=thread_count, default=None, help="threads (default: the number of cores)")
+    kn.add_argument("-t", "--threads", type=thread_count, default=None, help="threads (default: the cores this process may use: its affinity mask and CPU quota)")
 
 
 def add_arguments(k: argparse.ArgumentParser) -> None:
@@ -64,8 +66,6 @@ def _positive(flag: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
-
     rows, tokens = parse_tile(args.tile) if args.tile is not None else (None, None)
     if args.style is not None and args.kind != "rope":
         raise KernelLabError(f"--style is for rope, not {args.kind}")
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     qtype = args.qtype.upper() if args.qtype else None
     if qtype and re.fullmatch(r".+X(8|16)", qtype):   # a repacked layout: Q5_0x16
         qtype = qtype[:qtype.rindex("X")] + "x" + qtype[qtype.rindex("X") + 1:]
-    p = Problem(args.kind, args.rows, args.cols, batch, qtype, args.threads or os.cpu_count() or 1,
+    p = Problem(args.kind, args.rows, args.cols, batch, qtype, args.threads or usable_cores(),
                 args.head_dim, args.kv_heads, args.style or "interleaved", args.seed, args.hot)
     prm = Params(args.vector_width, args.unroll, rows, tokens, args.int_dot, args.prefetch)
     if args.show:

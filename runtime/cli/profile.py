@@ -11,7 +11,7 @@ from .common import model_args, positive_or_zero, resolve_model, thread_count
 def add_parser(sub) -> None:
     f = sub.add_parser("profile", help="time every kernel of a decode step and a prefill")
     model_args(f, optional=True)
-    f.add_argument("-t", "--threads", type=thread_count, default=None, help="threads (default: the number of cores)")
+    f.add_argument("-t", "--threads", type=thread_count, default=None, help="threads (default: the cores this process may use: its affinity mask and CPU quota)")
     f.add_argument("--steps", type=positive_or_zero("--steps"), default=32, help="decode steps timed (default 32)")
     f.add_argument("--prompt-tokens", type=positive_or_zero("--prompt-tokens"), default=64,
                    help="random prompt length of the timed prefill (default 64)")

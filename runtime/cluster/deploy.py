@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from compiler.host_cores import usable_cores
 from ir.types import DEFAULT_KV_TYPE
 
 from ..errors import RunError
@@ -115,7 +116,7 @@ def replica_threads(opts: ServerOptions, c: ClusterOptions) -> int:
     if opts.threads:
         return opts.threads
     n = c.replicas or (c.autoscale[1] if c.autoscale else 1)
-    return max(1, (os.cpu_count() or 1) // n)
+    return max(1, usable_cores() // n)
 
 
 def build_cluster(opts: ServerOptions, c: ClusterOptions, status: Callable[[str], None] | None = None
@@ -149,7 +150,7 @@ def build_cluster(opts: ServerOptions, c: ClusterOptions, status: Callable[[str]
         kw: dict[str, Any] = {"include_dashboard": False, "logging_level": "WARNING", "log_to_driver": False,
                               "runtime_env": {"env_vars": env} if env else None}
         if address is None:   # a Ray of our own, even if another runs here
-            kw.update(num_cpus=os.cpu_count(), _node_ip_address="127.0.0.1")
+            kw.update(num_cpus=usable_cores(), _node_ip_address="127.0.0.1")
         try:
             ray.init(address=address or "local", **kw)
         except (ConnectionError, ValueError, RuntimeError) as e:

@@ -8,9 +8,9 @@ runtime and the HTTP stack, so the server's peak memory stays inside it.
 """
 from __future__ import annotations
 
-import os
 
 from compiler.driver import BatchOptions, LoadedModel, max_blocks_per_seq
+from compiler.host_cores import usable_cores
 from passes.memory_budget import runtime_floor
 
 #: the HTTP stack's resident memory beyond lmc's runtime: FastAPI, uvicorn,
@@ -55,4 +55,4 @@ def pool_blocks(loaded: LoadedModel, ctx: int, parallel: int, block_size: int, k
 
 
 def os_threads(threads: int | None) -> int:
-    return threads or os.cpu_count() or 1
+    return threads or usable_cores()
