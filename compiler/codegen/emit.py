@@ -19,7 +19,7 @@ import llvmlite.ir as ir
 
 from ir.types import Dim
 
-from .simd import shuffle
+from .simd import shuffle, undef, vconst
 from .target import Target, host_target
 
 F32 = ir.FloatType()
@@ -115,20 +115,20 @@ class KernelBuilder:
 
     def splat(self, x: ir.Value, width: int | None = None) -> ir.Value:
         vt = self.vtype(width, x.type)
-        v = self.b.insert_element(ir.Constant(vt, ir.Undefined), x, i64(0))
-        return self.b.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(I32, vt.count), [0] * vt.count))
+        v = self.b.insert_element(undef(vt), x, i64(0))
+        return self.b.shuffle_vector(v, undef(vt), vconst(I32, (0,) * vt.count))
 
     def vzero(self, width: int | None = None) -> ir.Constant:
         vt = self.vtype(width)
-        return ir.Constant(vt, [0.0] * vt.count)
+        return vconst(vt.element, (0.0,) * vt.count)
 
     def _reduce(self, v: ir.Value, combine) -> ir.Value:
         """Fold a vector to its first lane by halving shuffles (log2 steps)."""
         n = v.type.count
         while n > 1:
             half = n // 2
-            lo = self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, half), list(range(half))))
-            hi = self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, half), list(range(half, n))))
+            lo = self.b.shuffle_vector(v, v, vconst(I32, range(half)))
+            hi = self.b.shuffle_vector(v, v, vconst(I32, range(half, n)))
             v = combine(lo, hi)
             n = half
         return self.b.extract_element(v, i64(0))
@@ -331,7 +331,7 @@ def fconst(value: float, width: int | None = None) -> ir.Constant:
     """A float32 constant, or a splatted <width x float> one."""
     if width is None:
         return f32c(value)
-    return ir.Constant(ir.VectorType(F32, width), [float(value)] * width)
+    return vconst(F32, (float(value),) * width)
 
 
 def const_f32_array(kb: KernelBuilder, name: str, values) -> ir.Value:

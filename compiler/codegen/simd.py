@@ -8,6 +8,7 @@ portable form (which LLVM turns into what the target does have).
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING, Sequence
 
 import llvmlite.ir as ir
@@ -25,13 +26,34 @@ HALF = ir.HalfType()
 
 
 def vconst(t: ir.Type, values: Sequence) -> ir.Constant:
-    """A constant vector of ``t`` holding ``values``."""
+    """A constant vector of ``t`` holding ``values``: one object per distinct
+    constant, shared by every instruction and module that uses it (a constant
+    has no parent or users in llvmlite). Made anew, each of a K-quant prompt
+    kernel's ~1,600 shuffle masks and splats built a Constant per lane and
+    formatted them again in ``str(module)``: 40% of its compile time."""
+    values = tuple(values)
+    return _vconst(t, repr(values), values)
+
+
+@lru_cache(maxsize=1 << 14)
+def _vconst(t: ir.Type, key: str, values: tuple) -> ir.Constant:
+    """Keyed by ``repr``: -0.0 == 0.0 and 1 == 1.0 == True as dict keys."""
     return ir.Constant(ir.VectorType(t, len(values)), list(values))
+
+
+@lru_cache(maxsize=None)
+def undef(t: ir.Type) -> ir.Constant:
+    """``undef`` of type ``t``, one shared object per type; a vector's is the
+    single word ``undef`` (llvmlite spells one lane by lane, and a prompt
+    kernel's 2,400 splats and shuffles each formatted 16 of them)."""
+    c = ir.Constant(t, ir.Undefined)
+    c.constant = ir.Undefined
+    return c
 
 
 def shuffle(b: ir.IRBuilder, x: ir.Value, y: ir.Value | None, idx: Sequence[int]) -> ir.Value:
     """Lanes ``idx`` of x followed by y (y None: x alone)."""
-    return b.shuffle_vector(x, y if y is not None else ir.Constant(x.type, ir.Undefined), vconst(I32, idx))
+    return b.shuffle_vector(x, y if y is not None else undef(x.type), vconst(I32, idx))
 
 
 def concat(b: ir.IRBuilder, parts: list[ir.Value]) -> ir.Value:
@@ -59,7 +81,7 @@ def call(kb, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
 def gather_f16(kb, ptrs: list[ir.Value], off: int) -> ir.Value:
     """<n x float>: the float16 at byte ``off`` of each of the n pointers (i8*)."""
     b = kb.b
-    v = ir.Constant(ir.VectorType(HALF, len(ptrs)), ir.Undefined)
+    v = undef(ir.VectorType(HALF, len(ptrs)))
     for i, bp in enumerate(ptrs):
         p = bp if off == 0 else kb.gep(bp, off)
         v = b.insert_element(v, b.load(b.bitcast(p, ir.PointerType(HALF)), align=1), ir.Constant(I64, i))

@@ -41,7 +41,7 @@ from .. import amx
 from ..act_quant import QK, quantize_q8_block
 from ..emit import F32, I32, KernelBuilder, as_i64, i64
 from ..kernels import KernelSig
-from ..simd import I8, call, concat, shuffle, vconst
+from ..simd import I8, call, concat, shuffle, undef, vconst
 from ..target import Target, vnni_width
 from .amx_tiles import fill_panels
 from .amx_tiles import chunk as amx_chunk
@@ -254,7 +254,7 @@ class Q8Gemm(GemmBase):
     def _gather(self, ptrs: list[ir.Value], off: int, t: ir.Type) -> ir.Value:
         """<W x t>: the scalar at byte ``off`` of each row's block."""
         b = self.b
-        v = ir.Constant(ir.VectorType(t, len(ptrs)), ir.Undefined)
+        v = undef(ir.VectorType(t, len(ptrs)))
         for r, p in enumerate(ptrs):
             q = b.bitcast(self.kb.gep(p, off), ir.PointerType(t))
             v = b.insert_element(v, b.load(q, align=1), i64(r))
