@@ -287,9 +287,11 @@ def calibrate(model: LoadedModel, text: str, max_tokens: int = 256,
 
 def convert(src: str, output: str, qtype: str = "q8", tokenizer: str | None = None, compression: str = "none",
             calibration: str | None = None, level: int | None = None,
-            progress: Callable[..., object] | None = None, always_compress: bool = False) -> ConvertReport:
+            progress: Callable[..., object] | None = None, always_compress: bool = False,
+            jobs: int | None = None) -> ConvertReport:
     """Convert ``src`` to a QSF file at ``output``. ``progress(total, desc)``
-    returns an object with ``update(n)`` and ``close()`` (tqdm's interface)."""
+    returns an object with ``update(n)`` and ``close()`` (tqdm's interface).
+    ``jobs``: threads quantizing tensors (the CLI passes the cores it may use)."""
     if qtype not in QTYPES:
         raise ModelError(f"--qtype {qtype}: one of {', '.join(QTYPES)}")
     if os.path.abspath(src) == os.path.abspath(output):
@@ -336,7 +338,7 @@ def convert(src: str, output: str, qtype: str = "q8", tokenizer: str | None = No
     bar = progress(cfg.n_layers + 2, "converting") if progress else None
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(os.cpu_count() or 1) as pool, \
+    with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool, \
             QSFWriter(output, _header(cfg, header_qtype, pad), compression, level, always_compress) as w:
         w.embedding(tensors(emb))
         bar and bar.update(1)

@@ -36,8 +36,8 @@ p.n_parallel = 4
 p.port = 0
 p.warmup = False
 p.use_jinja = True
-p.cpuparams.n_threads = 2
-p.cpuparams_batch.n_threads = 2
+p.cpuparams.n_threads = len(os.sched_getaffinity(0))   # the worker's share of the cores
+p.cpuparams_batch.n_threads = p.cpuparams.n_threads
 if len(sys.argv) > 2:
     p.api_keys = [sys.argv[2]]
 s = x.Server(p)

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from compiler.host_cores import usable_cores
 from frontends.convert import QTYPES, convert
 from frontends.qsf_codecs import CODECS
 
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--level: needs --compress lz4 or zstd")
     t0 = time.perf_counter()
     r = convert(args.input, args.output, args.qtype, args.tokenizer, args.compress, args.calibration, args.level,
-                progress=_Bar)
+                progress=_Bar, jobs=usable_cores())
     secs = time.perf_counter() - t0
     types: dict[str, int] = {}
     for t in r.tensors.values():
