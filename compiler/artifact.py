@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from frontends.cache_dir import cache_root, write_entry
+from frontends.output_file import write_atomic
 from ir.digest import sha256
 
 MAGIC = b"LMCART1\0"
@@ -43,14 +44,9 @@ class Artifact:
     def write(self, path: str | os.PathLike) -> None:
         """Write atomically: a crash never leaves a half-written artifact."""
         path = os.fspath(path)
-        tmp = f"{path}.{os.getpid()}.part"
         try:
-            with open(tmp, "wb") as f:
-                f.write(self.to_bytes())
-            os.replace(tmp, path)
+            write_atomic(path, self.to_bytes())
         except OSError as e:
-            if os.path.exists(tmp):
-                os.remove(tmp)
             raise ArtifactError(f"{path}: cannot write the artifact ({e.strerror})") from None
 
     @classmethod

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from .arch import ModelConfig, file_shapes, optional_shapes
+from .output_file import check_output, discard
 from .quantize import quantize
 
 QTYPES = ("F32", "Q8_0", "Q4_0", "Q2_K", "Q3_K", "Q4_K", "TQ1_0", "TQ2_0", "IQ4_NL", "IQ4_XS", "MXFP4")
@@ -120,6 +121,7 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig, tensor: Callable[[str]
     if qtype not in QTYPES:
         raise ValueError(f"--qtype {qtype}: choose one of {', '.join(QTYPES)}")
     path = os.fspath(path)
+    check_output(path)
     tmp = f"{path}.{os.getpid()}.part"
     w = gguf.GGUFWriter(tmp, cfg.arch)  # metadata keys are "<arch>.*"
     try:
@@ -162,8 +164,9 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig, tensor: Callable[[str]
             w.write_tensor_data(np.ascontiguousarray(data))
         w.close()
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         w.close()
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        discard(tmp)
+        if isinstance(e, OSError) and not isinstance(e, BrokenPipeError):
+            raise OSError(e.errno, e.strerror, os.fspath(path)) from None
         raise

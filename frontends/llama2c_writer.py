@@ -14,6 +14,7 @@ import numpy as np
 
 from .arch import ModelConfig, expected_shapes
 from .llama2c import MAGIC, V1_HEADER
+from .output_file import check_output, discard
 
 _ATTN = ("attn_q", "attn_k", "attn_v", "attn_output")
 _FFN = ("ffn_gate", "ffn_down", "ffn_up")
@@ -109,6 +110,7 @@ def write_llama2c(path: str | os.PathLike, cfg: ModelConfig, t: Tensors, version
     path = os.fspath(path)
     # beside the target (same file system, so the rename is atomic); opened
     # with "x" so it honours the umask and never clobbers anything
+    check_output(path)
     tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.part"
     f = open(tmp, "xb")
     done = 0
@@ -146,9 +148,8 @@ def write_llama2c(path: str | os.PathLike, cfg: ModelConfig, t: Tensors, version
         if done != total:
             raise AssertionError(f"wrote {done} bytes, expected {total}")
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
+    except BaseException as e:
+        discard(tmp)
+        if isinstance(e, OSError) and not isinstance(e, BrokenPipeError):
+            raise OSError(e.errno, e.strerror, path) from None
         raise

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from . import qsf_codecs
+from .output_file import check_output, discard
 from .qsf_format import (HEADER_SIZE, SECTION_HEAD, Header, LayerEntry, TensorEntry, align_up, crc32,
                          group_header_size, index_size, pack_group_header, pack_index, pack_section_head,
                          pack_tokenizer)
@@ -66,6 +67,7 @@ class QSFWriter:
         self._f = None
 
     def __enter__(self) -> "QSFWriter":
+        check_output(self.path)
         try:
             self._f = open(self.tmp, "wb")
         except OSError as e:
@@ -77,13 +79,17 @@ class QSFWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
-            self._close()
+            try:
+                self._close()
+            except OSError as e:
+                self._f.close()
+                discard(self.tmp)
+                raise OSError(e.errno, e.strerror, self.path) from None
         else:
             self._f.close()
-            try:
-                os.unlink(self.tmp)
-            except OSError:
-                pass
+            discard(self.tmp)
+            if isinstance(exc, OSError) and not isinstance(exc, BrokenPipeError):
+                raise OSError(exc.errno, exc.strerror, self.path) from None
 
     # --- sections -----------------------------------------------------------------------
     def _pad(self) -> int:

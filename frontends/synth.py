@@ -18,6 +18,7 @@ import numpy as np
 
 from .arch import ModelConfig, expected_shapes
 from .llama2c_writer import llama2c_nbytes, tensor_order, write_llama2c
+from .output_file import write_atomic
 
 #: (dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len, tied output)
 _SHAPES = {
@@ -125,7 +126,4 @@ def write_synth_tokenizer(path: str | os.PathLike, vocab_size: int) -> None:
     for i, p in enumerate(pieces):
         score = 0.0 if i < 3 else -float(i)
         out.append(struct.pack("<fi", score, len(p)) + p)
-    tmp = f"{os.fspath(path)}.{os.getpid()}.part"
-    with open(tmp, "wb") as f:
-        f.write(b"".join(out))
-    os.replace(tmp, path)
+    write_atomic(path, b"".join(out))

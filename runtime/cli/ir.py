@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from frontends.output_file import write_atomic
 from ir.types import DEFAULT_KV_TYPE
 
 from ..errors import RunError
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         dot = to_dot(g, view, args.layer if view == "layer" else None, title=f"{g.name}: {where}, {stage}")
         data = dot.encode() if args.format == "dot" else ir_render.render(dot, args.format)
     if args.output:
-        ir_render.write_atomic(args.output, data)
+        write_atomic(args.output, data)
     else:
         sys.stdout.write(data.decode())
     return 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from frontends.output_file import write_atomic
+
 from ..errors import RunError
 from .common import kv_type_arg, memory_args, model_args, native_options, thread_count
 
@@ -33,8 +35,7 @@ def run(args: argparse.Namespace) -> int:
     text = {"text": plan_report.format_text, "json": plan_report.format_json,
             "svg": plan_report.format_svg}[args.format](r)
     if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
+        write_atomic(args.output, text)
     else:
         sys.stdout.write(text)
     return 0

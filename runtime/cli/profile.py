@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from frontends.output_file import write_atomic
+
 from .common import model_args, positive_or_zero, resolve_model, thread_count
 
 
@@ -32,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
                                           use_cache=not args.no_cache)
     out = profile_report.render(report, args.format, args.top)
     if args.output:
-        profile_report.write_atomic(args.output, out)
+        write_atomic(args.output, out)
     else:
         sys.stdout.write(out)
     return 0

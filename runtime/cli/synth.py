@@ -6,6 +6,8 @@ import argparse
 import json
 import os
 
+from frontends.output_file import check_output
+
 from ..errors import RunError
 
 
@@ -43,13 +45,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.qtype is not None:
         raise RunError("--qtype is for --format gguf; llama2.c files take --version 2 for Q8_0")
-    synth_llama2c(args.shape, args.output, seed=args.seed, version=args.version)
     vocab = SHAPES[args.shape].vocab_size
     tok = args.tokenizer or os.path.join(os.path.dirname(os.path.abspath(args.output)), f"tok{vocab}.bin")
-    wrote_tok = False
-    if args.tokenizer or not os.path.exists(tok):
-        write_synth_tokenizer(tok, vocab)
-        wrote_tok = True
+    wrote_tok = bool(args.tokenizer) or not os.path.exists(tok)
+    if wrote_tok:   # both files or neither: the tokenizer's place is checked before the model is written
+        check_output(tok)
+    synth_llama2c(args.shape, args.output, seed=args.seed, version=args.version)
+    if wrote_tok:
+        try:
+            write_synth_tokenizer(tok, vocab)
+        except BaseException:
+            os.remove(args.output)
+            raise
     print(json.dumps({"model": args.output, "bytes": os.path.getsize(args.output), "shape": args.shape,
                       "version": args.version, "tokenizer": tok, "tokenizer_written": wrote_tok}))
     return 0

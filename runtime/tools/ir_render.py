@@ -69,18 +69,3 @@ def svg_to_png(svg: str) -> bytes:
         return bytes(resvg_py.svg_to_bytes(svg_string=body, background="white"))
     except ValueError as e:
         raise RunError(f"could not turn the SVG into a PNG: {e}") from None
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    """All of ``data`` or nothing: a temporary file beside ``path``, renamed over it."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except OSError:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise

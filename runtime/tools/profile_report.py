@@ -439,19 +439,3 @@ def render(report: dict, fmt: str, top: int = TOP_NODES) -> str:
     if fmt == "svg":
         return format_svg(report)
     return format_text(report, top)
-
-
-def write_atomic(path: str, text: str) -> None:
-    """Write all of ``text`` or nothing: a temporary file beside ``path``,
-    renamed over it."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise OSError(e.errno, e.strerror, path) from None
