@@ -41,6 +41,11 @@ _U64 = (1 << 64) - 1
 # configuration
 
 
+#: the largest temperature or repeat penalty, and 1 / it the smallest penalty: logits
+#: divided by them stay finite float32 numbers
+MAX_DIVISOR = 1e6
+
+
 @dataclass
 class SamplerConfig:
     """Sampling flags. Defaults are "off" for everything except greedy."""
@@ -60,16 +65,18 @@ class SamplerConfig:
 
         Written as ``not (ok)`` so NaN fails every check.
         """
-        if not (self.temperature >= 0.0):
-            raise ValueError("--temp must be >= 0")
+        # bounds that keep the float32 arithmetic finite: logits divided by a
+        # temperature or a penalty of 1e-300 (0 in float32) were inf, then NaN
+        if not (0.0 <= self.temperature <= MAX_DIVISOR):
+            raise ValueError(f"--temp must be in [0, {MAX_DIVISOR:g}]")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError("--top-p must be in (0, 1]")
         if not (self.top_k >= 0):
             raise ValueError("--top-k must be >= 0")
         if not (0.0 <= self.min_p < 1.0):
             raise ValueError("--min-p must be in [0, 1)")
-        if not (self.repeat_penalty > 0.0):
-            raise ValueError("--repeat-penalty must be > 0")
+        if not (1.0 / MAX_DIVISOR <= self.repeat_penalty <= MAX_DIVISOR):
+            raise ValueError(f"--repeat-penalty must be in [{1 / MAX_DIVISOR:g}, {MAX_DIVISOR:g}] (1 = off)")
         if not (self.repeat_last_n >= -1):
             raise ValueError("--repeat-last-n must be >= -1")
         if not (-2.0 <= self.presence_penalty <= 2.0):

@@ -19,6 +19,31 @@ class Parser(argparse.ArgumentParser):
         raise CliError(message)
 
 
+def port_number(flag: str = "--port"):
+    """An argparse type: a TCP port, 0 (pick a free one) to 65535."""
+    def conv(s: str) -> int:
+        v = whole_number(flag)(s)
+        if v > 65535:
+            raise argparse.ArgumentTypeError(f"{flag} {v}: a port is 0 to 65535")
+        return v
+
+    return conv
+
+
+def server_url(s: str) -> str:
+    """An argparse type: an http(s) URL with a host and a valid port."""
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(s)
+        u.port   # raises for a port that is not a number or out of range
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"URL {s!r}: {e}") from None
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise argparse.ArgumentTypeError(f"URL {s!r}: give http://HOST[:PORT] or https://...")
+    return s
+
+
 def whole_number(flag: str, minimum: int = 0):
     """An argparse type: a whole number >= ``minimum`` and not absurdly large."""
     def conv(s: str) -> int:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from typing import Any, Callable
 
 import numpy as np
 
 from ..tools.inspect_report import inspect_file
+from .common import CliError
 
 
 # --- text ------------------------------------------------------------------------
@@ -123,6 +125,9 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # a tokenizer that is not there is bad input (exit 2); one that does not fit is a failed check (exit 1)
+    if args.tokenizer is not None and not os.path.isfile(args.tokenizer):
+        raise CliError(f"{args.tokenizer}: no such tokenizer file (-z)")
     report = inspect_file(args.model, args.tokenizer, args.verify)
     if args.json:
         sys.stdout.write(json.dumps(report, indent=1) + "\n")

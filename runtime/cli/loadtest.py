@@ -11,7 +11,7 @@ import argparse
 import json
 
 from ..tools.loadtest import DEFAULT_PROMPT_WORDS, ServerUnreachable, run_load_test
-from .common import CliError, whole_number
+from .common import CliError, server_url, whole_number
 
 
 def _seconds(s: str) -> float:
@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
                                    "(lmc serve, llama.cpp's server ...) and one JSON object reports time to first "
                                    "token, inter-token latency and throughput. Exit 0 if at least one request "
                                    "completed, 1 if none did.")
-    p.add_argument("url", help="the server, e.g. http://127.0.0.1:8080 (a trailing /v1 is fine)")
+    p.add_argument("url", type=server_url, help="the server, e.g. http://127.0.0.1:8080 (a trailing /v1 is fine)")
     p.add_argument("--clients", type=whole_number("--clients", 1), default=4, metavar="N",
                    help="concurrent clients, each streaming one request after another (default 4)")
     p.add_argument("--requests", type=whole_number("--requests", 1), default=None, metavar="M",

@@ -21,14 +21,14 @@ import sys
 from ..loading import DEFAULT_CTX
 from ..speculative import DEFAULT_DRAFT_MAX, Speculation
 from ..status import StatusLine
-from .common import CliError, exec_args, kv_type_arg, model_args, resolve_model, size_arg, whole_number
+from .common import CliError, exec_args, kv_type_arg, model_args, port_number, resolve_model, size_arg, whole_number
 
 
 def add_parser(sub) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, paged KV cache)")
     model_args(s, optional=True)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=whole_number("--port", 0), default=8080,
+    s.add_argument("--port", type=port_number(), default=8080,
                    help="port (default 8080; 0 picks a free one and prints it)")
     s.add_argument("-np", "--parallel", type=whole_number("--parallel", 1), default=4,
                    help="sequences advanced together in one step (default 4)")

@@ -9,7 +9,7 @@ import signal
 import sys
 
 from ..errors import RunError
-from .common import kv_type_arg, memory_args, model_args, native_options, thread_count, whole_number
+from .common import kv_type_arg, memory_args, model_args, native_options, port_number, thread_count
 
 
 def add_parser(sub) -> None:
@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
     model_args(v)
     v.add_argument("--mode", choices=["decode", "prefill"], default="decode", help="which graph (default decode)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    v.add_argument("--port", type=whole_number("--port"), default=0,
+    v.add_argument("--port", type=port_number(), default=0,
                    help="port (default 0: a free one; the URL is the first line printed)")
     v.add_argument("--no-open", action="store_true", help="do not open a browser")
     v.add_argument("--profile", action="store_true",
@@ -44,8 +44,6 @@ def run(args: argparse.Namespace) -> int:
     from ..loading import DEFAULT_CTX
     from ..tools.viz.server import bind, open_browser, serve, url_of
 
-    if args.port > 65535:
-        raise RunError(f"--port {args.port}: must be at most 65535")
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"lmc viz: warning: listening on {args.host}: anyone who can reach it sees the model's graph and "
               "file paths", file=sys.stderr)

@@ -49,7 +49,9 @@ class GrammarMatcher:
     def accept(self, token: int) -> None:
         """Consume a sampled token (one the mask allowed)."""
         if not self.m.consume_token(int(token)):
-            raise ConstraintError(f"token {token} does not fit the grammar: {self.m.get_error()}")
+            # llguidance's error is its first line; then a dump of the parser state
+            why = (self.m.get_error() or "").strip().splitlines()[:1] or ["refused"]
+            raise ConstraintError(f"token {token} does not fit the grammar: {why[0]}")
         self.consumed += 1
         if self.done_at is None and self.m.is_stopped():
             self.done_at = self.consumed
