@@ -107,6 +107,14 @@ def test_raw_sse_ends_with_done(server):
     assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+def test_logprobs_null_is_off(server):
+    """Some OpenAI clients send "logprobs": null; it means off, not a 400."""
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                   json={"messages": [{"role": "user", "content": "Lily"}], "max_tokens": 2, "logprobs": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0].get("logprobs") is None
+
+
 def test_logprobs_and_tokenize_roundtrip(server, client):
     r = client.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Lily"}],
                                        max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
@@ -144,6 +152,13 @@ BAD = [
     ("POST", "/v1/completions", {"prompt": {"a": 1}}, 400),
     ("POST", "/detokenize", {"tokens": [-5]}, 400),
     ("POST", "/tokenize", {"content": 5}, 400),
+    # an assistant turn's tool calls: a list of {"function": {"name", "arguments"}} (was a 500 for 5)
+    *[("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"},
+                                                     {"role": "assistant", "content": "y", "tool_calls": calls},
+                                                     {"role": "user", "content": "z"}]}, 400)
+      for calls in (5, "abc", {"a": 1}, [5], [{}], [{"function": 5}], [{"function": {"arguments": "{}"}}],
+                    [{"function": {"name": "f", "arguments": 5}}])],
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "repeat_penalty": 1e-300}, 400),
     ("GET", "/v1/nothing", None, 404),
     ("GET", "/v1/chat/completions", None, 405),
 ]
@@ -164,6 +179,35 @@ def test_oversized_body_is_413(server):
     r = httpx.post(f"{server.url}/v1/completions", content=b"x" * (9 << 20), timeout=60,
                    headers={"content-type": "application/json"})
     assert r.status_code == 413 and "MiB" in r.json()["error"]["message"]
+
+
+def test_oversized_chunked_body_is_413(server):
+    """Without Content-Length (chunked transfer) the body is counted as it
+    arrives: a 12 MiB prompt is refused, not read and tokenized whole."""
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(12):
+            yield b"a " * (1 << 19)
+        yield b'", "max_tokens": 1}'
+
+    r = httpx.post(f"{server.url}/v1/completions", content=chunks(), timeout=120,
+                   headers={"content-type": "application/json"})
+    assert "content-length" not in r.request.headers and r.request.headers["transfer-encoding"] == "chunked"
+    assert r.status_code == 413 and "MiB" in r.json()["error"]["message"], r.text
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_a_non_numeric_content_length_is_400(server):
+    import socket
+
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as c:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: abc\r\nConnection: close\r\n\r\n{}")
+        reply = b""
+        while chunk := c.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
 
 
 #: values no request may carry in each field

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from fastapi import APIRouter, FastAPI, Request as HttpRequest
+from fastapi import APIRouter, FastAPI, HTTPException, Request as HttpRequest
 from fastapi.responses import Response
 
 from .backend import ServingBackend
@@ -43,11 +43,17 @@ def create_app(backend: ServingBackend, api_key: str | None = None, webui: bool 
     app = FastAPI(title="lmc", docs_url=None, redoc_url=None)
     app.state.backend = backend
     install_error_handlers(app, backend)
+    # added before the guard below, so inside it: its refusal is raised in the route's own read
+    # of the body, where the error handlers turn it into our JSON 413
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
 
     @app.middleware("http")
     async def _guard(request: HttpRequest, call_next: Callable) -> Response:
         size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
+        if size is not None and not size.isdigit():
+            backend.count_error(400)
+            return error_response(400, f"Content-Length {size[:40]!r} is not a number")
+        if size is not None and int(size) > MAX_BODY_BYTES:
             backend.count_error(413)
             return error_response(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
         path = request.url.path
@@ -65,3 +71,32 @@ def create_app(backend: ServingBackend, api_key: str | None = None, webui: bool 
         if viz is not None:
             install_viz(app, viz)
     return app
+
+
+class BodyLimit:
+    """ASGI middleware: a body is counted as it arrives and refused (413)
+    once past ``limit``. The guard's Content-Length check alone let a body
+    sent chunked (no Content-Length) through: 50 MB were read and tokenized
+    whole before a 400. (FastAPI 0.165's own ``max_body_size`` answers a
+    Content-Length over it in plain text, outside our error handlers.)"""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    # an HTTPException: FastAPI passes it on from its read of the body (others become a 400)
+                    raise HTTPException(413, f"the request body is larger than {self.limit >> 20} MiB")
+            return msg
+
+        await self.app(scope, counted, send)

@@ -112,14 +112,24 @@ def plain_message(m: dict) -> dict:
                                "messages")
             texts.append(part["text"])
         m = dict(m, content="".join(texts))
-    if m.get("tool_calls"):   # OpenAI sends arguments as JSON text; templates want the object
-        m = dict(m, tool_calls=[_call_for_template(c) for c in m["tool_calls"]])
+    if "tool_calls" in m and m["tool_calls"] is not None:
+        calls = m["tool_calls"]
+        if not isinstance(calls, list):
+            raise ApiError(400, f"a message's tool_calls must be a list, not {type(calls).__name__}", "messages")
+        # OpenAI sends arguments as JSON text; templates want the object
+        m = dict(m, tool_calls=[_call_for_template(c) for c in calls])
     return m
 
 
 def _call_for_template(call: Any) -> Any:
+    """One assistant tool call as templates take it: OpenAI's
+    {"type": "function", "function": {"name": str, "arguments": str}}."""
     fn = call.get("function") if isinstance(call, dict) else None
-    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+            or not isinstance(fn.get("arguments", "{}"), (str, dict)):
+        raise ApiError(400, f"a tool call must be {{\"function\": {{\"name\": str, \"arguments\": str}}}}, "
+                            f"got {json.dumps(call)[:120]}", "messages")
+    if isinstance(fn.get("arguments"), str):
         try:
             args = json.loads(fn["arguments"])
         except json.JSONDecodeError:

@@ -30,7 +30,7 @@ class Sampling(_Body):
     stream: bool = False
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repeat_penalty: float = Field(default=1.0, gt=0.0)
+    repeat_penalty: float = Field(default=1.0, ge=1e-6, le=1e6)   # sampling.MAX_DIVISOR
     n: int = Field(default=1, ge=1, le=1)
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False   # llama.cpp's and vLLM's extension: generate max_tokens whatever comes
@@ -61,7 +61,7 @@ class ChatMessage(_Body):
 class ChatRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False   # null, as some OpenAI clients send it: off
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None    # auto, none, required, {"type": "function", ...}
