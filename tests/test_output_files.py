@@ -94,6 +94,16 @@ def test_synth_writes_the_model_and_its_tokenizer_or_neither(tmp_path):
     (["run", S, "-z", K, "-p", "hi", "-n", "2", "--repeat-penalty", "1e-300"], ["--repeat-penalty"]),
     (["run", S, "-z", K, "-p", "hi", "-n", "3", "-t", "1", "--regex", "a{99999999}"], ["grammar"]),
     (["inspect", S, "-z", "/no/such/tok.bin"], ["/no/such/tok.bin", "-z"]),
+    (["serve", S, "-z", K, "--drain-timeout", "-1"], ["--drain-timeout"]),
+    (["convert", S, "-z", K, "/tmp/never-written.qsf", "--compress", "zstd", "--level", "99"], ["--level", "zstd"]),
+    (["convert", S, "-z", K, "/tmp/never-written.qsf", "--compress", "lz4", "--level", "-1"], ["--level", "lz4"]),
 ])
 def test_bad_flags_are_one_line(args, names):
     refused(lmc(*args, timeout=120), *names)   # a server that starts instead fails here, not hangs
+
+
+def test_a_prompt_file_that_is_not_utf8_is_named(tmp_path):
+    bad = tmp_path / "prompt.txt"
+    bad.write_bytes(b"\xff\xfe not text")
+    refused(lmc("bench", S, "-z", K, "-t", "1", "--runs", "1", "--prompt-file", str(bad), timeout=120),
+            "--prompt-file", str(bad), "UTF-8")

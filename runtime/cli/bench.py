@@ -193,8 +193,11 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--json-schema: {e}") from None
     prompt_text = None
     if args.prompt_file is not None:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            prompt_text = f.read()
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                prompt_text = f.read()
+        except UnicodeDecodeError as e:
+            raise CliError(f"--prompt-file {args.prompt_file}: not UTF-8 text (byte {e.start})") from None
     r = run_bench(args.model, args.tokenizer, args.threads, prompt_tokens=args.prompt_tokens or 128,
                   gen_tokens=args.gen_tokens or 128, runs=args.runs, backend=args.backend,
                   probe_bytes=args.probe_mb << 20, kv_type=args.kv_type, mem_budget=args.mem_budget,

@@ -53,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.output}: is a directory; give the .qsf file to write")
     if args.level is not None and args.compress == "none":
         raise ValueError("--level: needs --compress lz4 or zstd")
+    span = {"lz4": (0, 12), "zstd": (1, 22)}.get(args.compress)   # lz4: 0 is its fast mode, 1-12 HC
+    if args.level is not None and span is not None and not span[0] <= args.level <= span[1]:
+        raise ValueError(f"--level {args.level}: {args.compress} takes {span[0]} to {span[1]}")
     t0 = time.perf_counter()
     r = convert(args.input, args.output, args.qtype, args.tokenizer, args.compress, args.calibration, args.level,
                 progress=_Bar, jobs=usable_cores())
