@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from .arch import ModelConfig, file_shapes, optional_shapes
-from .output_file import check_output, discard
+from .output_file import check_output, discard, naming, temp_beside
 from .quantize import quantize
 
 QTYPES = ("F32", "Q8_0", "Q4_0", "Q2_K", "Q3_K", "Q4_K", "TQ1_0", "TQ2_0", "IQ4_NL", "IQ4_XS", "MXFP4")
@@ -122,7 +122,7 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig, tensor: Callable[[str]
         raise ValueError(f"--qtype {qtype}: choose one of {', '.join(QTYPES)}")
     path = os.fspath(path)
     check_output(path)
-    tmp = f"{path}.{os.getpid()}.part"
+    tmp = temp_beside(path)
     w = gguf.GGUFWriter(tmp, cfg.arch)  # metadata keys are "<arch>.*"
     try:
         w.add_name(name)
@@ -167,6 +167,7 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig, tensor: Callable[[str]
     except BaseException as e:
         w.close()
         discard(tmp)
-        if isinstance(e, OSError) and not isinstance(e, BrokenPipeError):
-            raise OSError(e.errno, e.strerror, os.fspath(path)) from None
-        raise
+        named = naming(e, path)
+        if named is e:
+            raise
+        raise named from None

@@ -14,7 +14,7 @@ import numpy as np
 
 from .arch import ModelConfig, expected_shapes
 from .llama2c import MAGIC, V1_HEADER
-from .output_file import check_output, discard
+from .output_file import check_output, discard, naming
 
 _ATTN = ("attn_q", "attn_k", "attn_v", "attn_output")
 _FFN = ("ffn_gate", "ffn_down", "ffn_up")
@@ -150,6 +150,7 @@ def write_llama2c(path: str | os.PathLike, cfg: ModelConfig, t: Tensors, version
         os.replace(tmp, path)
     except BaseException as e:
         discard(tmp)
-        if isinstance(e, OSError) and not isinstance(e, BrokenPipeError):
-            raise OSError(e.errno, e.strerror, path) from None
-        raise
+        named = naming(e, path)
+        if named is e:
+            raise
+        raise named from None

@@ -57,9 +57,10 @@ def atomic_output(path: str | os.PathLike, mode: str = "wb", encoding: str | Non
         os.replace(tmp, path)
     except BaseException as e:
         discard(tmp)
-        if isinstance(e, OSError) and not isinstance(e, (BrokenPipeError, InterruptedError)):
-            raise OSError(e.errno, e.strerror, path) from None
-        raise
+        named = naming(e, path)
+        if named is e:
+            raise
+        raise named from None
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
@@ -67,6 +68,15 @@ def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
     text = isinstance(data, str)
     with atomic_output(path, "w" if text else "wb", encoding="utf-8" if text else None) as f:
         f.write(data)
+
+
+def naming(e: BaseException, path: str | os.PathLike) -> BaseException:
+    """What a writer raises when writing ``path`` failed: an OSError again,
+    naming ``path`` instead of the temporary file it was writing; anything
+    else as it is."""
+    if isinstance(e, OSError) and not isinstance(e, (BrokenPipeError, InterruptedError)):
+        return OSError(e.errno, e.strerror, os.fspath(path))
+    return e
 
 
 def discard(path: str) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from . import qsf_codecs
-from .output_file import check_output, discard
+from .output_file import check_output, discard, naming, temp_beside
 from .qsf_format import (HEADER_SIZE, SECTION_HEAD, Header, LayerEntry, TensorEntry, align_up, crc32,
                          group_header_size, index_size, pack_group_header, pack_index, pack_section_head,
                          pack_tokenizer)
@@ -59,7 +59,7 @@ class QSFWriter:
                  always_compress: bool = False) -> None:
         if compression not in qsf_codecs.CODECS:
             raise qsf_codecs.CodecError(f"unknown compression {compression!r}")
-        self.path, self.tmp = path, path + ".part"
+        self.path, self.tmp = path, temp_beside(path)
         self.header = replace(header)
         self.compression, self.level = compression, level
         self.always_compress = always_compress   # keep compressed layers even when larger (tests, benchmarks)
@@ -84,12 +84,13 @@ class QSFWriter:
             except OSError as e:
                 self._f.close()
                 discard(self.tmp)
-                raise OSError(e.errno, e.strerror, self.path) from None
+                raise naming(e, self.path) from None
         else:
             self._f.close()
             discard(self.tmp)
-            if isinstance(exc, OSError) and not isinstance(exc, BrokenPipeError):
-                raise OSError(exc.errno, exc.strerror, self.path) from None
+            named = naming(exc, self.path)
+            if named is not exc:
+                raise named from None
 
     # --- sections -----------------------------------------------------------------------
     def _pad(self) -> int:
