@@ -5,6 +5,7 @@ cache type, the execution flags, and the memory flags shared by ``run``,
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 from ir.types import DEFAULT_KV_TYPE, KV_TYPES
 from passes.memory_budget import BudgetError, parse_size
@@ -42,6 +43,21 @@ def server_url(s: str) -> str:
     if u.scheme not in ("http", "https") or not u.hostname:
         raise argparse.ArgumentTypeError(f"URL {s!r}: give http://HOST[:PORT] or https://...")
     return s
+
+
+def number_in(flag: str, ok: Callable[[float], bool], want: str, unit: str = "a number"):
+    """An argparse type: a float for which ``ok`` holds (NaN never does);
+    else "{flag} must be {want}, got ..."."""
+    def conv(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes {unit}, not {s!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"{flag} must be {want}, got {s}")
+        return v
+
+    return conv
 
 
 def whole_number(flag: str, minimum: int = 0):

@@ -11,27 +11,12 @@ import argparse
 import json
 
 from ..tools.loadtest import DEFAULT_PROMPT_WORDS, ServerUnreachable, run_load_test
-from .common import CliError, server_url, whole_number
+from .common import CliError, number_in, server_url, whole_number
 
 
-def _seconds(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--timeout takes seconds, not {s!r}") from None
-    if not 0 < v < 1e7:
-        raise argparse.ArgumentTypeError(f"--timeout must be a positive number of seconds, got {s}")
-    return v
-
-
-def _temperature(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--temperature takes a number, not {s!r}") from None
-    if not 0 <= v <= 100:
-        raise argparse.ArgumentTypeError(f"--temperature must be between 0 and 100, got {s}")
-    return v
+#: --timeout and --temperature
+_seconds = number_in("--timeout", lambda v: 0 < v < 1e7, "a positive number of seconds", "seconds")
+_temperature = number_in("--temperature", lambda v: 0 <= v <= 100, "between 0 and 100")
 
 
 def add_parser(sub) -> None:

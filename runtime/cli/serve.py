@@ -21,18 +21,7 @@ import sys
 from ..loading import DEFAULT_CTX
 from ..speculative import DEFAULT_DRAFT_MAX, Speculation
 from ..status import StatusLine
-from .common import CliError, exec_args, kv_type_arg, model_args, port_number, resolve_model, size_arg, whole_number
-
-
-def _seconds(s: str) -> float:
-    """--drain-timeout: a finite number of seconds >= 0."""
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--drain-timeout takes seconds, not {s!r}") from None
-    if not 0.0 <= v <= 86400.0:
-        raise argparse.ArgumentTypeError(f"--drain-timeout {s}: between 0 and 86400 seconds")
-    return v
+from .common import CliError, exec_args, kv_type_arg, model_args, number_in, port_number, resolve_model, size_arg, whole_number
 
 
 def add_parser(sub) -> None:
@@ -67,7 +56,9 @@ def add_parser(sub) -> None:
     s.add_argument("--chat-template", default=None, metavar="FILE|NAME",
                    help="a jinja template file, or chatml, llama2, llama3, gemma, phi3, plain (default: the "
                         "model's own, else plain)")
-    s.add_argument("--drain-timeout", type=_seconds, default=30.0, metavar="S",
+    s.add_argument("--drain-timeout", type=number_in("--drain-timeout", lambda v: 0 <= v <= 86400,
+                                                     "between 0 and 86400 seconds", "seconds"),
+                   default=30.0, metavar="S",
                    help="on Ctrl-C/SIGTERM, seconds running requests may take to finish (default 30)")
     s.add_argument("--log-requests", action="store_true", help="log every HTTP request to stderr")
     s.add_argument("--lookup", type=whole_number("--lookup", 0), default=0, metavar="N",
