@@ -52,10 +52,6 @@ def kernel_parts(sig: KernelSig, target: Target, vector_width: int, level: int, 
             "vw": vector_width, "opt": level, "codegen": codegen, "llvmlite": llvmlite.__version__}
 
 
-def default_jobs() -> int:
-    return usable_cores()
-
-
 class KernelBuild:
     """A started build; ``finish()`` returns every kernel's object code."""
 
@@ -74,7 +70,7 @@ class KernelBuild:
         self.stats = KernelStats()
         self.missing: list[KernelSig] = []
         self._look_up(sigs)
-        self.jobs = jobs or default_jobs()
+        self.jobs = jobs or usable_cores()
         want = min(self.jobs, len(self.missing))
         self._pool = None
         self._futures: dict[Future, KernelSig] = {}

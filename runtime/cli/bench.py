@@ -117,8 +117,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     b = subparsers.add_parser("bench", help="measure compile time, prefill/decode speed and the roofline")
     b.add_argument("model", help="model file (.bin, .gguf)")
     b.add_argument("-z", "--tokenizer", default=None, help="tokenizer file (llama2.c tokenizer.bin)")
-    b.add_argument("-t", "--threads", type=thread_count, default=usable_cores(),
-                   help="threads (default: all cores)")
+    b.add_argument("-t", "--threads", type=thread_count, default=None,
+                   help="threads (default: the cores this process may use: its affinity mask and CPU quota)")
     b.add_argument("--prompt-tokens", type=whole_number("--prompt-tokens", 1), default=None,
                    help="random prompt length for prefill (default 128; clipped to the context); with --serve, "
                         "words of each synthetic prompt (default 64)")
@@ -169,6 +169,7 @@ def _jsonable(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.threads = args.threads or usable_cores()   # here, not as the parser's default: read only when run
     if args.serve:
         return _run_serve(args)
     for flag, value in (("--streams", args.streams), ("--parallel", args.parallel), ("--replicas", args.replicas)):

@@ -12,6 +12,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..sampling import MAX_DIVISOR
+
 
 class _Body(BaseModel):
     # strict: a JSON value of the wrong type is a 400, never coerced ("yes" is not true, true is not 1)
@@ -30,7 +32,7 @@ class Sampling(_Body):
     stream: bool = False
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repeat_penalty: float = Field(default=1.0, ge=1e-6, le=1e6)   # sampling.MAX_DIVISOR
+    repeat_penalty: float = Field(default=1.0, ge=1 / MAX_DIVISOR, le=MAX_DIVISOR)
     n: int = Field(default=1, ge=1, le=1)
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False   # llama.cpp's and vLLM's extension: generate max_tokens whatever comes
