@@ -64,9 +64,9 @@ class CompileOptions:
     #: the most rows a decode/prefill step takes (the native prompt chunk): sliding-window
     #: layers then keep a ring of window + max_rows positions (``build_graph``); None: whole caches
     max_rows: int | None = None
-    #: prompt chunks' attention on AMX bf16 tiles where the host has them (``k_attention_tiled``;
-    #: opt-in: prompt rows then differ in their last bits from decode steps); not the verify graph,
-    #: whose rows must have the decode step's bits
+    #: prompt rows from position ``FROM_POSITION`` on attend on AMX bf16 tiles
+    #: where the host has them (``k_attention_tiled``: such a row differs in its last bits from the
+    #: same token's decode step); not the verify graph, whose rows must have the decode step's bits
     attn_tiled: bool = False
 
 
@@ -82,11 +82,20 @@ def repack_width(vector_width: int | None = None) -> int | None:
     return vnni_width(vector_width or host_target().vector_width)
 
 
+#: a model's prompt rows from this position on take the tiles. One call of 128 rows ending there,
+#: Qwen2.5's shape, 1 thread (lmc kernel attention --batch 128 --hot, Emerald Rapids): per row /
+#: tiled 974 / 872 us at 256 positions, 2,239 / 1,356 at 512, 6,997 / 2,578 at 1,024, 13,558 /
+#: 5,025 at 2,048. Short prompts, where attention costs little, keep the decode step's bits
+FROM_POSITION = 512
+
+
 def attention_tiles() -> bool:
-    """``LMC_ATTN_TILED=1``: prompt chunks' attention on AMX bf16 tiles where the host has them
-    and the cache is f16 (``codegen/k_attention_tiled``), as llama.cpp's opt-in flash attention:
-    a long prompt's attention several times faster, but a prompt row no longer has the bits of
-    the same token's decode step (rows to ~1e-6). Off by default."""
+    """``LMC_ATTN_TILED`` (on unless 0): a prompt's rows from position
+    ``FROM_POSITION`` on attend on AMX bf16 tiles where the host has them and
+    the cache is f16 (``codegen/k_attention_tiled``), as llama.cpp's flash attention: a long
+    prompt's attention several times faster. Such a row no longer has the bits of the same
+    token's decode step (outputs to ~1e-6); a row before that position keeps them, and a row's
+    bits depend on its position, not on how its prompt was cut into chunks."""
     return switch("LMC_ATTN_TILED")
 
 
@@ -120,7 +129,7 @@ def model_graph(model: LoadedModel, mode: str, options: CompileOptions | None = 
     if options.attn_tiled and mode == "prefill" and not decode_rows:
         for node in g.nodes:
             if node.op == "attention":
-                node.attrs["tiled"] = 1
+                node.attrs.update(tiled=1, tiled_from=FROM_POSITION)
     if mode == "batch":
         g.meta.update(max_batch=bo.max_batch, decode_rows=decode_rows)
     if options.repack_width:

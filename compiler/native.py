@@ -37,7 +37,8 @@ from .codegen.target import Target, host_target
 from .host_cores import usable_cores
 from .memory import plan_manifest
 from .objpack import pack
-from .driver import BatchOptions, CompileOptions, attention_tiles, build_graphs, max_blocks_per_seq, repack_width
+from .driver import (FROM_POSITION, BatchOptions, CompileOptions, attention_tiles, build_graphs, max_blocks_per_seq,
+                     repack_width)
 
 if TYPE_CHECKING:
     from .kernel_build import KernelStats
@@ -141,7 +142,7 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
     # not the options)
     memo = (key_memo.memo_key(model, o, {**versions, "repack": repack_width(o.vector_width),
                                          "rings": ring_rows_for(1) is not None,
-                                         **({"attn_tiled": True} if attention_tiles() else {})})
+                                         **({"attn_tiled_from": FROM_POSITION} if attention_tiles() else {})})
             if o.use_cache and not (o.dump_dir or o.profile) else None)
     known = key_memo.recall(memo) if memo else None
     if known is not None:
@@ -240,10 +241,10 @@ FIRST_GRAPH = "decode"
 def _can_start_first(o: NativeOptions) -> bool:
     """Whether the decode step can run before the other graphs are built:
     a single stream's artifact, without a budget (one compile at a time)
-    or profiling, whose prompt rows have the decode step's bits (not so
-    with ``LMC_ATTN_TILED=1``)."""
-    return (o.batch is None and o.mem_budget is None and not o.stream and not o.profile and not o.dump_dir
-            and not attention_tiles())
+    or profiling. Its prompt rows have the decode step's bits up to
+    ``compiler.driver.FROM_POSITION``, where a prompt run as decode steps
+    waits for the prompt chunks' kernels (``NativeExecutor._prefill_by_steps``)."""
+    return o.batch is None and o.mem_budget is None and not o.stream and not o.profile and not o.dump_dir
 
 
 class _Linker:

@@ -14,7 +14,7 @@ SWITCHES: dict[str, tuple[bool, str]] = {
     "LMC_REPACK": (True, "weights repacked into the kernels' tiles (0: as the file stores them)"),
     "LMC_REPACK_CACHE": (True, "repacked weights kept in the cache directory"),
     "LMC_KV_RING": (True, "sliding-window layers keep a ring of their window (0: a whole cache)"),
-    "LMC_ATTN_TILED": (False, "prompt attention on AMX bf16 tiles (1: faster, not decode's bits)"),
+    "LMC_ATTN_TILED": (True, "prompt rows from position 512 attend on AMX bf16 tiles (0: decode's bits)"),
     "LMC_HUGE_PAGES": (True, "the weight image on large page-cache folios where it can be"),
     "LMC_KEY_OFFSETS": (True, "low-bit KV caches store keys against a calibrated offset row"),
 }

@@ -21,6 +21,7 @@ from compiler.artifact import Artifact
 from compiler.codegen.jit import LoadedCode
 from compiler.host_cores import usable_cores
 from compiler.codegen.ctl import IO_ERR_DECOMPRESS, PROFILE_HEADER, Ctl, StreamSlots as S
+from compiler.driver import FROM_POSITION, attention_tiles
 
 from .paged import PagedBatch, PoolShape, single_stream_only
 from .ring_reach import RingReach
@@ -191,7 +192,8 @@ class NativeExecutor(PagedBatch, RingReach):
         ``rest`` (``compiler.native.RestOfBuild``) builds the whole one:
         it takes that at the first step after it is done. Until then a
         prompt runs as decode steps, which compute its rows with the same
-        bits as a prompt chunk."""
+        bits as a prompt chunk up to ``compiler.driver.FROM_POSITION``
+        (from there on a prompt's rows attend on tiles: it waits)."""
         self._rest = rest
         self._rest_start = rest.start   # called after the first step: see RestOfBuild.start
         rest.when_done(self.offer)
@@ -383,6 +385,8 @@ class NativeExecutor(PagedBatch, RingReach):
         self._check(ids, pos)
         rows = []
         for i, tok in enumerate(ids):
+            if pos + i >= FROM_POSITION and self._offered is None and attention_tiles():
+                self.wait_for_build()   # a prompt chunk's row from here on attends on the tiles: not a step's bits
             if self._offered is not None:
                 self._take_offer()
             if "prefill" in self.entries:

@@ -217,45 +217,113 @@ def test_scratch_grows_only_when_tiled():
         assert k_attention.scratch_floats(_sig()) == off
 
 
-def test_lmc_attn_tiled_puts_a_models_prompts_on_the_tiles(monkeypatch):
-    """``LMC_ATTN_TILED=1`` (opt-in, as llama.cpp's flash attention) through
-    ``runtime.load``: SmolLM2's prompt chunks take the tiles, so its prompt
-    rows' logits move by attention rounding (amplified by the int8
-    activations that follow): not the default's bits, the same predictions
-    except where the default's top two are close. The prefill graphs carry
-    the attribute; the verify graph, whose rows must have the decode step's
-    bits, does not."""
+def test_a_models_long_prompts_take_the_tiles(monkeypatch):
+    """Through ``runtime.load`` on SmolLM2, a prompt longer than
+    ``FROM_POSITION``: its rows before that position have the bits they have
+    with ``LMC_ATTN_TILED=0`` (the decode step's); the rows after it attend on
+    the tiles, so their logits move by attention rounding (amplified by the
+    int8 activations that follow), with the same predictions except where the
+    top two are close. A row's bits do not depend on how the prompt was cut
+    into calls. The prefill graphs carry the attributes; the verify graph,
+    whose rows must have the decode step's bits, does not."""
     if not (HOST.amx and HOST.has("amx-bf16")):
         pytest.skip("no AMX bf16 on this host: the switch changes nothing")
     import runtime
+    from compiler.driver import FROM_POSITION
     from compiler.native import NativeOptions, plan_native
     from frontends.loader import load_model
     from shared_data import SMOLLM2, instruct_models
 
     path = instruct_models()[SMOLLM2]
     prompt = ("The tiled kernel multiplies sixteen query rows by sixteen keys at a time, so a long "
-              "prompt reads each key once per tile instead of once per row. ") * 3
+              "prompt reads each key once per tile instead of once per row. ") * 22
+    ctx = 2 * FROM_POSITION
 
-    def prompt_logits(tiled: bool) -> np.ndarray:
-        if tiled:
-            monkeypatch.setenv("LMC_ATTN_TILED", "1")
-        else:
-            monkeypatch.delenv("LMC_ATTN_TILED", raising=False)
-        m = runtime.load(path, ctx=256)
-        ids = m.encode(prompt, bos=True)
-        assert len(ids) >= 3 * k_attention_tiled.MIN_ROWS
-        m.executor.reset()
-        return np.array(m.executor.prefill(ids, 0, all_logits=True))
+    def load(tiled: bool):
+        monkeypatch.setenv("LMC_ATTN_TILED", "1" if tiled else "0")
+        return runtime.load(path, ctx=ctx)
 
-    base, tiled = prompt_logits(False), prompt_logits(True)
-    diff = np.abs(tiled - base).max()
-    assert 0 < diff < 3.0, diff     # SmolLM2 on this prompt: 1.32 (Emerald Rapids)
-    same = np.argmax(tiled, -1) == np.argmax(base, -1)
+    m = load(True)
+    ids = m.encode(prompt, bos=True)
+    assert FROM_POSITION + 2 * k_attention_tiled.MIN_ROWS <= len(ids) < ctx
+    tiled = np.array(m.executor.prefill(ids, 0, all_logits=True))
+    m.executor.reset()
+    cut = 300   # another chunking: the rows from FROM_POSITION on have the same bits
+    again = np.concatenate([np.array(m.executor.prefill(ids[:cut], 0, all_logits=True)),
+                            np.array(m.executor.prefill(ids[cut:], cut, all_logits=True))])
+    np.testing.assert_array_equal(again, tiled)
+    del m
+    m = load(False)
+    base = np.array(m.executor.prefill(ids, 0, all_logits=True))
+    del m
+
+    F = FROM_POSITION
+    np.testing.assert_array_equal(tiled[:F], base[:F])
+    diff = np.abs(tiled[F:] - base[F:]).max()
+    assert 0 < diff < 3.0, diff     # SmolLM2 on a short prompt, every row tiled: 1.32 (Emerald Rapids)
+    same = np.argmax(tiled[F:], -1) == np.argmax(base[F:], -1)
     assert same.mean() >= 0.9
-    top2 = np.sort(base, -1)[:, -2:]
+    top2 = np.sort(base[F:], -1)[:, -2:]
     assert ((top2[:, 1] - top2[:, 0])[~same] < 1.0).all()
 
+    monkeypatch.delenv("LMC_ATTN_TILED")
     plan = plan_native(load_model(path), NativeOptions(ctx=256, verify=True))
-    tiled_nodes = {name: [n.attrs.get("tiled") for n in g.nodes if n.op == "attention"]
+    tiled_nodes = {name: [(n.attrs.get("tiled"), n.attrs.get("tiled_from")) for n in g.nodes if n.op == "attention"]
                    for name, g in plan.graphs.items()}
-    assert set(tiled_nodes["prefill"]) == {1} and set(tiled_nodes["verify"]) == {None}, tiled_nodes
+    assert set(tiled_nodes["prefill"]) == {(1, F)} and set(tiled_nodes["verify"]) == {(None, None)}, tiled_nodes
+
+
+def run_rows(sig, q, kc, vc, pos, nt=2):
+    """The kernel of ``sig`` on the query rows q at position pos (every thread's share)."""
+    key = sig
+    if key not in _KERNELS:
+        _KERNELS[key] = CompiledKernel(sig)
+    k = _KERNELS[key]
+    out = np.full(q.shape, np.nan, np.float32)
+    scratch = np.full(k_attention.scratch_floats(sig) + 64, SENTINEL, np.float32)
+    for tid in range(nt):
+        k(out, [q, kc, vc, pos], pos=pos, T=len(q), tid=tid, nthreads=nt, scratch=scratch)
+    assert (scratch[-64:] == SENTINEL).all(), "kernel wrote past its scratch_floats"
+    return out
+
+
+@needs_tiles
+@pytest.mark.parametrize("start", [0, 1, 5, 16, 31, 47])
+def test_tiled_from_a_position(start):
+    """A model's prompt graphs (``tiled_from``, ``compiler.driver.FROM_POSITION``):
+    a call's rows before the position have the per-row kernel's bits, a decode
+    step's; the rows from it on have the tiles' bits, however few they are and
+    however the prompt was cut into calls, so a row's bits depend on its
+    position alone (what makes a warm start, a cold one and any chunk size
+    agree)."""
+    rng = np.random.default_rng(11)
+    H, kvh, hd, past, T = 14, 2, 64, 40, 48
+    S = past + T + 5
+    F = past + start
+    q = rng.standard_normal((T, H * hd), dtype=np.float32)
+    kc = rng.standard_normal((S, kvh * hd), dtype=np.float32).astype(np.float16)
+    vc = rng.standard_normal((S, kvh * hd), dtype=np.float32).astype(np.float16)
+    kc[past + T:] = np.nan
+    vc[past + T:] = np.nan
+    attrs = dict(n_heads=H, n_kv_heads=kvh, head_dim=hd, scale=1.0 / math.sqrt(hd), window=0)
+    ct = kv_cache_type("f16", S, kvh * hd)
+    shape = [TensorType(("T", H * hd), "f32"), ct, ct, i32()]
+    split = sig_for("attention", shape, tiled=1, tiled_from=F, **attrs)
+    rows = sig_for("attention", shape, tiled=0, **attrs)
+    tiles = sig_for("attention", shape, tiled=1, **attrs)
+
+    got = run_rows(split, q, kc, vc, past)
+    per_row = run_rows(rows, q, kc, vc, past)
+    np.testing.assert_array_equal(got[:start], per_row[:start])
+    if start < T:
+        assert np.abs(got[start:] - per_row[start:]).max() < 2e-5
+        assert not np.array_equal(got[start:], per_row[start:]), "the tiles did not run"
+    # the rows from F on: the same bits as a call of them alone (tiles on every row, or few rows
+    # on the split kernel), as one call of rows 3.. and as calls of 7 rows
+    if T - start >= k_attention_tiled.MIN_ROWS:
+        np.testing.assert_array_equal(got[start:], run_rows(tiles, q[start:], kc, vc, F))
+    np.testing.assert_array_equal(got[3:], run_rows(split, q[3:], kc, vc, past + 3))
+    cut = np.concatenate([run_rows(split, q[i:i + 7], kc, vc, past + i) for i in range(0, T, 7)])
+    np.testing.assert_array_equal(cut, got)
+    want = ops.attention_ref(q, kc, vc, past, **attrs)
+    assert np.abs(got - want).max() < 2e-5

@@ -142,3 +142,35 @@ def test_lmc_run_cold_then_warm(empty_cache):
     assert cold["stats"]["decode_first"] and not cold["stats"]["cache_hit"]
     assert warm["stats"]["cache_hit"] and "decode_first" not in warm["stats"]
     assert cold["generated_ids"] == warm["generated_ids"] and len(cold["generated_ids"]) == 16
+
+
+def test_a_long_prompt_waits_for_its_chunks_where_the_tiles_begin(empty_cache, held_build, monkeypatch):
+    """From ``compiler.driver.FROM_POSITION`` on a prompt chunk's rows attend
+    on AMX bf16 tiles (where the host has them), which a decode step does
+    not: a prompt run as decode steps stops there and waits for the whole
+    artifact, so its rows still have a warm model's bits."""
+    from compiler.driver import FROM_POSITION
+
+    monkeypatch.delenv("LMC_ATTN_TILED", raising=False)
+    model = instruct_models()[SMOLLM2]
+    ctx = 2 * FROM_POSITION
+    m = runtime.load(model, threads=2, ctx=ctx, decode_first=True)
+    ex = m.executor
+    steps: list[int] = []
+    decode = ex.decode
+
+    def decode_then_release(token: int, pos: int) -> np.ndarray:
+        steps.append(pos)
+        out = decode(token, pos)
+        if pos == FROM_POSITION - 1:   # the build may finish now; the prompt waits for it
+            held_build.set()
+        return out
+
+    ex.decode = decode_then_release
+    ids = (m.encode(PROMPT) * 30)[: FROM_POSITION + 60]
+    assert len(ids) == FROM_POSITION + 60
+    got = m.logits(ids)
+    assert steps == list(range(FROM_POSITION))
+    assert "prefill_all" in ex.entries
+    warm = runtime.load(model, threads=2, ctx=ctx)
+    np.testing.assert_array_equal(got, warm.logits(ids))

@@ -85,9 +85,10 @@ orthogonal); the output, H times the true weighted sum, is rotated back
 """
 from __future__ import annotations
 
-import llvmlite.ir as ir
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
-from typing import Callable
+import llvmlite.ir as ir
 
 from ir.kv_lowbit import GROUP, lowbit
 
@@ -272,6 +273,7 @@ def emit_attention(kb: KernelBuilder, sig: KernelSig) -> None:
 
     def float_kernel() -> None:
         """ROWS rows a unit for a chunk, one for a decode step: the same bits per row."""
+        T = kb.rows_of(sig.in_types[0].shape)   # (the rows of ``_row_range`` where one is open)
         if not (rows_together(sig) and pow2_divisor(int(sig.attr["head_dim"]), kb.vw) >= 8) or \
                 (fixed is not None and fixed < ROWS):
             _emit_attention(kb, sig, rows)
@@ -284,12 +286,39 @@ def emit_attention(kb: KernelBuilder, sig: KernelSig) -> None:
     if not k_attention_tiled.usable(kb, sig, kind) or (fixed is not None and fixed < k_attention_tiled.MIN_ROWS):
         float_kernel()
         return
-    # a prompt chunk (T >= MIN_ROWS) on AMX bf16 tiles, fewer rows (decode, a check) per row
-    with b.if_else(b.icmp_signed(">=", T, i64(k_attention_tiled.MIN_ROWS))) as (tiled, per_row):
-        with tiled:
-            k_attention_tiled.emit_tiled(kb, sig, kind)
-        with per_row:
-            float_kernel()
+    start = int(sig.attr.get("tiled_from", 0) or 0)
+    if start <= 0:
+        # a prompt chunk (T >= MIN_ROWS) on AMX bf16 tiles, fewer rows (decode, a check) per row
+        with b.if_else(b.icmp_signed(">=", T, i64(k_attention_tiled.MIN_ROWS))) as (tiled, per_row):
+            with tiled:
+                k_attention_tiled.emit_tiled(kb, sig, kind)
+            with per_row:
+                float_kernel()
+        return
+    # a model's prompt chunk: its rows before position ``start`` per row (a decode step's
+    # bits), the rest on the tiles however few they are (a row's bits then depend on its
+    # position alone, not on how the prompt was cut into chunks)
+    exact = kb.imin(kb.imax(b.sub(i64(start), kb.pos), i64(0)), T)
+    row = int(sig.in_types[0].shape[-1]) * 4     # bytes of a query (and an output) row
+    with b.if_then(b.icmp_signed(">", exact, i64(0))), _row_range(kb, i64(0), exact, row):
+        float_kernel()
+    with b.if_then(b.icmp_signed("<", exact, T)), _row_range(kb, exact, b.sub(T, exact), row):
+        k_attention_tiled.emit_tiled(kb, sig, kind)
+
+
+@contextmanager
+def _row_range(kb: KernelBuilder, t0: ir.Value, n: ir.Value, row_bytes: int) -> Iterator[None]:
+    """Emit for the call's rows t0 .. t0+n-1 alone: as if the call had those n
+    rows at position pos + t0 (queries and outputs from row t0 on)."""
+    b = kb.b
+    saved = kb.pos, kb.T, kb.in_raw[0], kb.out_raw
+    at = b.mul(t0, i64(row_bytes))
+    kb.pos, kb.T = b.add(kb.pos, t0), n
+    kb.in_raw[0], kb.out_raw = kb.gep(kb.in_raw[0], at), kb.gep(kb.out_raw, at)
+    try:
+        yield
+    finally:
+        kb.pos, kb.T, kb.in_raw[0], kb.out_raw = saved
 
 
 @kernel("attention_paged")

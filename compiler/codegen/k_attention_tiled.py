@@ -56,12 +56,13 @@ TR = 16
 #: CPU time of one call, 128 rows at 3,500 positions (Qwen2.5 shape, 1 thread, alternated): 12.5, 15.5,
 #: 11.9 ms split; 7.6, 10.8, 11.1 ms not; the per-row kernel 24.6 ms
 PV_SPLIT = True
-#: the kernel attribute ``tiled``'s default: off (``LMC_ATTN_TILED=1`` sets it on a model's prompt
-#: chunks: ``compiler.driver.attention_tiles``). On, Qwen2.5-Coder's 3,500-token prompt prefilled at
-#: 101% of its 128-token rate (lmc bench, Emerald Rapids, 2 threads; per-row kernel: attention 43.9%
-#: of that prefill, tiled 16.6%), but a prompt row no longer has the bits of the same token's decode
-#: step (tests/test_repack.py::test_one_arithmetic_for_every_row_count), the invariant the integer
-#: path keeps; which of the two to give up is not decided here
+#: the kernel attribute ``tiled``'s default: off. A model's prompt graphs set it with
+#: ``tiled_from`` = ``compiler.driver.FROM_POSITION`` (``attention_tiles``; ``LMC_ATTN_TILED=0``: not):
+#: rows before that position keep the per-row kernel's bits, the decode step's, which the integer
+#: path keeps for every row (tests/test_repack.py::test_one_arithmetic_for_every_row_count); rows
+#: from it on take the tiles. Tiles on every row of a chunk, Qwen2.5-Coder's 3,500-token prompt
+#: prefilled at 101% of its 128-token rate (lmc bench, Emerald Rapids, 2 threads; per-row kernel:
+#: attention 43.9% of that prefill, tiled 16.6%)
 DEFAULT = 0
 
 
@@ -163,7 +164,9 @@ def _dp(kb: KernelBuilder, c: ir.Value, a: ir.Value, bt: ir.Value) -> ir.Value:
 
 
 def emit_tiled(kb: KernelBuilder, sig: KernelSig, kind: str) -> None:
-    """The tiled kernel's code (the caller branches to it when T >= MIN_ROWS)."""
+    """The tiled kernel's code (the caller branches to it when T >= MIN_ROWS, or for a model's
+    prompt rows from ``tiled_from`` on, however few: a row's result does not depend on the
+    other rows of its tile)."""
     b = kb.b
     a = sig.attr
     H, KVH, hd = int(a["n_heads"]), int(a["n_kv_heads"]), int(a["head_dim"])

@@ -187,12 +187,12 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
             model = Model(loaded, backend, threads=threads, kv_type=kv_type, speculation=speculation)
 
         out["kv_type"], out["kv_bytes"] = model.kv_type, model.kv_bytes
-        if backend == "llvm":   # a prompt chunk's attention: AMX bf16 tiles (LMC_ATTN_TILED=1) or per row
+        if backend == "llvm":   # a prompt row's attention: per row, or AMX bf16 tiles from a position on
             from compiler.codegen.target import host_target
-            from compiler.driver import attention_tiles
+            from compiler.driver import FROM_POSITION, attention_tiles
             t = host_target()
             tiles = attention_tiles() and t.amx and t.has("amx-bf16") and model.kv_type == "f16"
-            out["prompt_attention"] = "tiles" if tiles else "rows"
+            out["prompt_attention"] = f"tiles from position {FROM_POSITION}" if tiles else "rows"
         if prompt_text is not None:
             ids = model.encode(prompt_text, bos=True, special=True)
             if len(ids) + gen_tokens > model.ctx:
