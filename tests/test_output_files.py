@@ -97,6 +97,14 @@ def test_synth_writes_the_model_and_its_tokenizer_or_neither(tmp_path):
     (["serve", S, "-z", K, "--drain-timeout", "-1"], ["--drain-timeout"]),
     (["convert", S, "-z", K, "/tmp/never-written.qsf", "--compress", "zstd", "--level", "99"], ["--level", "zstd"]),
     (["convert", S, "-z", K, "/tmp/never-written.qsf", "--compress", "lz4", "--level", "-1"], ["--level", "lz4"]),
+    # an empty key (--api-key "$KEY" with KEY unset) would leave the server open
+    (["serve", S, "-z", K, "--api-key", ""], ["--api-key", "empty"]),
+    (["serve", S, "-z", K, "--api-key", "two words"], ["--api-key", "spaces"]),
+    # a host that does not resolve: the error alone, not a warning about listening on it first
+    (["serve", S, "-z", K, "--host", "999.1.1.1"], ["--host", "999.1.1.1"]),
+    (["viz", S, "-z", K, "--host", "999.1.1.1", "--no-open"], ["--host", "999.1.1.1"]),
+    # a budget below the runtime's floor: the error alone, not viz's progress line before it
+    (["viz", S, "-z", K, "--mem-budget", "1K", "--no-open"], ["--mem-budget"]),
 ])
 def test_bad_flags_are_one_line(args, names):
     refused(lmc(*args, timeout=120), *names)   # a server that starts instead fails here, not hangs

@@ -46,7 +46,7 @@ def add_parser(sub) -> None:
                    help="requests that may wait beyond --parallel (default 64); more get 503")
     s.add_argument("--prefill-chunk", type=whole_number("--prefill-chunk", 1), default=64,
                    help="prompt tokens run per step beside the others' tokens (default 64)")
-    s.add_argument("--api-key", default=os.environ.get("LMC_API_KEY"),
+    s.add_argument("--api-key", type=_api_key, default=os.environ.get("LMC_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
                         "$LMC_API_KEY, else none)")
     s.add_argument("--no-webui", dest="webui", action="store_false",
@@ -114,11 +114,21 @@ def _min_max(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def _api_key(text: str) -> str:
+    """A key a client can send: an empty one (``--api-key "$KEY"`` with KEY unset) would
+    quietly leave the server open."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("--api-key is empty (give a key, or leave the flag out to "
+                                         "require none)")
+    if any(c.isspace() or not c.isprintable() for c in text):
+        raise argparse.ArgumentTypeError("--api-key may not contain spaces or control characters "
+                                         "(it is sent as 'Authorization: Bearer KEY')")
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
     from ..serve.server import ServerOptions, bind_socket, build_serving, serve
 
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        print(f"lmc serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     spec = _speculation(args)
     if not (args.replicas or args.autoscale):
         for flag, given in (("--ray-address", args.ray_address is not None), ("--routing", args.routing != "cache"),
@@ -128,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.downscale_delay <= 0:
         raise CliError(f"--downscale-delay {args.downscale_delay:g}: must be > 0")
     sock = bind_socket(args.host, args.port)   # before the slow part: a taken port fails at once
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:   # (a host that binds)
+        print(f"lmc serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     model_path, tok_path = resolve_model(args)
     opts = ServerOptions(model_path, tok_path, ctx=args.ctx, parallel=args.parallel, kv_pool=args.kv_pool,
                          block_size=args.block_size, mem_budget=args.mem_budget, queue=args.queue,

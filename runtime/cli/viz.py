@@ -9,6 +9,7 @@ import signal
 import sys
 
 from ..errors import RunError
+from ..status import StatusLine
 from .common import kv_type_arg, memory_args, model_args, native_options, port_number, thread_count
 
 
@@ -44,10 +45,10 @@ def run(args: argparse.Namespace) -> int:
     from ..loading import DEFAULT_CTX
     from ..tools.viz.server import bind, open_browser, serve, url_of
 
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
+    sock = bind(args.host, args.port)   # before the slow part: a taken port fails at once
+    if args.host not in ("127.0.0.1", "localhost", "::1"):   # (a host that binds)
         print(f"lmc viz: warning: listening on {args.host}: anyone who can reach it sees the model's graph and "
               "file paths", file=sys.stderr)
-    sock = bind(args.host, args.port)   # before the slow part: a taken port fails at once
     previous = signal.signal(signal.SIGTERM, _stop)
     try:
         app = _build(args, load_model, DEFAULT_CTX)
@@ -83,5 +84,9 @@ def _build(args: argparse.Namespace, load_model, default_ctx: int):
     native = native_options(args, m, default_ctx)
     native.use_cache = not args.no_cache
     opts = VizOptions(args.model, args.tokenizer, args.mode, native, profile=args.profile, threads=args.threads)
-    session = build_session(m, opts, progress=lambda s: print(f"lmc viz: {s}", file=sys.stderr, flush=True))
+    status = StatusLine()   # on a terminal, and cleared: an error stays the one line on stderr
+    try:
+        session = build_session(m, opts, progress=lambda s: status(f"lmc viz: {s}"))
+    finally:
+        status.clear()
     return create_app(session)
