@@ -276,6 +276,8 @@ def load_gguf(path: str | os.PathLike) -> GGUFModel:
     head_dim = int(meta("attention.key_length", dim // max(n_heads, 1)))
     vocab = int(weights["token_embd"].type.shape[0])
     n_ctx_train = int(meta("context_length", 2048))
+    if not 0 < n_ctx_train <= 1 << 24:   # 0 would pass every check here and fail later, blaming -c or the prompt
+        raise ModelError(f"{path}: metadata {arch}.context_length = {n_ctx_train} is out of range (1 to {1 << 24})")
     extra: dict[str, Any] = {}
     window = int(meta("attention.sliding_window", 0))
     if spec.swa_every:

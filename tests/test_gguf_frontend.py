@@ -100,6 +100,16 @@ def test_bad_gguf_files(tmp_path):
     struct.pack_into("<I", bad, at + 4, 4)
     (tmp_path / "kv.gguf").write_bytes(bytes(bad))
     assert "blk.0.attn_k has shape (128, 256), the config needs (256, 256)" in _err(tmp_path / "kv.gguf")
+    # a context length of 0 (or absurd): refused at load, naming the key, instead of blaming -c
+    # or the prompt later
+    key = b"llama.context_length"
+    at = data.index(key) + len(key)
+    assert struct.unpack_from("<I", data, at)[0] == 4   # UINT32
+    for n in (0, 1 << 30):
+        bad = bytearray(data)
+        struct.pack_into("<I", bad, at + 4, n)
+        (tmp_path / "ctx.gguf").write_bytes(bytes(bad))
+        assert f"llama.context_length = {n} is out of range" in _err(tmp_path / "ctx.gguf")
     # unknown architecture: the message lists the supported ones
     raw = p.read_bytes().replace(b"general.architecture\x08\x00\x00\x00\x05\x00\x00\x00\x00\x00\x00\x00llama",
                                  b"general.architecture\x08\x00\x00\x00\x05\x00\x00\x00\x00\x00\x00\x00llamb")

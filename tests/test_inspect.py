@@ -207,6 +207,25 @@ def test_truncated_gguf_is_one_line(tmp_path, tiny_gguf, where, message):
     assert message in lines[0]
 
 
+def test_an_unknown_tensor_type_is_named(tmp_path, tiny_gguf):
+    """A tensor info whose type number no GGUF reader knows: one line that
+    names the tensor and the number, not only "not a readable GGUF file"."""
+    import struct
+
+    data = tiny_gguf.read_bytes()
+    key = b"token_embd.weight"
+    at = data.index(key) + len(key)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    bad = bytearray(data)
+    struct.pack_into("<I", bad, at + 4 + 8 * n_dims, 99)
+    path = tmp_path / "type99.gguf"
+    path.write_bytes(bytes(bad))
+    r = lmc("inspect", str(path))
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "token_embd.weight has an unknown type 99" in lines[0], r.stderr
+
+
 def test_a_big_endian_gguf_is_reported_as_the_little_endian_one(tmp_path):
     """The header walk reads either byte order (``frontends.gguf_parse.gguf_layout``)."""
     import gguf

@@ -177,9 +177,9 @@ def inspect_gguf(path: str, verify: bool = False) -> dict:
     size = os.path.getsize(path)
     try:
         contents = read_gguf(path)
-    except ModelError:
+    except ModelError as e:
         walk = gguf_layout(path)  # raises its own clearer message when the header is cut
-        raise ModelError(walk.truncation(path, size) or f"{path}: not a readable GGUF file") from None
+        raise ModelError(walk.truncation(path, size) or str(e)) from None   # (read_gguf's says why)
     walk = gguf_layout(path)
     meta = contents.meta
     header: dict[str, Any] = {"magic": walk.magic.decode("latin-1"), "version": walk.version,
