@@ -8,6 +8,7 @@ from typing import Any, Callable
 from compiler.artifact import is_artifact
 from compiler.driver import load_model
 
+from .errors import RunError
 from .loading import loading_text, read_artifact
 from .model import Model
 from .speculative import Speculation
@@ -41,6 +42,9 @@ def load(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, ba
         status(loading_text(os.fspath(path)))
     if is_artifact(path):
         art, loaded = read_artifact(path, tokenizer, backend, kv_type)
+        if ctx is not None and ctx != art.manifest["ctx"]:   # its buffers and kernels are built for its own
+            raise RunError(f"{os.fspath(path)}: compiled for a context of {art.manifest['ctx']}, not {ctx} "
+                           f"(recompile it with -c {ctx}, or leave -c out)")
         return Model(loaded, "llvm", ctx=art.manifest["ctx"], threads=threads, artifact=art, speculation=speculation,
                      mem_budget=mem_budget, context_shift=context_shift, keep=keep)
     return Model(load_model(path, tokenizer), backend=backend, ctx=ctx, threads=threads, use_cache=use_cache,

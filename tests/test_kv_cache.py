@@ -308,6 +308,13 @@ def test_load_kv_type_and_manifest(tmp_path):
     assert runtime.load(art, threads=1, kv_type="f16").kv_type == "f16"
     with pytest.raises(RunError, match="compiled with --kv-type f16"):
         runtime.load(art, kv_type="f32")
+    # and its context: -c another one is an error (it was ignored), -c the same one is fine
+    ctx = m.ctx
+    assert runtime.load(art, threads=1, ctx=ctx).ctx == ctx
+    r = lmc("run", str(art), "-c", str(ctx // 2), "-p", "Once", "-n", "2")
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    assert r.stderr.strip() == (f"lmc: error: {art}: compiled for a context of {ctx}, not {ctx // 2} "
+                                f"(recompile it with -c {ctx // 2}, or leave -c out)")
 
 
 @pytest.mark.parametrize("backend", ["llvm", "interp"])
