@@ -59,6 +59,9 @@ class SamplerConfig:
     presence_penalty: float = 0.0  # OpenAI's: minus this for every id in the window
     frequency_penalty: float = 0.0  # OpenAI's: minus this times each id's count in the window
     seed: int | None = None  # None (or 0, as in run.c) = from the clock
+    #: OpenAI's logit_bias: token id -> a number in [-100, 100] added to its logit before everything else
+    #: (-100 bans the token in practice, 100 all but forces it)
+    logit_bias: dict[int, float] | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the offending command-line flag.
@@ -83,6 +86,9 @@ class SamplerConfig:
             raise ValueError("presence_penalty must be in [-2, 2]")
         if not (-2.0 <= self.frequency_penalty <= 2.0):
             raise ValueError("frequency_penalty must be in [-2, 2]")
+        for tok, bias in (self.logit_bias or {}).items():
+            if not (-100.0 <= bias <= 100.0):
+                raise ValueError(f"logit_bias of token {tok}: {bias} is not in [-100, 100]")
 
 
 # ----------------------------------------------------------------------------
@@ -203,6 +209,7 @@ class Sampler:
     """Pick the next token id from logits, llama2.c-exact by default.
 
     Order of the steps:
+      0. ``logit_bias`` added to its tokens' logits;
       1. penalties over the last ``repeat_last_n`` ids of ``history``, as
          llama.cpp's penalties sampler: repetition (CTRL: positive logits
          divided by the penalty, others multiplied; each distinct id once),
@@ -241,6 +248,12 @@ class Sampler:
         self._penalty = np.float32(config.repeat_penalty)
         self._penalised = (config.repeat_penalty != 1.0 or config.presence_penalty != 0.0
                            or config.frequency_penalty != 0.0)
+        bias = config.logit_bias or {}
+        bad = [t for t in bias if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        self._bias_ids = np.array(list(bias), dtype=np.int64)
+        self._bias = np.array(list(bias.values()), dtype=np.float32)
         #: the grammar the output must follow (None: free)
         self.grammar = grammar
 
@@ -256,8 +269,11 @@ class Sampler:
         top = x.max()    # NaN propagates through max and +inf is the max: one pass checks both
         if np.isnan(top) or top == np.inf:
             raise ValueError("logits contain NaN or +inf")
-        if self._penalised and len(history) > 0:
+        if self._bias.size:   # before the penalties, as llama.cpp's logit-bias sampler comes first
             x = np.array(x)
+            x[self._bias_ids] += self._bias
+        if self._penalised and len(history) > 0:
+            x = np.array(x) if not self._bias.size else x
             self._penalise(x, history)
         if self.grammar is not None:
             words = self.grammar.mask()

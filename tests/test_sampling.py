@@ -574,3 +574,23 @@ def test_the_written_out_exp2_table_is_the_computed_one():
 
     assert EXP2F_TABLE.dtype == np.uint64 and EXP2F_TABLE.shape == (32,)
     np.testing.assert_array_equal(EXP2F_TABLE, _exp2_table())
+
+
+def test_logit_bias():
+    """OpenAI's logit_bias: added to the tokens' logits first, greedy included; a token id
+    outside the vocabulary or a bias outside [-100, 100] is refused."""
+    logits = np.array([1.0, 3.0, 2.0, 0.5], np.float32)
+    assert Sampler(SamplerConfig(), 4).sample(logits) == 1
+    assert Sampler(SamplerConfig(logit_bias={1: -100.0}), 4).sample(logits) == 2
+    assert Sampler(SamplerConfig(logit_bias={3: 2.6}), 4).sample(logits) == 3
+    # the caller's logits are not modified
+    assert logits.tolist() == [1.0, 3.0, 2.0, 0.5]
+    # probabilities see the bias too (what speculative acceptance and logprobs read)
+    p = Sampler(SamplerConfig(temperature=1.0, logit_bias={0: 100.0}), 4).probs(logits)
+    assert p[0] > 0.999
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        Sampler(SamplerConfig(logit_bias={4: 1.0}), 4)
+    with pytest.raises(ValueError, match=r"not in \[-100, 100\]"):
+        Sampler(SamplerConfig(logit_bias={0: 101.0}), 4)
+    with pytest.raises(ValueError, match=r"not in \[-100, 100\]"):
+        Sampler(SamplerConfig(logit_bias={0: float("nan")}), 4)

@@ -159,6 +159,14 @@ BAD = [
       for calls in (5, "abc", {"a": 1}, [5], [{}], [{"function": 5}], [{"function": {"arguments": "{}"}}],
                     [{"function": {"name": "f", "arguments": 5}}])],
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "repeat_penalty": 1e-300}, 400),
+    # fields that would change the answer are refused rather than ignored: a role OpenAI does not
+    # have, best_of > 1, a suffix, top_logprobs without logprobs, a logit_bias lmc cannot apply
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "best_of": 2}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "suffix": "and then"}, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400),
+    *[("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": bias}, 400)
+      for bias in ({"abc": 1}, {"5": 1000}, {"100000": 5}, {"-1": 5}, {"5": "high"}, [5])],
     ("GET", "/v1/nothing", None, 404),
     ("GET", "/v1/chat/completions", None, 405),
 ]
@@ -173,6 +181,51 @@ def test_bad_requests_get_openai_errors(server, method, path, body, status):
     assert isinstance(err["message"], str) and err["message"] and "Traceback" not in err["message"]
     assert err["type"]
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_invalid_json_names_no_parameter(server):
+    """A body that is not JSON: the message says so and where; no made-up parameter
+    (pydantic's location of a JSON error is a character offset: it was reported as param "1")."""
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=b'{"messages": [}', timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] is None and err["message"].startswith("the body is not valid JSON (at character"), err
+
+
+def test_logit_bias_steers_the_choice(server, client):
+    """OpenAI's logit_bias, applied before sampling: -100 on the greedy first token makes
+    another come first; +100 on a token makes it the first."""
+    msgs = [{"role": "user", "content": "Lily"}]
+    base = client.chat.completions.create(model="stories260K", messages=msgs, max_tokens=1, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    first = base.choices[0].logprobs.content[0]
+    ids = httpx.post(f"{server.url}/tokenize", json={"content": base.choices[0].message.content}).json()["tokens"]
+    banned = client.chat.completions.create(model="stories260K", messages=msgs, max_tokens=1, temperature=0,
+                                            logit_bias={str(ids[0]): -100}, logprobs=True, top_logprobs=3)
+    assert banned.choices[0].logprobs.content[0].token != first.token
+    other = first.top_logprobs[2].token
+    oid = httpx.post(f"{server.url}/tokenize", json={"content": other}).json()["tokens"]
+    forced = client.chat.completions.create(model="stories260K", messages=msgs, max_tokens=1, temperature=0,
+                                            logit_bias={str(oid[-1]): 100}, logprobs=True)
+    assert forced.choices[0].logprobs.content[0].token == httpx.post(
+        f"{server.url}/detokenize", json={"tokens": [oid[-1]]}).json()["content"]
+
+
+def test_developer_role_is_the_system_message(server):
+    """OpenAI's "developer" role reaches the template as the system message."""
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                   json={"messages": [{"role": "developer", "content": "Be brief."},
+                                      {"role": "user", "content": "Lily"}], "max_tokens": 2, "temperature": 0})
+    s = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                   json={"messages": [{"role": "system", "content": "Be brief."},
+                                      {"role": "user", "content": "Lily"}], "max_tokens": 2, "temperature": 0})
+    assert r.status_code == s.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"] == s.json()["choices"][0]["message"]
+    ru, su = r.json()["usage"], s.json()["usage"]
+    assert ru["prompt_tokens"] == su["prompt_tokens"]
+    # the second prompt found the first one's tokens in the prefix cache, all of them: the same prompt
+    assert su["prompt_tokens_details"]["cached_tokens"] >= su["prompt_tokens"] - 1
 
 
 def test_oversized_body_is_413(server):

@@ -108,6 +108,9 @@ class EngineCore:
         if req.lookup < 0 or not 0 <= req.draft_max <= MAX_DRAFT_MAX:
             raise EngineError(f"lookup must be 0 or an n-gram length, and draft_max between 0 (no speculation) and "
                               f"{MAX_DRAFT_MAX} (got {req.lookup}, {req.draft_max})")
+        bias = [t for t in (req.sampling.logit_bias or {}) if not 0 <= t < self.vocab]
+        if bias:
+            raise EngineError(f"logit_bias: token id {bias[0]} is outside the vocabulary (0..{self.vocab - 1})")
         req.sampling.validate()
 
     def add(self, req: Request) -> Sequence:

@@ -41,8 +41,13 @@ def install_error_handlers(app: FastAPI, backend: ServingBackend) -> None:
         backend.count_error(400)
         errs = e.errors()
         first = errs[0] if errs else {}
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         msg = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":   # its loc is ("body", character offset): not a parameter
+            where = [x for x in first.get("loc", ()) if isinstance(x, int)]
+            ctx = (first.get("ctx") or {}).get("error")
+            return error_response(400, "the body is not valid JSON" + (f" (at character {where[0]}" if where else "")
+                                  + (f": {ctx})" if ctx and where else ")" if where else ""))
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         return error_response(400, f"{loc}: {msg}" if loc else msg, loc or None)
 
     @app.exception_handler(HTTPException)

@@ -30,9 +30,20 @@ def backend_of(request: HttpRequest) -> ServingBackend:
 
 
 def sampling_of(body: S.Sampling) -> SamplerConfig:
-    return SamplerConfig(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                         repeat_penalty=body.repeat_penalty, presence_penalty=body.presence_penalty,
-                         frequency_penalty=body.frequency_penalty, seed=body.seed)
+    bias = None
+    if body.logit_bias:
+        try:
+            bias = {int(k): float(v) for k, v in body.logit_bias.items()}
+        except ValueError:
+            raise ApiError(400, "logit_bias maps token ids (as strings, \"1234\") to numbers", "logit_bias") from None
+    config = SamplerConfig(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                           repeat_penalty=body.repeat_penalty, presence_penalty=body.presence_penalty,
+                           frequency_penalty=body.frequency_penalty, seed=body.seed, logit_bias=bias)
+    try:
+        config.validate()
+    except ValueError as e:
+        raise ApiError(400, str(e), "logit_bias" if "logit_bias" in str(e) else None) from None
+    return config
 
 
 def stops_of(body: S.Sampling) -> list[str]:
@@ -119,7 +130,8 @@ async def start(backend: ServingBackend, ids: list[int], body: S.Sampling, max_t
     except EngineBusy as e:
         raise ApiError(503, f"{e}; try again shortly", kind="server_busy") from None
     except EngineError as e:
-        raise ApiError(400, str(e), "max_tokens" if "max_tokens" in str(e) else "messages",
+        param = next((p for p in ("logit_bias", "max_tokens") if p in str(e)), "messages")
+        raise ApiError(400, str(e), param,
                        code="context_length_exceeded" if "context" in str(e) else None) from None
     except ValueError as e:
         raise ApiError(400, str(e)) from None

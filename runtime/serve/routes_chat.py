@@ -25,6 +25,8 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def chat(body: S.ChatRequest, backend: ServingBackend = Depends(backend_of)) -> Any:
     check_model(backend, body)
+    if body.top_logprobs is not None and not body.logprobs:   # as OpenAI: not silently no log-probabilities
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     messages = [plain_message(m.model_dump(exclude_none=True)) for m in body.messages]
     calls = ToolUse.of(body, backend)
     kw = {}
@@ -102,6 +104,8 @@ def plain_message(m: dict) -> dict:
     """A message whose content is a list of parts (OpenAI's newer form) with
     its text parts joined: templates expect a string. Other parts (images,
     audio) are refused."""
+    if m.get("role") == "developer":   # OpenAI's newer name for the system message; templates know system
+        m = dict(m, role="system")
     content = m.get("content")
     if isinstance(content, list):
         texts = []

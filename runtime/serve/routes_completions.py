@@ -21,6 +21,8 @@ async def completions(body: S.CompletionRequest, backend: ServingBackend = Depen
     check_model(backend, body)
     if body.echo:
         raise ApiError(400, "echo is not supported", "echo")
+    if body.suffix:
+        raise ApiError(400, "suffix (text after the insertion) is not supported", "suffix")
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:

@@ -4,7 +4,8 @@ Field names, defaults and ranges follow OpenAI's API reference for the
 fields lmc implements (and llama.cpp's extensions ``top_k`` and ``min_p``);
 fields a client may send that lmc does not act on are accepted and ignored,
 as OpenAI-compatible servers do, unless acting on them would change the
-answer (``n`` > 1, ``echo``: refused with a 400).
+answer (``n`` or ``best_of`` > 1, ``echo``, ``suffix``, a role OpenAI does
+not have: refused with a 400).
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ class Sampling(_Body):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repeat_penalty: float = Field(default=1.0, ge=1 / MAX_DIVISOR, le=MAX_DIVISOR)
     n: int = Field(default=1, ge=1, le=1)
+    # OpenAI's token id (as a string) -> bias added to its logit before sampling, -100 .. 100
+    logit_bias: dict[str, float] | None = None
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False   # llama.cpp's and vLLM's extension: generate max_tokens whatever comes
     # lmc's extensions, speculative decoding (llama.cpp's speculative.n_max): draft_max is the tokens drafted
@@ -56,7 +59,8 @@ class Sampling(_Body):
 class ChatMessage(_Body):
     model_config = ConfigDict(extra="allow", strict=True)   # name, tool_calls, tool_call_id ... reach the template
 
-    role: str
+    #: OpenAI's roles ("developer" is its newer name for system; "function" its older tool result)
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Union[str, list[dict[str, Any]], None] = None
 
 
@@ -74,6 +78,9 @@ class CompletionRequest(Sampling):
     prompt: Union[str, list[str], list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    # OpenAI's legacy completions fields that would change the answer: refused unless left at their default
+    best_of: int | None = Field(default=None, ge=1, le=1)
+    suffix: str | None = None
     max_tokens: int | None = Field(default=16, ge=1)   # OpenAI's default for completions
 
 
