@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from .arch import ModelConfig, file_shapes, optional_shapes
-from .output_file import check_output, discard, naming, temp_beside
+from .output_file import atomic_path
 from .quantize import quantize
 
 QTYPES = ("F32", "Q8_0", "Q4_0", "Q2_K", "Q3_K", "Q4_K", "TQ1_0", "TQ2_0", "IQ4_NL", "IQ4_XS", "MXFP4")
@@ -120,54 +120,45 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig, tensor: Callable[[str]
 
     if qtype not in QTYPES:
         raise ValueError(f"--qtype {qtype}: choose one of {', '.join(QTYPES)}")
-    path = os.fspath(path)
-    check_output(path)
-    tmp = temp_beside(path)
-    w = gguf.GGUFWriter(tmp, cfg.arch)  # metadata keys are "<arch>.*"
-    try:
-        w.add_name(name)
-        for key, value in {**family_metadata(cfg), **(metadata or {})}.items():
-            add_value(w, key, value)
-        w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType.GUESSED)
-        toks, scores, types = vocab or synth_vocab(cfg.vocab_size)
-        w.add_tokenizer_model("llama")
-        w.add_token_list(toks)
-        w.add_token_scores(scores)
-        w.add_token_types(types)
-        w.add_bos_token_id(1)
-        w.add_eos_token_id(2)
-        w.add_unk_token_id(0)
-        w.add_add_bos_token(True)
-        shapes = file_shapes(cfg)
-        optional = optional_shapes(cfg)
-        for n in extra_tensors:
-            if n not in optional:
-                raise ValueError(f"{n} is not an optional tensor of the {cfg.arch} family")
-            shapes[n] = optional[n]
-        order = list(shapes)
+    with atomic_path(path) as tmp:   # a temporary file beside the target, renamed once complete
+        w = gguf.GGUFWriter(tmp, cfg.arch)  # metadata keys are "<arch>.*"
+        try:
+            w.add_name(name)
+            for key, value in {**family_metadata(cfg), **(metadata or {})}.items():
+                add_value(w, key, value)
+            w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType.GUESSED)
+            toks, scores, types = vocab or synth_vocab(cfg.vocab_size)
+            w.add_tokenizer_model("llama")
+            w.add_token_list(toks)
+            w.add_token_scores(scores)
+            w.add_token_types(types)
+            w.add_bos_token_id(1)
+            w.add_eos_token_id(2)
+            w.add_unk_token_id(0)
+            w.add_add_bos_token(True)
+            shapes = file_shapes(cfg)
+            optional = optional_shapes(cfg)
+            for n in extra_tensors:
+                if n not in optional:
+                    raise ValueError(f"{n} is not an optional tensor of the {cfg.arch} family")
+                shapes[n] = optional[n]
+            order = list(shapes)
 
-        for n in order:  # tensor infos first (shapes and sizes), data after
-            shape = shapes[n]
-            t = tensor_qtype(shape, qtype)
-            qt = gguf.GGMLQuantizationType[t]
-            bs, ts = gguf.GGML_QUANT_SIZES[qt]
-            nbytes = int(np.prod(shape[:-1])) * shape[-1] // bs * ts
-            # quantized tensors are described by their byte shape (rows, row bytes)
-            byte_shape = list(shape) if t == "F32" else list(shape[:-1]) + [shape[-1] // bs * ts]
-            w.add_tensor_info(_tensor_name(n), byte_shape, np.dtype(np.float32 if t == "F32" else np.uint8), nbytes,
-                              raw_dtype=None if t == "F32" else qt)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        for n in order:
-            data = quantize(tensor(n), tensor_qtype(shapes[n], qtype))
-            w.write_tensor_data(np.ascontiguousarray(data))
-        w.close()
-        os.replace(tmp, path)
-    except BaseException as e:
-        w.close()
-        discard(tmp)
-        named = naming(e, path)
-        if named is e:
-            raise
-        raise named from None
+            for n in order:  # tensor infos first (shapes and sizes), data after
+                shape = shapes[n]
+                t = tensor_qtype(shape, qtype)
+                qt = gguf.GGMLQuantizationType[t]
+                bs, ts = gguf.GGML_QUANT_SIZES[qt]
+                nbytes = int(np.prod(shape[:-1])) * shape[-1] // bs * ts
+                # quantized tensors are described by their byte shape (rows, row bytes)
+                byte_shape = list(shape) if t == "F32" else list(shape[:-1]) + [shape[-1] // bs * ts]
+                w.add_tensor_info(_tensor_name(n), byte_shape, np.dtype(np.float32 if t == "F32" else np.uint8), nbytes,
+                                  raw_dtype=None if t == "F32" else qt)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            for n in order:
+                data = quantize(tensor(n), tensor_qtype(shapes[n], qtype))
+                w.write_tensor_data(np.ascontiguousarray(data))
+        finally:
+            w.close()

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import os
 import struct
-import secrets
 from typing import BinaryIO, Callable, Mapping, Union
 
 import numpy as np
 
 from .arch import ModelConfig, expected_shapes
 from .llama2c import MAGIC, V1_HEADER
-from .output_file import check_output, discard, naming
+from .output_file import atomic_output
 
 _ATTN = ("attn_q", "attn_k", "attn_v", "attn_output")
 _FFN = ("ffn_gate", "ffn_down", "ffn_up")
@@ -107,12 +106,6 @@ def write_llama2c(path: str | os.PathLike, cfg: ModelConfig, t: Tensors, version
     L = cfg.n_layers
     vocab = cfg.vocab_size if cfg.tied_output or version else -cfg.vocab_size
     params = (cfg.dim, cfg.hidden_dim, L, cfg.n_heads, cfg.n_kv_heads, vocab, cfg.seq_len)
-    path = os.fspath(path)
-    # beside the target (same file system, so the rename is atomic); opened
-    # with "x" so it honours the umask and never clobbers anything
-    check_output(path)
-    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.part"
-    f = open(tmp, "xb")
     done = 0
 
     def put(f: BinaryIO, name: str) -> None:
@@ -128,29 +121,21 @@ def write_llama2c(path: str | os.PathLike, cfg: ModelConfig, t: Tensors, version
         if progress is not None:
             progress(done, total)
 
-    try:
-        with f:
-            if version == 0:
-                head = struct.pack("<7i", *params)
-            else:
-                head = struct.pack("<Ii7iB", MAGIC, version, *params, int(cfg.tied_output))
-                if version == 2:
-                    head += struct.pack("<i", group_size)
-                head += b"\0" * (V1_HEADER - len(head))
-            f.write(head)
-            done = len(head)
-            for name in tensor_order(cfg, version):
-                if name == "output" and version == 0:
-                    done += _f32(f, np.zeros(cfg.seq_len * cfg.head_dim // 2 * 2, np.float32))
-                put(f, name)
-            if version == 0 and cfg.tied_output:
+    with atomic_output(path) as f:   # a temporary file beside the target, renamed once complete
+        if version == 0:
+            head = struct.pack("<7i", *params)
+        else:
+            head = struct.pack("<Ii7iB", MAGIC, version, *params, int(cfg.tied_output))
+            if version == 2:
+                head += struct.pack("<i", group_size)
+            head += b"\0" * (V1_HEADER - len(head))
+        f.write(head)
+        done = len(head)
+        for name in tensor_order(cfg, version):
+            if name == "output" and version == 0:
                 done += _f32(f, np.zeros(cfg.seq_len * cfg.head_dim // 2 * 2, np.float32))
+            put(f, name)
+        if version == 0 and cfg.tied_output:
+            done += _f32(f, np.zeros(cfg.seq_len * cfg.head_dim // 2 * 2, np.float32))
         if done != total:
             raise AssertionError(f"wrote {done} bytes, expected {total}")
-        os.replace(tmp, path)
-    except BaseException as e:
-        discard(tmp)
-        named = naming(e, path)
-        if named is e:
-            raise
-        raise named from None

@@ -44,16 +44,16 @@ def temp_beside(path: str | os.PathLike) -> str:
 
 
 @contextmanager
-def atomic_output(path: str | os.PathLike, mode: str = "wb", encoding: str | None = None) -> Iterator[IO]:
-    """A file to write ``path``'s new content into; it becomes ``path`` when
-    the block ends without an error, and is removed when one is raised (an
-    OSError is raised again naming ``path``)."""
+def atomic_path(path: str | os.PathLike) -> Iterator[str]:
+    """A temporary name beside ``path`` for a writer to create; it becomes
+    ``path`` when the block ends without an error, and is removed when one
+    is raised (an OSError is raised again naming ``path``). For writers that
+    open the file themselves; ``atomic_output`` opens it."""
     path = os.fspath(path)
     check_output(path)
     tmp = temp_beside(path)
     try:
-        with open(tmp, mode, encoding=encoding) as f:
-            yield f
+        yield tmp
         os.replace(tmp, path)
     except BaseException as e:
         discard(tmp)
@@ -61,6 +61,14 @@ def atomic_output(path: str | os.PathLike, mode: str = "wb", encoding: str | Non
         if named is e:
             raise
         raise named from None
+
+
+@contextmanager
+def atomic_output(path: str | os.PathLike, mode: str = "wb", encoding: str | None = None) -> Iterator[IO]:
+    """A file to write ``path``'s new content into (``atomic_path``), closed
+    before it is renamed."""
+    with atomic_path(path) as tmp, open(tmp, mode, encoding=encoding) as f:
+        yield f
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from . import qsf_codecs
-from .output_file import check_output, discard, naming, temp_beside
+from .output_file import atomic_output
 from .qsf_format import (HEADER_SIZE, SECTION_HEAD, Header, LayerEntry, TensorEntry, align_up, crc32,
                          group_header_size, index_size, pack_group_header, pack_index, pack_section_head,
                          pack_tokenizer)
@@ -59,7 +59,7 @@ class QSFWriter:
                  always_compress: bool = False) -> None:
         if compression not in qsf_codecs.CODECS:
             raise qsf_codecs.CodecError(f"unknown compression {compression!r}")
-        self.path, self.tmp = path, temp_beside(path)
+        self.path = path
         self.header = replace(header)
         self.compression, self.level = compression, level
         self.always_compress = always_compress   # keep compressed layers even when larger (tests, benchmarks)
@@ -67,30 +67,24 @@ class QSFWriter:
         self._f = None
 
     def __enter__(self) -> "QSFWriter":
-        check_output(self.path)
-        try:
-            self._f = open(self.tmp, "wb")
-        except OSError as e:
-            raise OSError(e.errno, f"cannot write ({e.strerror})", self.path) from None
+        self._out = atomic_output(self.path)   # a temporary file beside the target, renamed once complete
+        self._f = self._out.__enter__()
         n = self.header.n_layers
         self.header.index_offset = HEADER_SIZE
-        self._f.write(bytes(align_up(HEADER_SIZE + index_size(n))))   # filled in by close()
+        self._f.write(bytes(align_up(HEADER_SIZE + index_size(n))))   # filled in by _finish()
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        """The index and header written, then the file renamed into place; on an
+        error (the block's, or a check of ``_finish``) the temporary file goes."""
         if exc_type is None:
             try:
-                self._close()
-            except OSError as e:
-                self._f.close()
-                discard(self.tmp)
-                raise naming(e, self.path) from None
-        else:
-            self._f.close()
-            discard(self.tmp)
-            named = naming(exc, self.path)
-            if named is not exc:
-                raise named from None
+                self._finish()
+            except BaseException as e:
+                if not self._out.__exit__(type(e), e, e.__traceback__):
+                    raise
+                return False
+        return bool(self._out.__exit__(exc_type, exc, tb))
 
     # --- sections -----------------------------------------------------------------------
     def _pad(self) -> int:
@@ -142,7 +136,7 @@ class QSFWriter:
     def tokenizer(self, kind: str, blob: bytes) -> None:
         self.header.tokenizer_offset = self._section("tokenizer", pack_tokenizer(kind, blob))
 
-    def _close(self) -> None:
+    def _finish(self) -> None:
         f = self._f
         h = self.header
         if len(self.entries) != h.n_layers:
@@ -157,7 +151,5 @@ class QSFWriter:
         f.write(h.pack())
         f.flush()
         os.fsync(f.fileno())
-        f.close()
-        os.replace(self.tmp, self.path)
 
 

@@ -105,6 +105,16 @@ def test_failed_write_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_incomplete_file_is_refused_and_leaves_nothing(tmp_path):
+    """The writer's own checks at the end (fewer layers than the header says):
+    a ValueError, the temporary file removed (it was left behind, open)."""
+    path = tmp_path / "m.qsf"
+    with pytest.raises(ValueError, match="0 layers written, the header says 2"):
+        with QSFWriter(str(path), _header()) as w:
+            w.embedding([QSFTensor("token_embd", "F16", (128, 64), np.zeros((128, 64), np.float16))])
+    assert list(tmp_path.iterdir()) == []
+
+
 # --- corruption and truncation ---------------------------------------------------------------
 def _sections(qf) -> dict[str, tuple[int, int]]:
     """Byte ranges that every flip must be caught in, by the name the error must give."""
