@@ -269,11 +269,12 @@ class Sampler:
         top = x.max()    # NaN propagates through max and +inf is the max: one pass checks both
         if np.isnan(top) or top == np.inf:
             raise ValueError("logits contain NaN or +inf")
+        penalised = self._penalised and len(history) > 0
+        if self._bias.size or penalised:
+            x = np.array(x)   # the caller's logits are only read
         if self._bias.size:   # before the penalties, as llama.cpp's logit-bias sampler comes first
-            x = np.array(x)
             x[self._bias_ids] += self._bias
-        if self._penalised and len(history) > 0:
-            x = np.array(x) if not self._bias.size else x
+        if penalised:
             self._penalise(x, history)
         if self.grammar is not None:
             words = self.grammar.mask()

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -48,6 +49,23 @@ def empty_cache(tmp_path, monkeypatch):
     path = tmp_path / "cache"
     monkeypatch.setenv("LMC_CACHE_DIR", str(path))
     return path
+
+
+def steps_then(ex, at: int, then: Callable[[], None]) -> list[int]:
+    """The positions of ``ex``'s decode steps from now on, in a list that fills as
+    they run; ``then()`` is called after the step at position ``at``."""
+    steps: list[int] = []
+    decode = ex.decode
+
+    def step(token: int, pos: int) -> np.ndarray:
+        steps.append(pos)
+        out = decode(token, pos)
+        if pos == at:
+            then()
+        return out
+
+    ex.decode = step
+    return steps
 
 
 def test_prompt_as_decode_steps_then_as_chunks_has_the_same_logits(empty_cache, held_build):
@@ -104,18 +122,12 @@ def test_a_prompt_switches_to_chunks_when_the_rest_arrives_between_its_steps(emp
     model = instruct_models()[SMOLLM2]
     m = runtime.load(model, threads=2, decode_first=True)
     ex = m.executor
-    steps: list[int] = []
-    decode = ex.decode
 
-    def decode_then_finish(token: int, pos: int) -> np.ndarray:
-        steps.append(pos)
-        out = decode(token, pos)
-        if len(steps) == 40:   # the build may finish now; the next row finds it offered
-            held_build.set()
-            m.finish_compiling()
-        return out
+    def finish() -> None:   # the build may finish now; the next row finds it offered
+        held_build.set()
+        m.finish_compiling()
 
-    ex.decode = decode_then_finish
+    steps = steps_then(ex, 39, finish)
     ids = m.encode(PROMPT * 4)[:180]
     mixed = m.logits(ids)
     assert steps == list(range(40))      # 40 rows as decode steps, then 140 as chunks
@@ -156,17 +168,7 @@ def test_a_long_prompt_waits_for_its_chunks_where_the_tiles_begin(empty_cache, h
     ctx = 2 * FROM_POSITION
     m = runtime.load(model, threads=2, ctx=ctx, decode_first=True)
     ex = m.executor
-    steps: list[int] = []
-    decode = ex.decode
-
-    def decode_then_release(token: int, pos: int) -> np.ndarray:
-        steps.append(pos)
-        out = decode(token, pos)
-        if pos == FROM_POSITION - 1:   # the build may finish now; the prompt waits for it
-            held_build.set()
-        return out
-
-    ex.decode = decode_then_release
+    steps = steps_then(ex, FROM_POSITION - 1, held_build.set)   # the build may finish now; the prompt waits
     ids = (m.encode(PROMPT) * 30)[: FROM_POSITION + 60]
     assert len(ids) == FROM_POSITION + 60
     got = m.logits(ids)
