@@ -43,10 +43,10 @@ def install_error_handlers(app: FastAPI, backend: ServingBackend) -> None:
         first = errs[0] if errs else {}
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":   # its loc is ("body", character offset): not a parameter
-            where = [x for x in first.get("loc", ()) if isinstance(x, int)]
-            ctx = (first.get("ctx") or {}).get("error")
-            return error_response(400, "the body is not valid JSON" + (f" (at character {where[0]}" if where else "")
-                                  + (f": {ctx})" if ctx and where else ")" if where else ""))
+            at = next((x for x in first.get("loc", ()) if isinstance(x, int)), None)
+            why = (first.get("ctx") or {}).get("error")
+            detail = "" if at is None else f" (at character {at}: {why})" if why else f" (at character {at})"
+            return error_response(400, "the body is not valid JSON" + detail)
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         return error_response(400, f"{loc}: {msg}" if loc else msg, loc or None)
 
