@@ -105,6 +105,8 @@ def test_synth_writes_the_model_and_its_tokenizer_or_neither(tmp_path):
     (["viz", S, "-z", K, "--host", "999.1.1.1", "--no-open"], ["--host", "999.1.1.1"]),
     # a budget below the runtime's floor: the error alone, not viz's progress line before it
     (["viz", S, "-z", K, "--mem-budget", "1K", "--no-open"], ["--mem-budget"]),
+    # the pool the user asked for, not its rounding up to whole blocks (16 here)
+    (["serve", S, "-z", K, "-c", "64", "--kv-pool", "5"], ["--kv-pool 5:", "(64)"]),
 ])
 def test_bad_flags_are_one_line(args, names):
     refused(lmc(*args, timeout=120), *names)   # a server that starts instead fails here, not hangs

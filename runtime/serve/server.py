@@ -99,8 +99,8 @@ def build_serving(o: ServerOptions, status: Callable[[str], None] | None = None)
         raise RunError(str(e)) from None
     if o.kv_pool is not None:
         n_blocks = -(-o.kv_pool // o.block_size)
-    if n_blocks * o.block_size < ctx:
-        raise RunError(f"--kv-pool {n_blocks * o.block_size}: smaller than one request of the context ({ctx})")
+    if n_blocks * o.block_size < ctx:   # (a budget's pool is checked by pool_blocks)
+        raise RunError(f"--kv-pool {o.kv_pool}: smaller than one request of the context ({ctx})")
     spec = o.speculation
     draft_loaded = check_draft(loaded, ctx, spec, batched=True) if spec is not None else None
     model = load_batch_model(o.model, o.tokenizer, backend=o.backend, ctx=ctx, threads=o.threads,
