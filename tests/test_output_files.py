@@ -92,7 +92,7 @@ def test_synth_writes_the_model_and_its_tokenizer_or_neither(tmp_path):
     (["run", S, "-z", K, "-p", "hi", "-n", "2", "--temp", "inf"], ["--temp"]),
     (["run", S, "-z", K, "-p", "hi", "-n", "2", "--temp", "1e308"], ["--temp"]),
     (["run", S, "-z", K, "-p", "hi", "-n", "2", "--repeat-penalty", "1e-300"], ["--repeat-penalty"]),
-    (["run", S, "-z", K, "-p", "hi", "-n", "3", "-t", "1", "--regex", "a{99999999}"], ["grammar"]),
+    (["run", S, "-z", K, "-p", "hi", "-n", "3", "-t", "1", "--regex", "a{99999999}"], ["regex", "cannot be enforced", "lexer"]),
     (["inspect", S, "-z", "/no/such/tok.bin"], ["/no/such/tok.bin", "-z"]),
     (["serve", S, "-z", K, "--drain-timeout", "-1"], ["--drain-timeout"]),
     (["convert", S, "-z", K, "/tmp/never-written.qsf", "--compress", "zstd", "--level", "99"], ["--level", "zstd"]),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,7 @@ import runtime
 from compiler.codegen.k_sampler import mask_logits
 from runtime.grammar import ConstraintError, GrammarMatcher, json_schema, lark, regex
 from runtime.grammar.vocabulary import ll_tokenizer
+from runtime.models import BUNDLED_MODEL, BUNDLED_TOKENIZER
 from serve_process import ROOT, serve
 from shared_data import QWEN, SMOLLM2, instruct_models
 from test_serve import metric
@@ -68,6 +70,21 @@ def test_schema_check_names_what_it_cannot_enforce():
         lark("start: foo").grammar()
     with pytest.raises(ConstraintError, match="at most"):
         regex("a" * (300 << 10)).grammar()
+
+
+@pytest.mark.parametrize("pattern,text", [("x", "x"), ("(yes|no)", None), ("a{3} b", "aaa b"), ("[0-9]{4}", None)])
+def test_a_dummy_prefix_vocabulary_follows_a_regex(pattern, text):
+    """The bundled llama2.c model (its tokenizer prepends " " to any text it
+    encodes) through ``lmc run --regex``: the output matches, where a
+    forced "x" once allowed the token " " and then refused it."""
+    r = subprocess.run([sys.executable, "-m", "runtime.cli", "run", BUNDLED_MODEL, "-z", BUNDLED_TOKENIZER, "-p", "hi",
+                        "-n", "12", "-t", "1", "--regex", pattern], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout.strip()
+    assert out.startswith("hi"), out
+    assert re.fullmatch(pattern, out[2:]), out
+    assert text is None or out[2:] == text
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +238,8 @@ def test_bad_constraints_are_400s_and_the_server_stays_up(smollm2):
             (dict(extra_body={"grammar": "start: foo"}), "unknown name"),
             (dict(extra_body={"regex": "[a-"}), "unclosed"),
             (dict(extra_body={"regex": "a", "grammar": "start: \"a\""}), "one constraint"),
+            # past llguidance's lexer limits: was a 200 with empty content
+            (dict(extra_body={"regex": "a{99999999}"}), "cannot be enforced"),
             (dict(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {
                 "type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 200}
                                                  for i in range(2000)}}}}), "at most"),

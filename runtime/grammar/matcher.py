@@ -31,12 +31,31 @@ class GrammarMatcher:
         if self.m.is_error():
             raise ConstraintError(f"{constraint.kind.replace('_', ' ')}: {self.m.get_error()}")
         self.words = np.zeros((vocab_size + 31) // 32, np.int32)
+        self._first_token_fits(constraint)
         #: steps whose mask was computed, and the seconds spent on them (``/metrics``)
         self.steps = 0
         self.mask_s = 0.0
         #: tokens consumed, and how many had been when the output became complete (None: not yet)
         self.consumed = 0
         self.done_at: int | None = None
+
+    def _first_token_fits(self, constraint: Constraint) -> None:
+        """Refuse a grammar llguidance cannot follow (a regex past its lexer's
+        limits, ``a{9999}``), now rather than at the first token: its mask
+        then allows a token that consuming refuses. Served, it ended the
+        request with an empty 200; now it is a 400 naming the limit."""
+        self.m.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
+        allowed = np.flatnonzero(self.words)
+        if not len(allowed):
+            return
+        w = int(allowed[0])
+        first = w * 32 + (int(self.words[w]) & -int(self.words[w])).bit_length() - 1
+        if self.m.try_consume_tokens([first]):
+            self.m.rollback(1)
+            return
+        self.m.consume_token(first)     # refused: this sets the matcher's reason
+        why = (self.m.get_error() or "").strip().splitlines()[:1] or ["refused"]
+        raise ConstraintError(f"{constraint.kind.replace('_', ' ')}: cannot be enforced ({why[0]})")
 
     def mask(self) -> np.ndarray:
         """The allowed next tokens: int32 words, bit i % 32 of word i // 32."""

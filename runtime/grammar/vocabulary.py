@@ -41,10 +41,39 @@ class _Vocabulary:
         self._tokenizer = tokenizer
 
     def __call__(self, text: bytes | str) -> list[int]:
-        """Token ids of text, without BOS (llguidance re-tokenizes forced bytes with it)."""
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return list(self._tokenizer.encode(text, bos=False))
+        """Token ids whose bytes are exactly ``text``, without BOS: llguidance
+        tokenizes forced bytes with it and checks them against the grammar.
+        The model's own tokenizer where its ids spell the text; where they do
+        not (a llama2.c or sentencepiece vocabulary prepends a dummy " " to
+        any text: a grammar forcing "x" then allowed " " and refused it on
+        consuming), the longest vocabulary pieces, left to right."""
+        data = text if isinstance(text, bytes) else text.encode("utf-8")
+        ids = list(self._tokenizer.encode(data.decode("utf-8", errors="replace"), bos=False))
+        if b"".join(self.tokens[i] for i in ids if 0 <= i < len(self.tokens)) == data:
+            return ids
+        return self._longest_pieces(data) or ids
+
+    def _longest_pieces(self, data: bytes) -> list[int] | None:
+        """``data`` as the longest plain pieces that spell it, left to right;
+        None where some byte has no piece."""
+        if not hasattr(self, "_piece_ids"):
+            special = set(self.special_token_ids)
+            self._piece_ids: dict[bytes, int] = {}
+            for i, t in enumerate(self.tokens):
+                if t and i not in special:
+                    self._piece_ids.setdefault(t, i)
+            self._longest = max(map(len, self._piece_ids), default=0)
+        out, at = [], 0
+        while at < len(data):
+            for n in range(min(self._longest, len(data) - at), 0, -1):
+                i = self._piece_ids.get(data[at:at + n])
+                if i is not None:
+                    out.append(i)
+                    at += n
+                    break
+            else:
+                return None
+        return out
 
 
 def _piece_bytes(tokenizer: Any, i: int) -> bytes:
