@@ -141,7 +141,7 @@ def compile_native(model: LoadedModel, options: NativeOptions | None = None) -> 
     # (the repack width follows the host and LMC_REPACK, rings LMC_KV_RING, tiles LMC_ATTN_TILED,
     # not the options)
     memo = (key_memo.memo_key(model, o, {**versions, "repack": repack_width(o.vector_width),
-                                         "rings": ring_rows_for(1) is not None,
+                                         "rings": ring_rows_for(1) is not None, "kv_exact": switch("LMC_KV_EXACT"),
                                          **({"attn_tiled_from": FROM_POSITION} if attention_tiles() else {})})
             if o.use_cache and not (o.dump_dir or o.profile) else None)
     known = key_memo.recall(memo) if memo else None

@@ -15,6 +15,8 @@ import numpy as np
 
 from ir.graph import Graph, Value, WeightRef
 from ir.quant import get_layout
+from ir.kv_lowbit import RECENT
+from ir.switches import switch
 from ir.ops.attention import ring_rows
 from ir.types import DEFAULT_KV_TYPE, KEY_OFFSET_KV_TYPES, KV_TYPES, TensorType, kv_cache_type
 
@@ -446,7 +448,19 @@ def build_graph(cfg: ModelConfig, weights: dict[str, WeightInfo], mode: str = "d
         else:
             kc = b.op("kv_write", kc, k, pos, **in_ring, **koff)
             vc = b.op("kv_write", vc, v, pos, **in_ring)
-            a = b.op("attention", q, kc, vc, pos, **att, **in_ring)
+            exact: list = []
+            if kv_type in KEY_OFFSET_KV_TYPES and switch("LMC_KV_EXACT"):   # low-bit: recent rows and sink exact
+                xring = ring_rows(RECENT, max_rows) if max_rows else 0
+                xring = xring if xring and xring < pool else 0
+                xt = kv_cache_type("f16", (xring or pool) + 1, cfg.kv_dim)
+                xk = g.add_state(f"k_recent.{i}", xt)
+                xv = g.add_state(f"v_recent.{i}", xt)
+                xr = {"ring": xring} if xring else {}
+                exact = [b.op("kv_write", xk, k, pos, sink=1, **xr, **koff), b.op("kv_write", xv, v, pos, sink=1, **xr)]
+                att.update(recent=RECENT, xring=xring)
+                if xring:
+                    g.meta["ring_slack"] = xring - RECENT
+            a = b.op("attention", q, kc, vc, pos, *exact, **att, **in_ring)
         o = b.linear(a, p + "attn_output")
         if s.post_norms:
             o = b.op("rmsnorm", o, b.w(p + "post_attention_norm"), eps=eps)

@@ -69,6 +69,9 @@ import numpy as np
 
 #: values per group
 GROUP = 32
+#: positions a query reads exactly beside a low-bit cache: its own and the RECENT - 1 before it,
+#: and position 0 (``ir.ops.attention``'s ``recent``; module docstring)
+RECENT = 128
 _NAME = re.compile(r"^KV_Q([24])(?:_H(\d+))?$")
 
 

@@ -25,7 +25,7 @@ from .graph import Graph, Node, Value
 #: the section before the first block; the head is section ``n_layers``
 EMBED = -1
 
-_BLOCK_NAME = re.compile(r"^blk\.(\d+)\.|^[kv]_cache\.(\d+)$")
+_BLOCK_NAME = re.compile(r"^blk\.(\d+)\.|^[kv]_(?:cache|recent)\.(\d+)$")
 
 
 def block_of(name: str) -> int | None:

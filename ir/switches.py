@@ -17,6 +17,7 @@ SWITCHES: dict[str, tuple[bool, str]] = {
     "LMC_ATTN_TILED": (True, "prompt rows from position 512 attend on AMX bf16 tiles (0: decode's bits)"),
     "LMC_HUGE_PAGES": (True, "the weight image on large page-cache folios where it can be"),
     "LMC_KEY_OFFSETS": (True, "low-bit KV caches store keys against a calibrated offset row"),
+    "LMC_KV_EXACT": (True, "low-bit KV caches keep each query's recent rows and position 0 exact (f16)"),
 }
 
 

@@ -54,7 +54,7 @@ def _rope_fits(rope: Node, write: Node) -> bool:
     cache = write.inputs[0].type
     if pos is not write.inputs[2] or x.type.dtype != "f32" or (x.type.layout or "F32") != "F32":
         return False
-    if write.op == "kv_write" and pos.type.rank != 0:
+    if (write.op == "kv_write" and pos.type.rank != 0) or write.attrs.get("sink"):   # (rope_kv_write keeps no sink)
         return False
     return cache.layout is None or int(rope.attrs["head_dim"]) % quant_type("Q8_0").block == 0
 

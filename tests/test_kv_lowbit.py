@@ -38,7 +38,7 @@ from compiler.codegen.harness import sig_for
 from frontends.arch import ModelError
 from ir import kv_codec, kv_lowbit, ops
 from ir.interp import new_state, state_array
-from ir.types import f32, i32, kv_cache_type
+from ir.types import TensorType, f32, i32, kv_cache_type
 from runtime.cli import DEFAULT_MODEL, DEFAULT_TOKENIZER
 
 LOWBIT = ["q4", "q4-plain", "q2", "q2-plain"]
@@ -430,6 +430,69 @@ def test_attention_paged_kernel(kv, spec, hd, kvh, group, bs, share, nt, vw):
     close(got, want, rtol=1e-4, atol=2e-5)
 
 
+@given(half=st.booleans(), T=st.one_of(st.none(), st.integers(1, 5)), heads=st.integers(1, 3),
+       hd=st.sampled_from([32, 64]), pos=st.sampled_from([0, 0, 1, 6, 13, 40]), ring=st.sampled_from([0, 9, 16]),
+       off=st.booleans(), nt=threads, vw=widths)
+@settings(deadline=None, max_examples=60)
+def test_kv_write_exact_rows_kernel(half, T, heads, hd, pos, ring, off, nt, vw):
+    """The exact rows' write (``sink``: position 0 also in the last row; an
+    offset; a ring): bit for bit the reference's, rows not written kept."""
+    rows, D = T or 1, heads * hd
+    S = (ring or pos + rows + 2) + 1
+    ct = TensorType((S, D), "f16" if half else "f32")
+    cache = state_array(ct)
+    cache[...] = rng.standard_normal(cache.shape)
+    x = act(T, D, 3.0)
+    o = {**offset_row(D, off), "sink": 1, **({"ring": ring} if ring else {})}
+    sig = sig_for("kv_write", [ct, act_type(T, D), i32()], **o)
+    want = ops.kv_write_ref(cache.copy(), x, pos, **o)
+    got = run(sig, [cache, x, pos], pos=pos, T=rows, nthreads=nt, vw=vw, out=cache)
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    assert pos != 0 or np.array_equal(want[-1], (x.reshape(rows, D)[0] - np.asarray(o.get("offset", 0), np.float32))
+                                      .astype(want.dtype))
+
+
+@given(kv=st.sampled_from(LOWBIT), T=st.one_of(st.none(), st.integers(1, 5)), hd=st.sampled_from([32, 64]),
+       kvh=st.integers(1, 2), group=st.integers(1, 4), past=st.integers(0, 60), recent=st.sampled_from([1, 3, 8]),
+       xring=st.booleans(), window=st.sampled_from([0, 0, 5, 20]), nt=threads, vw=widths)
+@settings(deadline=None, max_examples=80)
+def test_attention_with_exact_rows_kernel(kv, T, hd, kvh, group, past, recent, xring, window, nt, vw):
+    """A low-bit cache read beside its exact rows (each row's last ``recent``
+    positions and position 0 from an f16 cache, a ring of them or whole)
+    against the reference. Rows either side may not read: the low-bit rows
+    of positions the exact ones stand for are poisoned (NaN steps), so are
+    exact rows outside them, so reading the wrong source would show."""
+    H, rows = kvh * group, T or 1
+    S = past + rows + 3
+    end = past + rows
+    q = act(T, H * hd)
+    kc, vc = filled(kv, S, kvh * hd, hd, 1.0), filled(kv, S, kvh * hd, hd, 1.0)
+    XR = recent + rows + 2 if xring else 0
+    xt = TensorType(((XR or S) + 1, kvh * hd), "f16")
+    kx, vx = state_array(xt), state_array(xt)
+    kx[...], vx[...] = np.nan, np.nan
+    for p in range(end):
+        row = p % XR if XR else p
+        if p >= end - recent - rows:   # the rows a ring keeps at this step
+            kx[row], vx[row] = rng.standard_normal((2, kvh * hd)).astype(np.float16)
+    # the sink row: the only place position 0 is read from (a ring's row 0 is soon another's)
+    kx[-1], vx[-1] = rng.standard_normal((2, kvh * hd)).astype(np.float16)
+    for c in (kc, vc):
+        poison(c, slice(end, None))
+        poison(c, slice(max(1, past + 1 - recent + rows - 1), None))   # every row reads these exactly
+        if window:
+            poison(c, slice(0, max(0, past + 1 - window)))
+        poison(c, 0)
+    attrs = {"n_heads": H, "n_kv_heads": kvh, "head_dim": hd, "scale": 1.0 / math.sqrt(hd), "window": window,
+             "recent": recent, "xring": XR}
+    ct = kv_cache_type(kv, S, kvh * hd, hd)
+    sig = sig_for("attention", [act_type(T, H * hd), ct, ct, i32(), xt, xt], **attrs)
+    want = ops.attention_ref(q, kc, vc, past, kx, vx, **attrs)
+    assert np.isfinite(want).all()
+    got = run(sig, [q, kc, vc, past, kx, vx], pos=past, T=rows, nthreads=nt, vw=vw)
+    close(got, want, rtol=1e-4, atol=2e-5)
+
+
 @pytest.mark.parametrize("kv", ["q4", "q2"])
 def test_attention_long_context(kv):
     """Thousands of positions, head_dim 256 (Gemma 3's), grouped heads."""
@@ -447,13 +510,15 @@ def test_attention_long_context(kv):
 # --- models -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("kv,arch", [(kv, "llama") for kv in LOWBIT] + [("q4", "gemma3"), ("q2-plain", "gemma3")])
 def test_synthetic_gguf_native_matches_interpreter(tmp_path, kv, arch):
-    """head_dim 64: the whole graph (fused rope_kv_write, prefill and decode)
-    natively and in the interpreter; the cache type is really in effect.
-    gemma3 adds sliding-window layers (window 4 < the prompt: their caches are rings)."""
+    """head_dim 64: the whole graph (prefill and decode, each position's
+    last RECENT rows and position 0 exact, the rest low-bit: the prompt
+    runs past RECENT) natively and in the interpreter; the cache type is
+    really in effect. gemma3 adds sliding-window layers (window 4 < the
+    prompt: their caches are rings)."""
     kw = {"arch": "gemma3", "extra": {"sliding_window": 4}} if arch == "gemma3" else {}
-    p, cfg = tiny(tmp_path, "Q8_0", **kw)
+    p, cfg = tiny(tmp_path, "Q8_0", seq_len=kv_lowbit.RECENT + 40, **kw)
     ref = runtime.load(p, backend="interp", kv_type=kv)
-    ids = [1, 5, 77, 260, 9, 42, 7, 8, 100, 3, 4, 5]
+    ids = [1] + [int(t) for t in np.random.default_rng(7).integers(2, 300, kv_lowbit.RECENT + 10)]
     fl = float_native(p, kv_type=kv)    # the float path: the integer path's rounding moves near ties
     a, b = ref.logits(ids), fl.logits(ids)
     scale = max(1.0, float(np.abs(a).max()))
@@ -463,15 +528,19 @@ def test_synthetic_gguf_native_matches_interpreter(tmp_path, kv, arch):
     assert list(ref.generate(ids, 16, temperature=0.0)) == list(fl.generate(ids, 16, temperature=0.0))
     nat = runtime.load(p, backend="llvm", threads=2, kv_type=kv)
     bits = 4 if kv.startswith("q4") else 2
-    assert nat.kv_bytes == ref.kv_bytes
-    assert arch != "llama" or nat.kv_bytes == 2 * cfg.n_layers * cfg.seq_len * cfg.kv_dim * (4 + 4 * bits) // 32
-    assert sum(a.nbytes for a in new_state(build_decode(p, kv)).values()) == nat.kv_bytes
+    if arch != "llama":   # natively its window layers keep rings of window + chunk positions; interpreted whole
+        assert nat.kv_bytes < ref.kv_bytes
+        return
+    exact_rows = cfg.seq_len + 1      # the prompt chunk makes a ring no smaller than the context: whole, + the sink
+    assert nat.kv_bytes == ref.kv_bytes == 2 * cfg.n_layers * cfg.kv_dim * (
+        cfg.seq_len * (4 + 4 * bits) // 32 + exact_rows * 2)
+    assert sum(a.nbytes for a in new_state(build_decode(p, kv, cfg.seq_len)).values()) == nat.kv_bytes
 
 
-def build_decode(p, kv):
+def build_decode(p, kv, ctx=64):
     from compiler.driver import CompileOptions, build_graphs, load_model
 
-    return build_graphs(load_model(p), CompileOptions(ctx=64, kv_type=kv))["decode"]
+    return build_graphs(load_model(p), CompileOptions(ctx=ctx, kv_type=kv))["decode"]
 
 
 def test_smollm2_q4_greedy_follows_f16():

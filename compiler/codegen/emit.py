@@ -30,7 +30,7 @@ I64 = ir.IntType(64)
 I8P = ir.PointerType(I8)
 F32P = ir.PointerType(F32)
 VOID = ir.VoidType()
-N_INPUTS = 5  # attention_paged: q, K pool, V pool, positions, block tables
+N_INPUTS = 6  # attention with exact rows: q, K, V, pos, exact K, exact V
 KERNEL_TYPE = ir.FunctionType(VOID, [I8P] * (1 + N_INPUTS) + [I64] * 4 + [I8P])
 #: fast-math flags, for code whose bits may vary with LLVM's choices (the bandwidth probe's sum);
 #: no kernel uses them: a kernel's numbers must not depend on what surrounds its arithmetic

@@ -354,6 +354,16 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
             raise NotImplementedError(f"attention: a {kt.layout} cache does not fit head_dim {hd}")
         row_step, head_step = stride // GROUP * low.group_bytes, hd // GROUP * low.group_bytes
 
+    exact = len(sig.in_types) == 6    # exact rows beside the low-bit ones (``ir.ops.attention``'s ``recent``)
+    if exact:
+        xt = sig.in_types[4]
+        if low is None or cache_kind(xt) not in ("f32", "f16") or R != 1:
+            raise NotImplementedError(f"attention: exact rows ({xt}) beside a low-bit cache only, got {kt}")
+        recent, xring, sink_row = int(a["recent"]), int(a.get("xring") or 0), int(xt.shape[0]) - 1
+        xhalf = cache_kind(xt) == "f16"
+        xk, xv = (b.bitcast(kb.in_raw[i], ir.PointerType(HALF if xhalf else F32)) for i in (4, 5))
+        xaddr = _Rows(kb, xring)
+
     slice_bytes = head_step * (4 if kind == "f32" else 2 if kind == "f16" else 1)   # a row's part of one kv head
     wd = pow2_divisor(hd, kb.vw)  # vector width over head_dim
     nvec = hd // wd
@@ -402,6 +412,11 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
         v = kb.vload(p, idx, wd)
         return v if kind == "f32" else b.fpext(v, ir.VectorType(F32, wd))
 
+    def xload(p: ir.Value, idx: int) -> ir.Value:
+        """<wd x float> of an exact row (f32 or f16)."""
+        v = kb.vload(p, idx, wd)
+        return b.fpext(v, ir.VectorType(F32, wd)) if xhalf else v
+
     def unit(t: ir.Value, hu: ir.Value, scs: list[ir.Value], scored: bool) -> None:
         """Row t, heads hu * hg ...: scores into ``scs`` (one pointer a head) unless
         ``scored`` (already there), then the softmax and the weighted sum."""
@@ -418,6 +433,7 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
         qps = [kb.gep(q, b.mul(b.add(row, i64(i)), i64(hd))) for i in heads]
         ops = [kb.gep(out, b.mul(b.add(row, i64(i)), i64(hd))) for i in heads]
         qv = [[kb.vload(qp, c * wd, wd) for c in range(nvec)] for qp in qps]
+        qv_plain = qv    # the exact rows' queries: not rotated
         if low is not None:
             if low.rotate:
                 qv = [lb_emit.fwht(kb, v) for v in qv]
@@ -433,23 +449,30 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
                 yield blk, d, [b.sitofp(kb.vload(bp, 2 + k * wd, wd), ir.VectorType(F32, wd))
                                for k in range(QK // wd)]
 
-        def keys(j: ir.Value) -> list[ir.Value] | None:
+        def keys(j: ir.Value, row: Callable[[ir.Value], ir.Value] | None = None) -> list[ir.Value] | None:
             """An f32 / f16 key row as <wd x float> pieces, loaded (and widened) once for all
-            the unit's heads; None for a quantized row, which ``dot`` decodes itself."""
+            the unit's heads; None for a quantized row, which ``dot`` decodes itself.
+            ``row``: position j's exact row is at row(j) (f32 / f16)."""
+            if row is not None:
+                kp = row(j)
+                return [xload(kp, c * wd) for c in range(nvec)]
             if kind not in ("f32", "f16"):
                 return None
             kp = krow(j)
             return [load(kp, c * wd) for c in range(nvec)]
 
-        def dot(i: int, j: ir.Value, kv: list[ir.Value] | None = None) -> ir.Value:
+        def dot(i: int, j: ir.Value, kv: list[ir.Value] | None = None,
+                qs: list[list[ir.Value]] | None = None) -> ir.Value:
             """<wd x float> partial products of k_j . q of head h0 + i (lanes still to sum);
-            ``kv``: the row's pieces from ``keys(j)`` (an f32 / f16 row: loaded here if not given)."""
+            ``kv``: the row's pieces from ``keys(j)`` (an f32 / f16 row: loaded here if not given);
+            ``qs``: the queries to take (an exact row's: not rotated)."""
             if kv is None:
                 kv = keys(j)
             if kv is not None:
-                acc = kb.fmul(kv[0], qv[i][0])
+                qq = qv if qs is None else qs
+                acc = kb.fmul(kv[0], qq[i][0])
                 for c in range(1, nvec):
-                    acc = fmuladd(kb, kv[c], qv[i][c], acc)
+                    acc = fmuladd(kb, kv[c], qq[i][c], acc)
                 return acc
             kp = krow(j)
             if low is not None:
@@ -475,6 +498,62 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
                 return acc
             raise AssertionError(kind)   # f32 / f16 rows took keys() above
 
+        def score_run(lo: ir.Value, hi: ir.Value, ms: list[ir.Value] | None,
+                      row: Callable[[ir.Value], ir.Value] | None, qs: list[list[ir.Value]] | None,
+                      fetch: bool) -> list[ir.Value]:
+            """Pass 1 over positions [lo, hi): scores into scratch, B positions a block then
+            one by one, and each head's max (folded into ``ms``). ``row``, ``qs``: exact rows'
+            source and queries (``keys``, ``dot``); ``fetch``: prefetch ahead."""
+            ninf = fconst(float("-inf"), B)
+            last = b.sub(n, i64(1))
+            nbr = b.add(lo, b.and_(b.sub(hi, lo), i64(-B)))   # positions covered by whole blocks
+            with kb.loop_carry(lo, nbr, [ninf] * hg, step=B, name="sb") as (j, mvs, setv):
+                if fetch:
+                    # ask for the keys PREFETCH_AHEAD positions on and this block's values (pass 3 reads
+                    # them), into L2. Paged: a sequence's rows jump from pool block to pool block, where
+                    # the hardware's stream prefetch restarts. Contiguous: a unit reads one KV head's half
+                    # of each row (stride 2 slices for Qwen2.5), and after the weights of a decode step
+                    # the rows come from memory. Qwen2.5-Coder decode after a 3,500-token prompt, lmc
+                    # bench, alternated: 45.5, 45.8 tok/s without, 50.4, 47.0 with; after 128 tokens
+                    # 51.5 / 51.6
+                    for p in range(B):
+                        kb.prefetch(b.bitcast(krow(kb.imin(b.add(j, i64(PREFETCH_AHEAD + p)), last)),
+                                              kb.scratch.type), slice_bytes, locality=2)
+                        kb.prefetch(b.bitcast(vrow(b.add(j, i64(p))), kb.scratch.type), slice_bytes, locality=2)
+                new = []
+                # every key row of the block widened once before any head's dots (loaded per head, f16
+                # rows were widened 7 times for Qwen2.5's unit of 7 heads: the conversions, not the
+                # products, bounded the pass)
+                kvs = [keys(b.add(j, i64(p)), row) for p in range(B)]
+                for i in heads:
+                    s = scaled(hsum_many(kb, [dot(i, b.add(j, i64(p)), kvs[p], qs) for p in range(B)]))
+                    kb.vstore(s, scs[i], j)
+                    new.append(kb.fmax(mvs[i], s))
+                setv(new)
+            m0 = [kb.hmax(v) for v in kb.last_carry]
+            if ms is not None:
+                m0 = [kb.fmax(x, y) for x, y in zip(ms, m0)]
+            with kb.loop_carry(nbr, hi, m0, name="st") as (j, ms_, setv):
+                new = []
+                kv = keys(j, row)
+                for i in heads:
+                    s = scaled(b.extract_element(hsum_many(kb, [dot(i, j, kv, qs)]), i64(0)))
+                    kb.store(s, scs[i], j)
+                    new.append(kb.fmax(ms_[i], s))
+                setv(new)
+            return list(kb.last_carry)
+
+        if exact:
+            # the runs of visible positions (indices from start): position 0's exact row when start is 0
+            # [0, s1), low-bit rows [s1, e), the last ``recent`` positions' exact rows [e, n)
+            s1 = b.zext(b.icmp_signed("==", start, i64(0)), ir.IntType(64))
+            e = kb.imax(b.sub(b.sub(end, i64(recent)), start), s1)
+            xhead = b.mul(kvh, i64(hd))
+            xrow = xaddr.rows(xk, t, b.add(start, e), xhead, stride)      # position start + e + j at xrow(j)
+            xvrow = xaddr.rows(xv, t, b.add(start, e), xhead, stride)
+            sink_k = kb.gep(xk, b.add(i64(sink_row * stride), xhead))
+            sink_v = kb.gep(xv, b.add(i64(sink_row * stride), xhead))
+
         if scored:   # the scores are in place (``scores_rows``); their max per head
             nf = b.and_(n, i64(-16))
             with kb.loop_carry(0, nf, [fconst(float("-inf"), 16)] * hg, step=16, name="mr") as (j, mvs, setv):
@@ -483,41 +562,14 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
             with kb.loop_carry(nf, n, m0, name="mrt") as (j, ms, setv):
                 setv([kb.fmax(ms[i], kb.load(scs[i], j)) for i in heads])
             mx = list(kb.last_carry)
+        elif exact:
+            # pass 1 in three runs: the low-bit rows [s1, e), the recent exact ones [e, n), position 0's
+            # exact row (the sink) when visible [0, s1)
+            mx = score_run(s1, e, None, None, None, True)
+            mx = score_run(e, n, mx, lambda j: xrow(b.sub(j, e)), qv_plain, False)
+            mx = score_run(i64(0), s1, mx, lambda j: sink_k, qv_plain, False)
         else:
-            # pass 1: scores and their max, per head (each key row read once for the unit's heads)
-            ninf = fconst(float("-inf"), B)
-            last = b.sub(n, i64(1))
-            with kb.loop_carry(0, nb, [ninf] * hg, step=B, name="sb") as (j, mvs, setv):
-                # ask for the keys PREFETCH_AHEAD positions on and this block's values (pass 3 reads
-                # them), into L2. Paged: a sequence's rows jump from pool block to pool block, where the
-                # hardware's stream prefetch restarts. Contiguous: a unit reads one KV head's half of
-                # each row (stride 2 slices for Qwen2.5), and after the weights of a decode step the
-                # rows come from memory. Qwen2.5-Coder decode after a 3,500-token prompt, lmc bench,
-                # alternated: 45.5, 45.8 tok/s without, 50.4, 47.0 with; after 128 tokens 51.5 / 51.6
-                for p in range(B):
-                    kb.prefetch(b.bitcast(krow(kb.imin(b.add(j, i64(PREFETCH_AHEAD + p)), last)), kb.scratch.type),
-                                slice_bytes, locality=2)
-                    kb.prefetch(b.bitcast(vrow(b.add(j, i64(p))), kb.scratch.type), slice_bytes, locality=2)
-                new = []
-                # every key row of the block widened once before any head's dots (loaded per head, f16
-                # rows were widened 7 times for Qwen2.5's unit of 7 heads: the conversions, not the
-                # products, bounded the pass)
-                kvs = [keys(b.add(j, i64(p))) for p in range(B)]
-                for i in heads:
-                    s = scaled(hsum_many(kb, [dot(i, b.add(j, i64(p)), kvs[p]) for p in range(B)]))
-                    kb.vstore(s, scs[i], j)
-                    new.append(kb.fmax(mvs[i], s))
-                setv(new)
-            m0 = [kb.hmax(v) for v in kb.last_carry]
-            with kb.loop_carry(nb, n, m0, name="st") as (j, ms, setv):
-                new = []
-                kv = keys(j)
-                for i in heads:
-                    s = scaled(b.extract_element(hsum_many(kb, [dot(i, j, kv)]), i64(0)))
-                    kb.store(s, scs[i], j)
-                    new.append(kb.fmax(ms[i], s))
-                setv(new)
-            mx = list(kb.last_carry)
+            mx = score_run(i64(0), n, None, None, None, True)
         mx_v = [kb.splat(m, B) for m in mx]
 
         # pass 2: p_j = exp(s_j - max) in place of the scores, and their sum per head: a
@@ -554,8 +606,9 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
         # (7 x 4 vectors for Qwen2.5) spilled to the stack on every position
         per_block = QK // wd if kind in ("q8", "lowbit") else 1   # vectors of a block: a group holds whole blocks
         gv = _vectors_per_group(hg, nvec, per_block)
+        v_lo, v_hi = (s1, e) if exact else (0, n)    # (the exact rows' values: after the rotation back)
         for g0 in range(0, nvec, gv):
-            with kb.loop_carry(0, n, [fconst(0.0, wd)] * (gv * hg), name="vg") as (j, cur, setv):
+            with kb.loop_carry(v_lo, v_hi, [fconst(0.0, wd)] * (gv * hg), name="vg") as (j, cur, setv):
                 accs = [list(cur[i * gv: (i + 1) * gv]) for i in heads]
                 pjs = [kb.load(scs[i], j) for i in heads]
                 vp = vrow(j)
@@ -593,6 +646,25 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
                 vs = lb_emit.fwht(kb, [kb.vload(ops[i], c * wd, wd) for c in range(nvec)])
                 for c in range(nvec):
                     kb.vstore(vs[c], ops[i], c * wd)
+        if exact:   # the exact rows' weighted sum (not rotated), added: the recent rows, then the sink
+            gx = _vectors_per_group(hg, nvec, 1)
+            for g0 in range(0, nvec, gx):
+                accs = [fconst(0.0, wd)] * (gx * hg)
+                for lo_, hi_, vp_of in ((e, n, lambda j: xvrow(b.sub(j, e))), (i64(0), s1, lambda j: sink_v)):
+                    with kb.loop_carry(lo_, hi_, accs, name="vx") as (j, cur, setv):
+                        vp = vp_of(j)
+                        vs = [xload(vp, (g0 + c) * wd) for c in range(gx)]
+                        new = []
+                        for i in heads:
+                            ps = kb.splat(kb.load(scs[i], j), wd)
+                            new += [fmuladd(kb, ps, vs[c], cur[i * gx + c]) for c in range(gx)]
+                        setv(new)
+                    accs = list(kb.last_carry)
+                for i in heads:
+                    inv = kb.splat(b.fdiv(fconst(1.0), totals[i]), wd)
+                    for c in range(gx):
+                        o = kb.vload(ops[i], (g0 + c) * wd, wd)
+                        kb.vstore(fmuladd(kb, accs[i * gx + c], inv, o), ops[i], (g0 + c) * wd)
 
     def scores_rows(t0: ir.Value, hu: ir.Value) -> None:
         """Pass 1 for rows t0 .. t0 + R - 1 (those past the chunk repeat its last) and the unit's

@@ -454,7 +454,7 @@ def emit_kv_write(kb: KernelBuilder, sig: KernelSig) -> None:
         return _paged(kb, sig, per) if sig.op == "kv_write_paged" else _contiguous(kb, sig, per)
 
     low = lowbit(ct.layout)
-    off = _offset(kb, sig, low)
+    off = _offset(kb, sig, low or ct.layout is None)
     if low is not None:
         _check_q8_row(d)
         _kv_write_lowbit(kb, low, d, xt, index(d // (low.rotate or GROUP)), off)
@@ -463,12 +463,19 @@ def emit_kv_write(kb: KernelBuilder, sig: KernelSig) -> None:
         _check_q8_row(d)
         _kv_write_q8(kb, d, xt, index(d // QK))
         return
+    sink = int(sig.attr.get("sink") or 0)
     if ct.dtype != "f16":
         _check_f32(ct, "kv_write cache")
-        if sig.op == "kv_write" and not sig.attr.get("ring"):
+        if sig.op == "kv_write" and not sig.attr.get("ring") and off is None and not sink:
             _kv_copy(kb, d, xt)
             return
-    _kv_write_vectors(kb, d, xt, index(d // pow2_divisor(d, kb.vw)), HALF if ct.dtype == "f16" else F32)
+    w = pow2_divisor(d, kb.vw)
+    elem = HALF if ct.dtype == "f16" else F32
+    _kv_write_vectors(kb, d, xt, index(d // w), elem, off)
+    if sink:   # position 0 also in the cache's last row (``ir.ops.attention``)
+        last = int(ct.shape[0]) - 1
+        with kb.if_then(kb.b.icmp_signed("==", kb.pos, i64(0))):
+            _kv_write_vectors(kb, d, xt, lambda u: kb.b.add(i64(last * (d // w)), u), elem, off, rows=i64(1))
 
 
 def _kv_copy(kb: KernelBuilder, d: int, xt) -> None:
@@ -492,17 +499,21 @@ def _check_q8_row(d: int) -> None:
         raise NotImplementedError(f"kv_write: a q8 cache row of {d} values is not whole blocks of {QK}")
 
 
-def _kv_write_vectors(kb: KernelBuilder, d: int, xt, at: UnitIndex, elem: ir.Type) -> None:
+def _kv_write_vectors(kb: KernelBuilder, d: int, xt, at: UnitIndex, elem: ir.Type, off: ir.Value | None = None,
+                      rows: ir.Value | None = None) -> None:
     """An f16 cache: f32 -> f16 (fptrunc: round to nearest even, overflow to
     inf); an f32 pool: a copy. Split between threads in vectors of the
-    widest power of two dividing a row; vector u goes to vector ``at(u)``."""
+    widest power of two dividing a row; vector u goes to vector ``at(u)``,
+    minus the row's ``off`` first. ``rows``: x's first rows only."""
     b = kb.b
     w = pow2_divisor(d, kb.vw)
-    lo, hi = kb.thread_share(b.mul(kb.rows_of(xt.shape), i64(d // w)))
+    lo, hi = kb.thread_share(b.mul(kb.rows_of(xt.shape) if rows is None else rows, i64(d // w)))
     src = kb.fptr(kb.in_raw[1])
     dst = b.bitcast(kb.out_raw, ir.PointerType(elem))
     with kb.loop(lo, hi, name="cv") as u:
         v = kb.vload(src, b.mul(u, i64(w)), w)
+        if off is not None:   # vector u is vector u % (d / w) of its row
+            v = b.fsub(v, kb.vload(off, b.mul(b.urem(u, i64(d // w)), i64(w)), w))
         kb.vstore(v if elem is F32 else b.fptrunc(v, ir.VectorType(HALF, w)), dst, b.mul(at(u), i64(w)))
 
 
@@ -522,8 +533,8 @@ def _offset(kb: KernelBuilder, sig: KernelSig, low: LowBit | None) -> ir.Value |
     off = sig.attr.get("offset")
     if off is None:
         return None
-    if low is None:
-        raise NotImplementedError(f"{sig.op}: an offset is subtracted only before a low-bit cache")
+    if not low:
+        raise NotImplementedError(f"{sig.op}: an offset is subtracted only before a low-bit, f32 or f16 cache")
     return const_f32_array(kb, "offset", off)
 
 

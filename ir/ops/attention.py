@@ -14,7 +14,16 @@ A write may subtract a constant row first (attribute ``offset``: one float
 per value of a cache row): the key offset of a low-bit cache
 (``ir.kv_lowbit``). Attention reads the rows as stored: a key k - m scores
 q.k - q.m, the same shift for every position a query sees, which softmax
-cancels (not under a soft cap: the builder gives such layers none)."""
+cancels (not under a soft cap: the builder gives such layers none).
+
+Beside a low-bit cache, attention may read some positions exactly
+(``recent`` = R, two more operands: an f16 K and V cache of the exact rows,
+``ir.kv_lowbit.RECENT``): a query at position p takes positions
+p - R + 1 .. p and position 0 (the attention sink) from them, the rest
+from the low-bit rows, relative to each query row, so a token's numbers do
+not depend on how rows were batched. That cache is a ring of ``xring``
+rows (position q at row q % xring; 0: position q at row q) and one more,
+its last, which keeps position 0 (its write's ``sink``)."""
 from __future__ import annotations
 
 from typing import Any
@@ -45,6 +54,8 @@ def _kv_write(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     cache, x, pos = ts
     need(cache.rank == 2 and x.shape[-1] == cache.shape[1], f"kv_write: {x} does not fit cache {cache}")
     _kv_cache_ok(cache, "kv_write")
+    need(attrs.get("sink") in (None, 0, 1) and (not attrs.get("sink") or cache.layout is None),
+          f"kv_write: sink must be 0 or 1 (an f32 or f16 cache), got {attrs.get('sink')!r}")
     _ring_ok(cache, attrs, "kv_write")
     _offset_ok(cache, attrs, "kv_write")
     return cache
@@ -69,7 +80,7 @@ def subtract_offset(x: Any, offset: tuple[float, ...] | None) -> np.ndarray:
 def _ring_ok(cache: TensorType, attrs: dict[str, Any], what: str) -> None:
     """A ring holds exactly its R rows."""
     ring = attrs.get("ring")
-    need(ring is None or (isinstance(ring, int) and ring > 0 and cache.shape[0] == ring),
+    need(ring is None or (isinstance(ring, int) and ring > 0 and cache.shape[0] == ring + int(attrs.get("sink") or 0)),
           f"{what}: ring {ring!r} does not match a cache of {cache.shape[0]} rows")
 
 
@@ -92,8 +103,21 @@ def cache_rows(p0: int, p1: int, ring: int | None) -> np.ndarray | slice:
 
 
 def _attention(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
-    q, kc, vc, pos = ts
+    need(len(ts) in (4, 6), f"attention takes q, k and v caches, pos and optionally the exact rows' caches, "
+                            f"got {len(ts)} operands")
+    q, kc, vc, pos = ts[:4]
     h, kvh, hd = attrs["n_heads"], attrs["n_kv_heads"], attrs["head_dim"]
+    if len(ts) == 6:
+        kx, vx = ts[4:]
+        recent, xring = attrs.get("recent"), attrs.get("xring") or 0
+        need(isinstance(recent, int) and recent > 0, f"attention: exact rows need recent > 0, got {recent!r}")
+        need(isinstance(xring, int) and (xring == 0 or xring > recent),
+              f"attention: a ring of exact rows must hold more than {recent} rows, got {xring!r}")
+        need(kx == vx and kx.layout is None and kx.dtype in ("f32", "f16") and kx.rank == 2
+              and kx.shape[1] == kvh * hd and (not xring or kx.shape[0] == xring + 1),
+              f"attention: exact rows' caches {kx}, {vx} do not fit")
+    else:
+        need(not attrs.get("recent"), "attention: recent needs the exact rows' caches")
     need(q.shape[-1] == h * hd, f"attention: {q} is not {h} heads of {hd}")
     need(kc == vc and kc.shape[-1] == kvh * hd, f"attention: caches {kc}, {vc} do not fit")
     _kv_cache_ok(kc, "attention")
@@ -172,15 +196,19 @@ def _attention_paged(ts: list[TensorType], attrs: dict[str, Any]) -> TensorType:
 
 @register("kv_write", 3, _kv_write, updates_state=True)
 def kv_write_ref(cache: np.ndarray, x: np.ndarray, pos: Any, *, ring: int | None = None,
-                 offset: tuple[float, ...] | None = None) -> np.ndarray:
+                 offset: tuple[float, ...] | None = None, sink: int = 0) -> np.ndarray:
     """Store the new rows (minus ``offset``) at positions pos.. (in place: the
     cache is state), rounded to the cache's storage (``_kv_store``); a ring
-    at rows p % R."""
+    at rows p % R. ``sink``: the cache's last row also keeps position 0."""
     n = int(np.size(x)) // kv_row_width(cache)
     p = int(pos)
-    if p < 0 or (p + n > cache.shape[0] and not ring) or (ring and n > ring):
-        raise IndexError(f"kv_write at {p}..{p + n} outside a cache of {cache.shape[0]}")
-    return kv_store(cache, cache_rows(p, p + n, ring), subtract_offset(x, offset))
+    rows = cache.shape[0] - int(sink)
+    if p < 0 or (p + n > rows and not ring) or (ring and n > ring):
+        raise IndexError(f"kv_write at {p}..{p + n} outside a cache of {rows}")
+    x = subtract_offset(x, offset)
+    if sink and p == 0 and n:
+        kv_store(cache, rows, x.reshape(n, -1)[:1])
+    return kv_store(cache, cache_rows(p, p + n, ring), x)
 
 
 def _attend(qrow: np.ndarray, k: np.ndarray, v: np.ndarray, group: int, scale: float,
@@ -204,13 +232,18 @@ def _visible(end: int, window: int) -> int:
     return max(0, end - window) if window else 0
 
 
-@register("attention", 4, _attention)
-def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: Any, *, n_heads: int,
-                  n_kv_heads: int, head_dim: int, scale: float, window: int = 0, softcap: float = 0.0,
-                  ring: int | None = None) -> np.ndarray:
+@register("attention", -1, _attention)
+def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: Any, kx: np.ndarray | None = None,
+                  vx: np.ndarray | None = None, *, n_heads: int, n_kv_heads: int, head_dim: int, scale: float,
+                  window: int = 0, softcap: float = 0.0, ring: int | None = None, recent: int = 0,
+                  xring: int = 0) -> np.ndarray:
     """Causal grouped-query attention against the cache. Row t of q sits at
     position pos+t and sees positions <= pos+t (and > pos+t-window if set),
-    in a ring at rows p % ring."""
+    in a ring at rows p % ring; with ``recent``, its last ``recent``
+    positions and position 0 are read from the exact rows ``kx``, ``vx``."""
+    if recent:
+        return _attention_exact(q, kc, vc, pos, kx, vx, n_heads, n_kv_heads, head_dim, scale, window, softcap,
+                                ring, recent, xring)
     q = np.asarray(q, np.float32)
     lead = q.shape[:-1]
     rot = kv_rotation(kc)
@@ -227,6 +260,35 @@ def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: Any, *, n_
         v = kv_decode(vc[cache_rows(start, end, ring)]).reshape(end - start, n_kv_heads, head_dim)
         out[t] = _attend(qs[t], k, v, n_heads // n_kv_heads, scale, softcap)
     return _unrotate(out, rot).reshape(lead + (n_heads * head_dim,))
+
+
+def _attention_exact(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: Any, kx: np.ndarray, vx: np.ndarray,
+                     n_heads: int, n_kv_heads: int, head_dim: int, scale: float, window: int, softcap: float,
+                     ring: int | None, recent: int, xring: int) -> np.ndarray:
+    """``attention_ref`` with exact rows: each row's visible positions, the
+    low-bit ones decoded and their rotation undone, the exact ones (its last
+    ``recent`` and position 0, from the sink row) from ``kx``, ``vx``."""
+    q = np.asarray(q, np.float32)
+    lead = q.shape[:-1]
+    rot = kv_rotation(kc)
+    qs = q.reshape(-1, n_heads, head_dim)
+    p0 = int(pos)
+    if (ring and qs.shape[0] > ring - window) or (xring and qs.shape[0] > xring - recent):
+        raise IndexError(f"attention: {qs.shape[0]} rows overwrite rows their first row reads in a ring")
+    sink_row = kx.shape[0] - 1
+    out = np.empty_like(qs)
+    for t in range(qs.shape[0]):
+        end = p0 + t + 1
+        start = _visible(end, window)
+        k = _unrotate(kv_decode(kc[cache_rows(start, end, ring)]), rot)
+        v = _unrotate(kv_decode(vc[cache_rows(start, end, ring)]), rot)
+        js = np.arange(start, end)
+        exact = (js == 0) | (js >= end - recent)
+        xrows = np.where(js == 0, sink_row, js % xring if xring else js)[exact]
+        k[exact], v[exact] = kv_decode(kx[xrows]), kv_decode(vx[xrows])
+        out[t] = _attend(qs[t], k.reshape(end - start, n_kv_heads, head_dim),
+                         v.reshape(end - start, n_kv_heads, head_dim), n_heads // n_kv_heads, scale, softcap)
+    return out.reshape(lead + (n_heads * head_dim,))
 
 
 def _unrotate(out: np.ndarray, rot: int) -> np.ndarray:

@@ -45,7 +45,7 @@ _MATMULS = {"matmul", "qmatmul", "qmatmul_rows", "qmatmul_add"}
 _ELEMENT_FLOPS = {"add": 1, "mul": 1, "scale": 1, "bias_add": 1, "silu": 4, "gelu_tanh": 8, "rmsnorm": 4,
                   "rope": 3, "rope_kv_write": 3, "rope_kv_write_paged": 3, "embedding": 0, "kv_write": 0,
                   "take_last": 0}
-_LAYER_NAME = re.compile(r"blk\.(\d+)\.|_cache\.(\d+)$")
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.|_(?:cache|recent)\.(\d+)$")
 
 
 # --- what each node costs -------------------------------------------------------------
