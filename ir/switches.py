@@ -32,3 +32,10 @@ def switch(name: str) -> bool:
         raise ValueError(f"{name}={value!r}: set it to 0 or 1 (or unset it: {int(default)}, "
                          f"{SWITCHES[name][1]})")
     return value == "1"
+
+
+def check_switches() -> None:
+    """Read every switch: a bad value is an error before any work, whatever
+    path would have read it (``LMC_AMX=off`` on a CPU without AMX too)."""
+    for name in SWITCHES:
+        switch(name)

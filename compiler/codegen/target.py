@@ -204,9 +204,10 @@ def amx_status(t: Target | None = None) -> dict:
     the kernel must grant the tile state (once per process; granted, it
     holds for every thread, now and later)."""
     t = t or _detected_target()
+    wanted = switch("LMC_AMX")    # read on every host: a bad value is an error on a CPU without AMX too
     if not t.amx:
         return {"used": False, "why": "this CPU has no AMX int8 tiles"}
-    if not switch("LMC_AMX"):
+    if not wanted:
         return {"used": False, "why": "LMC_AMX=0"}
     if platform.system() != "Linux":
         return {"used": False, "why": f"AMX permission is asked on Linux only, not {platform.system()}"}

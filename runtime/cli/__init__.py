@@ -20,6 +20,7 @@ from typing import Sequence
 from compiler.artifact import ArtifactError
 from frontends.arch import ModelError
 from frontends.llama2c_tokenizer import TokenizerError
+from ir.switches import check_switches
 from ir.verify import VerifyError
 
 from ..errors import RunError
@@ -54,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(args_in[0] if args_in and args_in[0] in COMMAND_NAMES else None)
     try:
         args = parser.parse_args(argv)
+        check_switches()
         return _command(args.cmd).run(args)
     except CliError as e:
         print(f"lmc: error: {e}", file=sys.stderr)
