@@ -38,9 +38,10 @@ def model_sizes(model: LoadedModel, graphs: dict[str, Graph], plans: dict[str, A
     slack = g.meta.get("ring_slack")
     windows = [layer_window(cfg, i)[1] for i in range(cfg.n_layers)]
     rings = tuple(w + slack if w else 0 for w in windows) if slack else ()
+    exact = next((n.attrs.get("xring") or 0 for n in g.nodes if n.op == "attention" and n.attrs.get("recent")), None)
     return ModelSizes(infos, cfg.n_layers, cfg.kv_dim, head_dim, cfg.vocab_size, max_ctx,
                       max(p.size for p in run), max(p.lower_bound for p in run), 4, 4 * scratch_floats,
-                      code_bytes, max(packed, default=0), rings)
+                      code_bytes, max(packed, default=0), rings, exact)
 
 
 def plan_manifest(mp: MemoryPlan, sched: StreamSchedule | None) -> dict[str, Any]:

@@ -17,6 +17,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ir.kv_lowbit import RECENT
+from ir.types import KEY_OFFSET_KV_TYPES
+
 MiB = 1 << 20
 PAGE = 4096
 #: the runtime's resident floor before any model data: Python, numpy, lmc's
@@ -89,12 +92,22 @@ class ModelSizes:
     #: per layer, the positions its ring keeps (a sliding-window layer: window
     #: + chunk), 0 for a layer that keeps the whole context; empty: no rings
     ring_rows: tuple[int, ...] = ()
+    #: a low-bit cache's exact rows (``ir.ops.attention``'s ``recent``): the positions of
+    #: each layer's f16 ring of them (0: the whole context), None: the graphs keep none
+    exact_ring: int | None = None
 
     def kv_positions(self, ctx: int) -> int:
         """Cache rows (positions) of all layers together at a context of ``ctx``."""
         if not self.ring_rows:
             return self.n_layers * ctx
         return sum(min(r, ctx) if r else ctx for r in self.ring_rows)
+
+    def exact_bytes(self, ctx: int, kv_type: str) -> int:
+        """Bytes of the exact rows' K and V caches beside a low-bit ``kv_type`` (f16, and
+        the sink row), 0 for other types."""
+        if self.exact_ring is None or kv_type not in KEY_OFFSET_KV_TYPES:
+            return 0
+        return 2 * self.n_layers * (min(self.exact_ring or ctx, ctx) + 1) * self.kv_dim * 2
 
 
 @dataclass
@@ -111,6 +124,8 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     #: as ``ModelSizes.ring_rows``: the layers whose cache is a ring, and its positions
     ring_rows: tuple[int, ...] = ()
+    #: as ``ModelSizes.exact_ring``, where the KV type has exact rows
+    exact_ring: int | None = None
 
     @property
     def total(self) -> int:
@@ -130,6 +145,9 @@ class MemoryPlan:
             what.append("keeps every weight resident")
         rings = [r for r in self.ring_rows if r and r < self.ctx]
         ring = f" ({len(rings)} sliding-window layers keep a ring of {max(rings)})" if rings else ""
+        if self.exact_ring is not None:
+            ring += (f"; each layer's last {RECENT} positions and position 0 also in f16 (a ring of "
+                     f"{min(self.exact_ring or self.ctx, self.ctx)})")
         return f"{' and '.join(what)}, KV cache {self.kv_type} x {self.ctx} positions{ring}"
 
 
@@ -167,7 +185,7 @@ def _evaluate(s: ModelSizes, threads: int, stream_layers: bool, stream_head: boo
             resident += w.nbytes                      # every page read each token
         elif w.lookup_only or w.looked_up:
             resident += min(w.nbytes, ctx * PAGE)     # embedding rows: a page per token at most
-    kv = int(2 * s.kv_positions(ctx) * s.kv_dim * KV_BYTES[kv_type])
+    kv = int(2 * s.kv_positions(ctx) * s.kv_dim * KV_BYTES[kv_type]) + s.exact_bytes(ctx, kv_type)
     scratch = threads * (s.scratch_fixed + s.scratch_bytes_per_ctx * ctx)
     cats = {
         "resident weights": resident,
@@ -180,7 +198,8 @@ def _evaluate(s: ModelSizes, threads: int, stream_layers: bool, stream_head: boo
     if stream_layers and s.packed_layer_bytes:   # compressed layers are read here, then decompressed
         cats["stream staging"] = s.packed_layer_bytes + DECOMPRESSOR_BYTES
     return MemoryPlan(None, stream_layers, [w.name for w in heads], head_rows, seg, kv_type, ctx, cats,
-                      s.arena_lower_bound, ring_rows=tuple(s.ring_rows))
+                      s.arena_lower_bound, ring_rows=tuple(s.ring_rows),
+                      exact_ring=s.exact_ring if kv_type in KEY_OFFSET_KV_TYPES else None)
 
 
 def kv_types(head_dim: int) -> list[str]:

@@ -113,6 +113,19 @@ def test_rings_shrink_the_planned_cache():
     assert "3 sliding-window layers keep a ring of 300" in p.describe()
 
 
+def test_a_low_bit_caches_exact_rows_are_counted():
+    """Beside a q4 cache each layer keeps its exact rows in f16 (a ring of
+    them and the sink row): counted for the low-bit types only."""
+    s = ModelSizes(**{**_sizes().__dict__, "exact_ring": 300})
+    q4 = plan_memory(s, None, threads=2, kv_type="q4")
+    assert q4.categories["kv cache"] == 4 * 2 * s.kv_dim * (2048 * 20 // 32 + 301 * 2)
+    assert "last 128 positions and position 0 also in f16 (a ring of 300)" in q4.describe()
+    f16 = plan_memory(s, None, threads=2, kv_type="f16")
+    assert f16.categories["kv cache"] == 4 * 2048 * 2 * s.kv_dim * 2 and "also in f16" not in f16.describe()
+    whole = plan_memory(ModelSizes(**{**s.__dict__, "exact_ring": 0}), None, threads=2, kv_type="q4", ctx=1000)
+    assert whole.categories["kv cache"] == 4 * 2 * s.kv_dim * (1000 * 20 // 32 + 1001 * 2)
+
+
 def test_budget_messages():
     s = _sizes()
     floor = runtime_floor(s.vocab_size, s.code_bytes)
