@@ -50,9 +50,21 @@ attention blind to it. Measured with it (same text): q4 6.87 / 4.58 /
 f32 cache on SmolLM2 (2048 tokens, windows of 512), q4 with the offset
 costs +4.6%, values alone at 4 bits +0.05%; with the first position's key
 kept exact (the attention sink: far from the mean, weighed heavily by most
-queries) +2.8%, keys alone then +1.7%. So keeping the first rows' keys
-exact, then per-channel key groups (KIVI) or more bits for keys, are the
-next steps.
+queries) +2.8%, keys alone then +1.7%.
+
+So beside a low-bit cache each layer keeps exact rows (f16): a query at
+position p reads positions p - RECENT + 1 .. p and position 0 exactly, the
+rest from the low-bit rows (``ir.ops.attention``'s ``recent``: KIVI keeps
+its newest tokens in full precision, StreamingLLM its first). The window
+is relative to each query row, not to a step, so a token's numbers do not
+depend on how the rows were batched; the exact rows are a ring of RECENT
+plus the rows of a step, and one more row keeps position 0.
+``scripts/kv_keys_study.py`` simulated it first (sink + 32 recent: SmolLM2
++0.54%, Qwen2.5 +1.72%; + 128: +0.36%, +0.58%). Measured in lmc
+(perplexity, 2048-token windows, no overlap, ``ir/ops/*.py``; q4 against
+f16, with and without the exact rows): SmolLM2 +0.39% / +5.1%, Qwen2.5
++0.79% / +7.1%, Gemma 3 +0.79% / +7.7% (README's table has q2 and the
+unrotated types).
 
 A cache of one of these layouts is, in the interpreter, a numpy array of
 one structured record per group ([rows, groups]) whose code field is named

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -609,18 +610,24 @@ def test_cli_perplexity_kv_type(tmp_path):
     f = tmp_path / "t.py"
     f.write_text((ROOT / "ir" / "kv_lowbit.py").read_text()[:2500])
     ppl = {}
-    for kv in ("f16", "q4", "q2"):
+    for kv, exact in (("f16", "1"), ("q4", "1"), ("q2", "1"), ("q4", "0")):
         r = subprocess.run([sys.executable, "-m", "runtime.cli", "perplexity", path, "--text", str(f), "-c", "256",
                             "--kv-type", kv, "-t", "2", "--json"], check=False, capture_output=True, text=True, cwd=ROOT,
-                           timeout=900)
+                           timeout=900, env={**os.environ, "LMC_KV_EXACT": exact})
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
         assert out["kv_type"] == kv
         assert out.get("key_offsets") in ((None,) if kv == "f16" else ("calibrated", "cached"))
-        ppl[kv] = out["perplexity"]
+        ppl[kv if exact == "1" else f"{kv} without exact rows"] = out["perplexity"]
     print(ppl)
-    assert ppl["q4"] != ppl["f16"] and abs(ppl["q4"] / ppl["f16"] - 1) < 0.15
-    assert abs(ppl["q2"] / ppl["f16"] - 1) > abs(ppl["q4"] / ppl["f16"] - 1)
+
+    def cost(name: str) -> float:
+        return abs(ppl[name] / ppl["f16"] - 1)
+    assert ppl["q4"] != ppl["f16"] and cost("q4") < 0.15
+    assert cost("q2") > cost("q4")
+    # each query's recent rows and position 0 kept exact: most of q4's cost gone (1,000-token
+    # windows of Python, ir/ops: +0.39% with them, +5.1% without)
+    assert cost("q4") < cost("q4 without exact rows")
     r = subprocess.run([sys.executable, "-m", "runtime.cli", "perplexity", path, "--text", str(f), "-c", "256",
                         "--kv-type", "q4", "-t", "2"], check=False, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert r.returncode == 0 and "KV cache q4" in r.stdout, r.stderr
