@@ -82,6 +82,14 @@ the Walsh-Hadamard H / sqrt(hd)) has the unit's queries rotated the same
 way once, in registers, as they are loaded (scores unchanged: H is
 orthogonal); the output, H times the true weighted sum, is rotated back
 (H is its own inverse) after the last group is stored.
+
+Beside a low-bit cache a call may have exact rows (two more inputs, f16:
+``ir.ops.attention``'s ``recent``): a row's visible positions then fall in
+three runs, position 0 (the sink row) when visible, the low-bit rows up to
+its last ``recent`` positions, and those from the exact ring. Pass 1 scores
+each run in turn (the low-bit one with the rotated queries, the exact ones
+with the queries as they came); pass 3 sums the low-bit values as above,
+rotates them back, then adds the exact rows' weighted sum.
 """
 from __future__ import annotations
 
