@@ -1,10 +1,12 @@
 """Where the ../shared data is: the ../shared folder beside the checkout, when present."""
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,8 +30,14 @@ def _fetched() -> tuple[dict[str, str], str]:
     fetch = SHARED / "models" / "fetch_model.py"
     if not fetch.exists():
         return {}, "../shared (models and references) is absent"
+    # one fetch at a time on this machine: pytest-xdist's workers each ask, and two fetches of an
+    # absent file write the same .part file, so one of them failed its rename and every test of
+    # that worker that needs the models skipped (81 in one CI run)
+    lock = Path(tempfile.gettempdir()) / "lmc-fetch-models.lock"
     try:
-        r = subprocess.run([sys.executable, str(fetch), "all"], capture_output=True, text=True, timeout=1800)
+        with open(lock, "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            r = subprocess.run([sys.executable, str(fetch), "all"], capture_output=True, text=True, timeout=1800)
     except subprocess.TimeoutExpired:
         return {}, "fetching the instruct models took too long"
     paths = [ln.strip() for ln in r.stdout.splitlines() if ln.strip().endswith(".gguf")]
