@@ -107,7 +107,7 @@ class ModelSizes:
         the sink row), 0 for other types."""
         if self.exact_ring is None or kv_type not in KEY_OFFSET_KV_TYPES:
             return 0
-        return 2 * self.n_layers * (min(self.exact_ring or ctx, ctx) + 1) * self.kv_dim * 2
+        return int(2 * self.n_layers * (min(self.exact_ring or ctx, ctx) + 1) * self.kv_dim * KV_BYTES["f16"])
 
 
 @dataclass

@@ -314,7 +314,7 @@ def emit_rope_kv_write(kb: KernelBuilder, sig: KernelSig) -> None:
             return _ring_row(kb, sig, b.add(kb.pos, r))
 
     low = lowbit(ct.layout)
-    off = _offset(kb, sig, low)
+    off = _offset(kb, sig, low is not None)
     if low is not None:
         _check_q8_row(d)
         buf = kb.gep(kb.fptr(kb.scratch), _rope_table_floats(sig))
@@ -454,7 +454,7 @@ def emit_kv_write(kb: KernelBuilder, sig: KernelSig) -> None:
         return _paged(kb, sig, per) if sig.op == "kv_write_paged" else _contiguous(kb, sig, per)
 
     low = lowbit(ct.layout)
-    off = _offset(kb, sig, low or ct.layout is None)
+    off = _offset(kb, sig, low is not None or ct.layout is None)
     if low is not None:
         _check_q8_row(d)
         _kv_write_lowbit(kb, low, d, xt, index(d // (low.rotate or GROUP)), off)
@@ -527,14 +527,14 @@ def _kv_write_q8(kb: KernelBuilder, d: int, xt, at: UnitIndex) -> None:
         _q8_block(kb, src, b.mul(j, i64(QK)), kb.gep(kb.out_raw, b.mul(at(j), i64(Q8_BYTES))))
 
 
-def _offset(kb: KernelBuilder, sig: KernelSig, low: LowBit | None) -> ir.Value | None:
+def _offset(kb: KernelBuilder, sig: KernelSig, allowed: bool) -> ir.Value | None:
     """A float* to the write's ``offset`` row (a constant table: the key
     offset of a low-bit cache, ``ir.ops.attention``), None without one."""
     off = sig.attr.get("offset")
     if off is None:
         return None
-    if not low:
-        raise NotImplementedError(f"{sig.op}: an offset is subtracted only before a low-bit, f32 or f16 cache")
+    if not allowed:   # (the kernel has no such store: a q8 cache's, or rope_kv_write's f16 one)
+        raise NotImplementedError(f"{sig.op}: no offset is subtracted before a {sig.in_types[0]} cache here")
     return const_f32_array(kb, "offset", off)
 
 

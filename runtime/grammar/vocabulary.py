@@ -39,6 +39,9 @@ class _Vocabulary:
         bos = getattr(tokenizer, "bos_id", None)
         self.bos_token_id = bos if bos is not None and bos >= 0 else None
         self._tokenizer = tokenizer
+        #: plain pieces' bytes -> id, and the longest's length (``_longest_pieces``; built when first needed)
+        self._piece_ids: dict[bytes, int] | None = None
+        self._longest = 0
 
     def __call__(self, text: bytes | str) -> list[int]:
         """Token ids whose bytes are exactly ``text``, without BOS: llguidance
@@ -56,17 +59,18 @@ class _Vocabulary:
     def _longest_pieces(self, data: bytes) -> list[int] | None:
         """``data`` as the longest plain pieces that spell it, left to right;
         None where some byte has no piece."""
-        if not hasattr(self, "_piece_ids"):
+        if self._piece_ids is None:
             special = set(self.special_token_ids)
-            self._piece_ids: dict[bytes, int] = {}
+            self._piece_ids = {}
             for i, t in enumerate(self.tokens):
                 if t and i not in special:
                     self._piece_ids.setdefault(t, i)
             self._longest = max(map(len, self._piece_ids), default=0)
+        pieces = self._piece_ids
         out, at = [], 0
         while at < len(data):
             for n in range(min(self._longest, len(data) - at), 0, -1):
-                i = self._piece_ids.get(data[at:at + n])
+                i = pieces.get(data[at:at + n])
                 if i is not None:
                     out.append(i)
                     at += n
