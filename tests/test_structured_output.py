@@ -253,6 +253,57 @@ def test_bad_constraints_are_400s_and_the_server_stays_up(smollm2):
         assert metric(s.url, 'lmc_http_errors_total{status="400"}') >= len(cases)
 
 
+#: an ambiguous Lark grammar (every split of a run of "a"s parses): llguidance's Earley rows grow with
+#: the output until one passes its items limit (2,000) after at most 47 "a"s, though the grammar compiles
+#: and its first token fits
+AMBIGUOUS = "start: x0\n" + "\n".join(f'x{i}: x{i + 1} x{i + 1} | x{i + 1} x{i + 1} x{i + 1} | "a"'
+                                       for i in range(12)) + '\nx12: "a"'
+
+
+def test_a_grammar_failing_mid_generation_is_an_error_not_a_stop(smollm2):
+    """A grammar its parser cannot follow to the end is a 400 naming it (the
+    stream: an error event), not a reply cut short and called ``stop``;
+    other requests go on and the server stays up."""
+    with serve(smollm2, "-t", "1", "--parallel", "2") as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+        m = client.models.list().data[0].id
+        msgs = [{"role": "user", "content": "Write many a letters."}]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=m, messages=msgs, max_tokens=200, temperature=0,
+                                           extra_body={"grammar": AMBIGUOUS})
+        body = e.value.body
+        assert body["param"] == "grammar", body
+        assert "cannot be enforced past" in body["message"] and "max is 2000" in body["message"], body
+        got = ""
+        with pytest.raises(openai.APIError) as e:
+            for chunk in client.chat.completions.create(model=m, messages=msgs, max_tokens=200, temperature=0,
+                                                        stream=True, extra_body={"grammar": AMBIGUOUS}):
+                got += chunk.choices[0].delta.content or ""
+        assert "cannot be enforced past" in str(e.value)
+        assert re.fullmatch("a+", got), got    # what it sent before, all under the grammar
+        # the same grammar with room for few tokens ends by length, a plain grammar by stop
+        r = client.chat.completions.create(model=m, messages=msgs, max_tokens=3, temperature=0,
+                                           extra_body={"grammar": AMBIGUOUS})
+        assert r.choices[0].finish_reason == "length" and re.fullmatch("a+", r.choices[0].message.content)
+        r = client.chat.completions.create(model=m, messages=msgs, max_tokens=8, temperature=0,
+                                           extra_body={"regex": "a{3}"})
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("aaa", "stop")
+        assert metric(s.url, 'lmc_http_errors_total{status="400"}') >= 1
+
+
+def test_lmc_run_says_which_flag_failed_mid_generation(smollm2, tmp_path):
+    """``lmc run``: the text so far on its line, then one line naming --grammar, exit 2."""
+    g = tmp_path / "ambiguous.lark"
+    g.write_text(AMBIGUOUS)
+    r = subprocess.run([sys.executable, "-m", "runtime.cli", "run", smollm2, "-p", "Write a", "--grammar", str(g),
+                        "-n", "200", "--temp", "0", "-t", "1"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": ROOT}, timeout=600)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert re.fullmatch("Write aa+\n", r.stdout), r.stdout
+    assert r.stderr.startswith("lmc: error: --grammar: cannot be enforced past ") and r.stderr.count("\n") == 1, \
+        r.stderr
+
+
 def test_lmc_run_json_schema_suite(smollm2, tmp_path):
     """Every schema through ``lmc run`` (the chat turn written out), greedy;
     a bad flag is one line and exit 2."""

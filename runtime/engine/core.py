@@ -177,6 +177,13 @@ class EngineCore:
         if plan.decode:
             st.batch_size = len(plan.decode)
         for u, toks, rows in self._sample(plan, drafts, logits, st):
+            if u.seq.failed is not None:   # its grammar could not go on: it ends with an error, alone
+                u.finish = "error"
+                out.events.append((u.seq.req, self.output.ended(u.seq, "error", u.seq.failed,
+                                                                u.seq.sampler.grammar.constraint.param)))
+                self.scheduler.update(u)
+                out.finished.append(u.seq)
+                continue
             emitted = self.output.process(u.seq, toks, rows)
             u.tokens, u.finish = toks[: emitted.kept], emitted.finish
             st.generated_tokens += emitted.kept
@@ -197,7 +204,12 @@ class EngineCore:
             if not n:
                 yield SeqUpdate(s, len(s.tokens), s.tokens), [_sample(s, rows[0], st, self.eos)], [rows[0]]
                 continue
-            n_ok, nxt = accept(rows, d, s.sampler, s.tokens)
+            try:
+                n_ok, nxt = accept(rows, d, s.sampler, s.tokens)
+            except ConstraintError as e:
+                s.failed = _grammar_failure(s, e)
+                yield SeqUpdate(s, len(s.tokens), s.tokens), [], []
+                continue
             st.draft_tokens += n
             st.accepted_tokens += n_ok
             yield (SeqUpdate(s, len(s.tokens) + n_ok, s.tokens + d.tokens[:n_ok], drafted=n, accepted=n_ok),
@@ -235,19 +247,28 @@ class EngineCore:
 
 def _sample(s: Sequence, row: Any, st: StepStats, eos: int) -> int:
     """A sequence's next token from its logits row; a grammar's mask counted.
-    A grammar that admits no token (its matcher hit a limit) ends that
-    sequence alone, with ``eos``."""
+    A grammar its matcher cannot follow further (a parser limit: an ambiguous
+    grammar's rows grow with the output) sets ``s.failed``: the step ends
+    that sequence alone with an error (it ended as a plain ``stop`` with
+    ``eos`` before, its output cut short and called complete)."""
     g = s.sampler.grammar
     if g is None:
         return s.sampler.sample(row, s.tokens)
     t0 = g.mask_s
     try:
         tok = s.sampler.sample(row, s.tokens)
-    except ConstraintError:
+    except ConstraintError as e:
+        s.failed = _grammar_failure(s, e)
         tok = eos
     st.masked_steps += 1
     st.mask_s += g.mask_s - t0
     return tok
+
+
+def _grammar_failure(s: Sequence, e: ConstraintError) -> str:
+    g = s.sampler.grammar
+    return (f"{g.constraint.kind.replace('_', ' ')}: cannot be enforced past {s.generated} generated tokens "
+            f"({e})")
 
 
 class BlockCopier:

@@ -83,12 +83,13 @@ class OutputProcessor:
                 return Emitted(i + 1, events, finish)
         return Emitted(len(tokens), events, None)
 
-    def ended(self, s: Sequence, reason: str, error: str | None = None) -> Event:
+    def ended(self, s: Sequence, reason: str, error: str | None = None, param: str | None = None) -> Event:
         """The last event of a sequence ended from outside its tokens (a
-        drain's deadline, no room in the pool, an engine failure); what its
-        text held back stays unsaid."""
+        drain's deadline, no room in the pool, an engine failure, a grammar
+        its parser could not follow: ``param`` names the request's field);
+        what its text held back stays unsaid."""
         self.drop(s)
-        return Event(finish_reason=reason, error=error, usage=usage(s, s.generated))
+        return Event(finish_reason=reason, error=error, usage=usage(s, s.generated), error_param=param)
 
 
 def usage(s: Sequence, generated: int) -> dict[str, int]:

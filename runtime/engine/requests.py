@@ -26,6 +26,9 @@ class Event:
     finish_reason: str | None = None     # stop, length, or error
     usage: dict[str, int] | None = None
     error: str | None = None
+    #: the request field an error is about (a grammar its parser could not follow to the end: the
+    #: request's fault, a 400 naming it); None: the server failed (a 500)
+    error_param: str | None = None
 
 
 @dataclass

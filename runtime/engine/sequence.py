@@ -38,6 +38,8 @@ class Sequence:
         #: context shifts (``runtime.context_shift``) and the tokens they dropped; None: the engine does not shift
         self.context_shifts: int | None = None
         self.shifted_tokens = 0
+        #: why its grammar could not go on (``core._sample``): it ends with an error, not a token
+        self.failed: str | None = None
         self._hashes: tuple[int, list[bytes]] = (-1, [])
 
     def shifted(self, kept: list[int], dropped: int) -> None:

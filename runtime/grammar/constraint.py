@@ -40,6 +40,11 @@ class Constraint:
     kind: str
     source: str = ""
 
+    @property
+    def param(self) -> str:
+        """The OpenAI request field it comes from (an HTTP error's ``param``)."""
+        return {"lark": "grammar", "regex": "regex"}.get(self.kind, "response_format")
+
     def grammar(self) -> str:
         """llguidance's grammar for this constraint, checked (ConstraintError)."""
         if self.kind not in KINDS:

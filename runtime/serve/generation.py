@@ -90,8 +90,7 @@ def matcher_of(backend: ServingBackend, constraint: Constraint) -> GrammarMatche
     try:
         return GrammarMatcher(constraint, backend.tokenizer, info.stop_ids, info.vocab)
     except grammar_lib.ConstraintError as e:
-        param = {"lark": "grammar", "regex": "regex"}.get(constraint.kind, "response_format")
-        raise ApiError(400, str(e), param) from None
+        raise ApiError(400, str(e), constraint.param) from None
 
 
 def check_model(backend: ServingBackend, body: S.Sampling) -> None:
@@ -177,8 +176,11 @@ def usage_of(ev: Event) -> S.Usage:
 
 
 def finished(ev: Event) -> str:
-    """The finish reason of a whole answer; an engine failure is a 500."""
+    """The finish reason of a whole answer; an engine failure is a 500, a
+    request's grammar its parser could not follow to the end a 400 naming it."""
     if ev.finish_reason == "error":
+        if ev.error_param is not None:
+            raise ApiError(400, ev.error or "the request failed", ev.error_param)
         raise ApiError(500, ev.error or "the engine failed", kind="server_error")
     return ev.finish_reason
 
@@ -189,4 +191,5 @@ def sse(model: S.BaseModel) -> str:
 
 def sse_error(ev: Event) -> str:
     """An engine failure in the middle of a stream: an error event."""
-    return f"data: {json.dumps({'error': {'message': ev.error, 'type': 'server_error'}})}\n\n"
+    kind = "server_error" if ev.error_param is None else "invalid_request_error"
+    return f"data: {json.dumps({'error': {'message': ev.error, 'type': kind, 'param': ev.error_param}})}\n\n"
