@@ -55,15 +55,31 @@ def call_with_guard(k, x: np.ndarray, w: WeightData, T: int, nt: int) -> np.ndar
     return out
 
 
+#: greedy tokens of the interpreter and native code may part only where the interpreter's top two
+#: logits are this close (relative to the top one, at least 1): there float rounding (an activation's
+#: int8 step on the other side of .5) may pick either
+TIE = 1e-3
+
+
 def same_tokens_interp_and_native(path, passes: tuple[str, ...]) -> None:
     """A model's greedy tokens through the interpreter (the numpy references)
-    and through native code under the same passes, the prompt prefilled."""
+    and through native code under the same passes, the prompt prefilled:
+    the same, or parting at a tie (``TIE``) of the interpreter's logits
+    (an exact comparison passed or failed by the luck of the tokens)."""
     import runtime
 
     ref = runtime.load(path, backend="interp", passes=passes)
     nat = runtime.load(path, backend="llvm", threads=2, use_cache=False, passes=passes)
     ids = [1, 5, 77, 260, 9, 42]
-    assert list(ref.generate(ids, 8, temperature=0.0)) == list(nat.generate(ids, 8, temperature=0.0))
+    want = list(ref.generate(ids, 8, temperature=0.0))
+    got = list(nat.generate(ids, 8, temperature=0.0))
+    if got == want:
+        return
+    i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    row = np.asarray(ref.logits(ids + want[:i])[-1], np.float64)
+    top2 = np.sort(row)[-2:]
+    assert top2[1] - top2[0] <= TIE * max(1.0, abs(top2[1])), \
+        f"greedy tokens part at step {i} ({got[i]} native, {want[i]} interpreter) with top two logits {top2}"
 
 
 # --- compiled kernels shared by the layout test files ------------------------------------------
