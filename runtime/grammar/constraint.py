@@ -39,11 +39,13 @@ class Constraint:
 
     kind: str
     source: str = ""
+    #: the request field it comes from when not its kind's own (a tool call's grammar: ``tools``)
+    field: str | None = None
 
     @property
     def param(self) -> str:
         """The OpenAI request field it comes from (an HTTP error's ``param``)."""
-        return {"lark": "grammar", "regex": "regex"}.get(self.kind, "response_format")
+        return self.field or {"lark": "grammar", "regex": "regex"}.get(self.kind, "response_format")
 
     def grammar(self) -> str:
         """llguidance's grammar for this constraint, checked (ConstraintError)."""
@@ -99,8 +101,8 @@ def json_object() -> Constraint:
     return Constraint("json_object")
 
 
-def lark(grammar: str) -> Constraint:
-    return Constraint("lark", grammar)
+def lark(grammar: str, field: str | None = None) -> Constraint:
+    return Constraint("lark", grammar, field)
 
 
 def regex(pattern: str) -> Constraint:

@@ -60,10 +60,10 @@ class ToolUse:
         grammar), so a call the model starts always parses and validates."""
         if self.mode in ("required", "named"):
             return grammar_lib.lark(tool_calls.call_grammar(self.fmt, self.tools, self.only, self.parallel,
-                                                            self.is_special))
+                                                            self.is_special), field="tools")
         if self.mode == "auto" and not self.own and self.fmt.name == "hermes" and self.is_special("<tool_call>"):
             return grammar_lib.lark(tool_calls.call_grammar(self.fmt, self.tools, None, self.parallel,
-                                                            self.is_special, lazy=True))
+                                                            self.is_special, lazy=True), field="tools")
         return None
 
     def read(self, text: str) -> tuple[str | None, list[tool_calls.ToolCall]]:
