@@ -52,6 +52,9 @@ def _grammar_kept(grammar, comp, before: Callable[[], object] = lambda: None) ->
     """A grammar its parser cannot follow further (an ambiguous grammar's
     rows grow with the output) ends the run as one line naming its flag,
     after ``before`` (the text so far ends its line)."""
+    if grammar is None:     # (llguidance, imported below, costs a run without a grammar ~50 ms)
+        yield
+        return
     from ..grammar import ConstraintError
 
     try:
