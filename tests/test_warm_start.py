@@ -195,3 +195,30 @@ def test_artifacts_are_checked_with_the_hash_they_recorded(tmp_path, monkeypatch
     assert set(full) == {"size", "sha256"}
     assert artifact.file_fingerprint(str(f), "sha256") == full     # remembered per kind
     assert artifact.file_fingerprint(str(f))["sha256-sampled"] != full["sha256"]
+
+
+_CLI = r"""
+import json, sys
+from runtime.cli import main
+rc = main(sys.argv[1:])
+print(json.dumps({"rc": rc, "loaded": [m for m in ("llvmlite.binding", "llguidance") if m in sys.modules]}),
+      file=sys.stderr)
+"""
+
+
+def test_warm_lmc_run_loads_neither_llvm_nor_llguidance(tmp_path):
+    """``lmc run`` warm, without a grammar: neither LLVM nor llguidance is
+    imported (each costs a start tens of milliseconds); with --regex,
+    llguidance is."""
+    env = {**os.environ, "LMC_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": ROOT}
+
+    def run(*extra: str) -> list[str]:
+        r = subprocess.run([sys.executable, "-c", _CLI, "run", "-p", "Once", "-n", "4", "--temp", "0", *extra],
+                           capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
+        last = json.loads(r.stderr.strip().splitlines()[-1])
+        assert r.returncode == 0 and last["rc"] == 0, r.stderr
+        return last["loaded"]
+
+    assert "llvmlite.binding" in run()      # cold: compiles
+    assert run() == []
+    assert "llguidance" in run("--regex", "[a-z ]+")
