@@ -102,6 +102,21 @@ def test_greedy_replies_equal_lmc_chat_and_the_single_process_server(cluster, tm
             assert _ask(ours, stream, prompt="Once upon a time") == _ask(one, stream, prompt="Once upon a time")
 
 
+def test_a_grammar_failing_mid_generation_is_a_400_through_a_replica(cluster):
+    """The replica's error event crosses Ray as it came: a 400 naming the
+    field (an error event in a stream), and the cluster serves on."""
+    from test_structured_output import AMBIGUOUS
+
+    client = _client(cluster)
+    msgs = [{"role": "user", "content": "Write many a letters."}]
+    with pytest.raises(openai.BadRequestError) as e:
+        _ask(client, False, messages=msgs, max_tokens=200, extra_body={"grammar": AMBIGUOUS})
+    assert e.value.body["param"] == "grammar" and "cannot be enforced past" in e.value.body["message"]
+    with pytest.raises(openai.APIError, match="cannot be enforced past"):
+        _ask(client, True, messages=msgs, max_tokens=200, extra_body={"grammar": AMBIGUOUS})
+    assert _ask(client, False, messages=msgs, max_tokens=8, extra_body={"regex": "a{3}"}) == "aaa"
+
+
 def _system_prompts(n: int, words: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     vocab = ("river stone garden quiet lamp market winter orange signal harbor copper meadow engine "
