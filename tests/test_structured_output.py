@@ -291,17 +291,25 @@ def test_a_grammar_failing_mid_generation_is_an_error_not_a_stop(smollm2):
         assert metric(s.url, 'lmc_http_errors_total{status="400"}') >= 1
 
 
-def test_lmc_run_says_which_flag_failed_mid_generation(smollm2, tmp_path):
-    """``lmc run``: the text so far on its line, then one line naming --grammar, exit 2."""
+def test_lmc_run_and_chat_say_which_flag_failed_mid_generation(smollm2, tmp_path):
+    """``lmc run`` and ``lmc chat`` (piped, and answering --messages): the
+    text so far on its line, then one line naming --grammar, exit 2."""
     g = tmp_path / "ambiguous.lark"
     g.write_text(AMBIGUOUS)
-    r = subprocess.run([sys.executable, "-m", "runtime.cli", "run", smollm2, "-p", "Write a", "--grammar", str(g),
-                        "-n", "200", "--temp", "0", "-t", "1"], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": ROOT}, timeout=600)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert re.fullmatch("Write aa+\n", r.stdout), r.stdout
-    assert r.stderr.startswith("lmc: error: --grammar: cannot be enforced past ") and r.stderr.count("\n") == 1, \
-        r.stderr
+    m = tmp_path / "messages.json"
+    m.write_text(json.dumps([{"role": "user", "content": "Write many a letters."}]))
+    lmc = [sys.executable, "-m", "runtime.cli"]
+    flags = ["--grammar", str(g), "-n", "200", "--temp", "0", "-t", "1"]
+    for cmd, stdin, out in ((["run", smollm2, "-p", "Write a"], None, "Write aa+\n"),
+                            (["chat", smollm2], "Write many a letters.\n", "aa+\n"),
+                            (["chat", smollm2, "--messages", str(m)], None, "aa+\n"),
+                            (["chat", smollm2, "--messages", str(m), "--json"], None, "")):
+        r = subprocess.run(lmc + cmd + flags, input=stdin, capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": ROOT}, timeout=600)
+        assert r.returncode == 2, (cmd, r.stderr[-2000:])
+        assert re.fullmatch(out, r.stdout), (cmd, r.stdout)
+        assert r.stderr.startswith("lmc: error: --grammar: cannot be enforced past ") and \
+            r.stderr.count("\n") == 1, (cmd, r.stderr)
 
 
 def test_lmc_run_json_schema_suite(smollm2, tmp_path):

@@ -19,9 +19,9 @@ from ..api import load
 from ..errors import RunError
 from ..sampling import SamplerConfig
 from ..status import StatusLine
-from .common import (CliError, check_context_shift, constraint_args, constraint_of, context_shift_args, exec_args,
-                     finish_compiling, kv_type_arg, model_args, positive_or_zero, resolve_model, sampling_args, sampling_of,
-                     speculation_args, speculation_of)
+from .common import (CliError, check_context_shift, constraint_args, constraint_flag, constraint_of,
+                     context_shift_args, exec_args, finish_compiling, grammar_kept, kv_type_arg, model_args,
+                     positive_or_zero, resolve_model, sampling_args, sampling_of, speculation_args, speculation_of)
 
 HELP = """commands:
   /system TEXT   set the system message (an empty TEXT removes it)
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json and args.messages is None:
         raise CliError("--json goes with --messages (one answer as one object)")
     code = (_answer_once(session, args) if args.messages is not None
-            else _interactive(session, args) if sys.stdin.isatty() and sys.stdout.isatty() else _piped(session))
+            else _interactive(session, args) if sys.stdin.isatty() and sys.stdout.isatty() else _piped(session, constraint_flag(args)))
     finish_compiling(session.model, StatusLine())
     return code
 
@@ -111,8 +111,11 @@ def _session(args: argparse.Namespace, status: StatusLine) -> ChatSession:
 
 def _answer_once(session: ChatSession, args: argparse.Namespace) -> int:
     stream = session.reply()
+    kept = lambda before=lambda: None: grammar_kept(constraint_flag(args),  # noqa: E731
+                                                    lambda: len(stream.completion.generated_ids), before)
     if args.json:
-        text = "".join(stream)
+        with kept():
+            text = "".join(stream)
         comp = stream.completion
         turn = session.turns[-1]
         calls = [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
@@ -124,9 +127,10 @@ def _answer_once(session: ChatSession, args: argparse.Namespace) -> int:
                                     "chat_template": session.model.tokenizer.chat_template.name}},
                          ensure_ascii=False))
         return 0
-    for piece in stream:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    with kept(lambda: sys.stdout.write("\n")):
+        for piece in stream:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
     sys.stdout.write("\n")
     _show_calls(session)
     return 0
@@ -154,15 +158,18 @@ def _show_calls(session: ChatSession) -> None:
         print(f"[tool call] {fn['name']} {json.dumps(fn['arguments'], ensure_ascii=False)}")
 
 
-def _piped(session: ChatSession) -> int:
-    """Each input line is a user turn; each reply is printed, then a blank line."""
+def _piped(session: ChatSession, flag: str | None) -> int:
+    """Each input line is a user turn; each reply is printed, then a blank
+    line. A grammar (``flag``'s) that cannot go on ends the run (one line)."""
     for line in sys.stdin:
         line = line.rstrip("\n")
         if not line.strip():
             continue
-        for piece in session.send(line):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        stream = session.send(line)
+        with grammar_kept(flag, lambda: len(stream.completion.generated_ids), lambda: sys.stdout.write("\n")):
+            for piece in stream:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
         sys.stdout.write("\n\n")
         sys.stdout.flush()
     return 0
@@ -213,12 +220,15 @@ def _interactive(session: ChatSession, args: argparse.Namespace) -> int:
             print(f"[the conversation outgrew the context of {m.ctx} tokens: the oldest {turn.dropped_messages} "
                   f"messages were dropped]")
         try:
-            for piece in stream:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+            with grammar_kept(constraint_flag(args), lambda: len(stream.completion.generated_ids)):
+                for piece in stream:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
         except KeyboardInterrupt:
             stream.close()
             sys.stdout.write(" [stopped]")
+        except CliError as e:   # the grammar cannot go on: the reply stays as far as it got
+            sys.stdout.write(f" [{e}]")
         sys.stdout.write("\n")
         if turn.context_shifts:
             keep = stream.completion.stats.extra.get("keep")

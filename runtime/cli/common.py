@@ -5,7 +5,8 @@ cache type, the execution flags, and the memory flags shared by ``run``,
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 from ir.types import DEFAULT_KV_TYPE, KV_TYPES
 from passes.memory_budget import BudgetError, parse_size
@@ -223,6 +224,34 @@ def constraint_of(args: argparse.Namespace):
             else "--regex"
         raise CliError(f"{flag}: {e}") from None
     return c
+
+
+@contextmanager
+def grammar_kept(flag: str | None, generated: Callable[[], int],
+                 before: Callable[[], object] = lambda: None) -> Iterator[None]:
+    """A grammar its parser cannot follow further (an ambiguous grammar's
+    rows grow with the output) raised within: a CliError naming ``flag``
+    (the one that asked for it; None: no grammar, nothing caught) and
+    the ``generated()`` tokens it let through, after ``before`` (the text
+    so far ends its line)."""
+    if flag is None:     # (llguidance, imported below, costs a run without a grammar ~50 ms)
+        yield
+        return
+    from ..grammar import ConstraintError
+
+    try:
+        yield
+    except ConstraintError as e:
+        before()
+        raise CliError(f"{flag}: cannot be enforced past {generated()} generated tokens ({e})") from None
+
+
+def constraint_flag(args: argparse.Namespace) -> str | None:
+    """The flag whose grammar the output follows (tools: a call's), or None."""
+    for flag in ("json_schema", "grammar", "regex", "tools"):
+        if getattr(args, flag, None) is not None:
+            return "--" + flag.replace("_", "-")
+    return None
 
 
 def _read_text(path: str, flag: str) -> str:

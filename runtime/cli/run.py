@@ -5,13 +5,12 @@ import argparse
 import json
 import os
 import sys
-from contextlib import contextmanager
-from typing import Callable, Iterator
 
 from ..api import load
 from ..status import StatusLine
-from .common import (CliError, constraint_args, constraint_of, exec_args, finish_compiling, kv_type_arg, memory_args,
-                     model_args, positive_or_zero, resolve_model, sampling_args, sampling_of, speculation_args, speculation_of)
+from .common import (constraint_args, constraint_flag, constraint_of, exec_args, finish_compiling, grammar_kept,
+                     kv_type_arg, memory_args, model_args, positive_or_zero, resolve_model, sampling_args, sampling_of,
+                     speculation_args, speculation_of)
 
 
 def add_parser(sub) -> None:
@@ -47,24 +46,6 @@ def _finished(model, status: StatusLine, code: int) -> int:
     return code
 
 
-@contextmanager
-def _grammar_kept(grammar, comp, before: Callable[[], object] = lambda: None) -> Iterator[None]:
-    """A grammar its parser cannot follow further (an ambiguous grammar's
-    rows grow with the output) ends the run as one line naming its flag,
-    after ``before`` (the text so far ends its line)."""
-    if grammar is None:     # (llguidance, imported below, costs a run without a grammar ~50 ms)
-        yield
-        return
-    from ..grammar import ConstraintError
-
-    try:
-        yield
-    except ConstraintError as e:
-        before()
-        flag = {"lark": "--grammar", "regex": "--regex"}.get(grammar.kind, "--json-schema")
-        raise CliError(f"{flag}: cannot be enforced past {len(comp.generated_ids)} generated tokens ({e})") from None
-
-
 def _run(args: argparse.Namespace, status: StatusLine) -> int:
     model_path, tok_path = resolve_model(args)
     spec = speculation_of(args)
@@ -78,7 +59,7 @@ def _run(args: argparse.Namespace, status: StatusLine) -> int:
     comp = text.completion
     tok = model.tokenizer
     if args.json:
-        with _grammar_kept(grammar, comp):
+        with grammar_kept(constraint_flag(args), lambda: len(comp.generated_ids)):
             generated = "".join(text)
         print(json.dumps({
             "model": os.path.basename(model_path),
@@ -94,7 +75,7 @@ def _run(args: argparse.Namespace, status: StatusLine) -> int:
         return _finished(model, status, 0)
     write = sys.stdout.write
     first = True
-    with _grammar_kept(grammar, comp, lambda: write("\n")):
+    with grammar_kept(constraint_flag(args), lambda: len(comp.generated_ids), lambda: write("\n")):
         for piece in text:
             if first:   # the status line goes when the first token is there
                 status.clear()
