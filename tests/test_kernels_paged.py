@@ -159,6 +159,46 @@ def test_attention_paged_long_rows(kind, window):
     attention_paged_case(kind, [(700, 1), (3, 1), (260, 3), (1, 1)], 64, 2, 2, 16, window, True, 2, HOST_VW)
 
 
+@pytest.mark.parametrize("kind", ["f32", "f16"])
+@pytest.mark.parametrize("vw", [8, HOST_VW])
+@pytest.mark.parametrize("nt", [1, 3])
+def test_attention_paged_runs_have_the_bits_of_single_rows(kind, vw, nt):
+    """Prompt chunks in a step (runs of one sequence's consecutive
+    positions) take the scores pass ``ROWS`` rows at a time; a block of rows
+    that is not such a run (a decode row, two sequences, one of them
+    continuing where the other's positions stop, sharing its first blocks)
+    goes row by row. Every row has, bit for bit, what it gets alone in a
+    step of one row."""
+    from compiler.codegen import k_attention
+
+    bs, hd, kvh, group = 16, 64, 2, 2
+    H = kvh * group
+    # A: a 13-row chunk at 47..59; D: shares A's first 3 blocks, its chunk at 60..65 right after A's rows,
+    # so a block of ROWS rows holds A's 58, 59 and D's 60, 61 (consecutive, other tables); B, E: decode rows
+    lens, ks = [60, 30, 66, 9], [13, 1, 6, 1]
+    b = make_batch(lens, ks, bs, share=False)
+    tabs = b.seq_tables
+    tabs[2][:3] = tabs[0][:3]
+    order = [(1, 29)] + [(0, p) for p in range(47, 60)] + [(2, p) for p in range(60, 66)] + [(3, 8)]
+    positions = np.array([p for _, p in order], np.int32)
+    tables = np.stack([tabs[s] for s, _ in order])
+    b = Batch(positions, tables, [s for s, _ in order], tabs, lens, b.n_blocks, bs, True)
+    kc, vc = pool(kind, b, kvh * hd), pool(kind, b, kvh * hd)
+    for s in (0, 2):   # D's rows before 48 are A's: the same pool rows, written once
+        assert [b.pool_row(s, p) for p in range(48)] == [b.pool_row(0, p) for p in range(48)]
+    T = len(order)
+    q = rng.standard_normal((T, H * hd)).astype(np.float32)
+    attrs = dict(n_heads=H, n_kv_heads=kvh, head_dim=hd, scale=1.0 / math.sqrt(hd), window=0, block_size=bs)
+    ct = kv_cache_type(kind, b.n_blocks * bs, kvh * hd)
+    sig = sig_for("attention_paged", [f32("T", H * hd), ct, ct, i32("T"), i32("T", tables.shape[1])], **attrs)
+    assert k_attention.rows_together(sig) and k_attention.ROWS == 4
+    got = run(sig, [q, kc, vc, positions, tables], T=T, nthreads=nt, vw=vw)
+    close(got, ops.attention_paged_ref(q, kc, vc, positions, tables, **attrs), rtol=1e-4, atol=2e-5)
+    for r in range(T):
+        alone = run(sig, [q[r: r + 1], kc, vc, positions[r: r + 1], tables[r: r + 1]], T=1, nthreads=1, vw=vw)
+        np.testing.assert_array_equal(got[r], alone[0], err_msg=f"row {r}: {order[r]}")
+
+
 def test_attention_paged_peaked_scores():
     for vw in WIDTHS:
         attention_paged_case("f32", [(37, 2), (20, 1)], 16, 2, 2, 4, 0, False, 2, vw, qscale=30.0)

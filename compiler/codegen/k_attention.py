@@ -23,7 +23,11 @@ row t's position is positions[t], and position p of its sequence is read
 from the pool row its block table gives (``paging.PagedRows``) instead of
 cache row p. Its rows may be of different sequences and lengths, so threads
 take units strided (tid, tid + nthreads, ...) rather than one contiguous
-share: long and short rows spread over all threads.
+share: long and short rows spread over all threads. ROWS rows that are a
+run of one sequence (a prompt chunk: consecutive positions, the same
+table) take the scores pass together, as a single sequence's chunk does;
+other blocks of ROWS rows (decode rows, two sequences) go row by row
+(``_PagedRows.together`` decides at run time).
 
 Per unit, three passes over the visible positions:
 
@@ -195,7 +199,7 @@ def _positions(sig: KernelSig) -> int:
     """Scores one head of one row keeps (scratch floats): the cache length and a pad
     (paged: a block table's worth of positions)."""
     if sig.op == "attention_paged":
-        return int(sig.in_types[4].shape[1]) * int(sig.attr["block_size"])
+        return int(sig.in_types[4].shape[1]) * int(sig.attr["block_size"]) + SCORE_PAD
     return int(sig.in_types[1].shape[0]) + SCORE_PAD
 
 
@@ -213,7 +217,8 @@ def scratch_floats(sig: KernelSig) -> int:
             rows = max(rows, -(-k_attention_tiled.scratch_bytes(sig) // 4))
         return rows
     if sig.op == "attention_paged":
-        return _positions(sig) * heads_per_unit(sig)
+        rows = _positions(sig) * heads_per_unit(sig)
+        return rows * ROWS + int(sig.attr["head_dim"]) * 16 if rows_together(sig) else rows
     return 0
 
 
@@ -230,6 +235,11 @@ class _Rows:
     def end(self, t: ir.Value) -> ir.Value:
         """One past row t's position."""
         return self.kb.b.add(self.kb.b.add(self.kb.pos, t), i64(1))
+
+    def together(self, t0: ir.Value, R: int, nrows: ir.Value) -> ir.Value | None:
+        """Whether rows t0 .. t0 + R - 1 may take the scores pass together (an
+        i1), or None: always (one sequence's rows, consecutive positions)."""
+        return None
 
     def rows(self, cache: ir.Value, t: ir.Value, start: ir.Value, head: ir.Value,
              row_step: int) -> Callable[[ir.Value], ir.Value]:
@@ -262,6 +272,28 @@ class _PagedRows(_Rows):
 
     def end(self, t: ir.Value) -> ir.Value:
         return self.kb.b.add(self.paged.position(t), i64(1))
+
+    def together(self, t0: ir.Value, R: int, nrows: ir.Value) -> ir.Value:
+        """Rows t0 .. t0 + R - 1 all in the step, at consecutive positions,
+        with the same table entries up to the last one's block: then each
+        reads the keys [0, its end) of the same pool rows, as a prompt
+        chunk's rows do (a run of one sequence; a decode row beside them,
+        or another sequence sharing only a prefix block, is not)."""
+        kb, b = self.kb, self.kb.b
+        lastrow = b.sub(nrows, i64(1))
+        rows = [kb.imin(b.add(t0, i64(k)), lastrow) for k in range(R)]
+        p0 = self.paged.position(rows[0])
+        ok = b.icmp_signed("<=", b.add(t0, i64(R - 1)), lastrow)
+        for k in range(1, R):
+            ok = b.and_(ok, b.icmp_signed("==", self.paged.position(rows[k]), b.add(p0, i64(k))))
+        nblk = b.select(ok, b.add(b.udiv(b.add(p0, i64(R - 1)), i64(self.paged.bs)), i64(1)), i64(0))
+        tabs = [self.paged.table(r) for r in rows]
+        with kb.loop_carry(0, nblk, [ok], name="same") as (j, (acc,), setv):
+            e0 = b.load(kb.gep(tabs[0], j), align=4)
+            for tb in tabs[1:]:
+                acc = b.and_(acc, b.icmp_signed("==", b.load(kb.gep(tb, j), align=4), e0))
+            setv([acc])
+        return kb.last_carry[0]
 
     def rows(self, cache: ir.Value, t: ir.Value, start: ir.Value, head: ir.Value,
              row_step: int) -> Callable[[ir.Value], ir.Value]:
@@ -331,7 +363,14 @@ def _row_range(kb: KernelBuilder, t0: ir.Value, n: ir.Value, row_bytes: int) -> 
 
 @kernel("attention_paged")
 def emit_attention_paged(kb: KernelBuilder, sig: KernelSig) -> None:
-    _emit_attention(kb, sig, _PagedRows(kb, sig))
+    """A step's rows one by one, or (an f16 / f32 pool without a window) ROWS
+    at a time through the scores pass where they are a run of one
+    sequence (``_PagedRows.together``), as a single sequence's prompt chunk:
+    the same bits either way, the run's pass 1 ~1.5x faster."""
+    fixed = kb.static_rows(sig.in_types[0].shape)
+    R = ROWS if (rows_together(sig) and pow2_divisor(int(sig.attr["head_dim"]), kb.vw) >= 8
+                 and (fixed is None or fixed >= ROWS)) else 1
+    _emit_attention(kb, sig, _PagedRows(kb, sig), R)
 
 
 def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) -> None:
@@ -757,12 +796,25 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
             unit(t, hu, [kb.gep(scratch, i * positions) for i in heads], False)
         else:
             t0 = b.mul(t, i64(R))
-            scores_rows(t0, hu)
-            with kb.loop(0, R, name="rrow") as r:    # passes 2 and 3 per row, their code once
-                tr = b.add(t0, r)
-                with kb.if_then(b.icmp_signed("<", tr, nrows)):
-                    unit(tr, hu, [kb.gep(scratch, b.mul(b.add(b.mul(r, i64(hg)), i64(i)), i64(positions)))
-                                  for i in heads], True)
+
+            def rows_at_once() -> None:
+                scores_rows(t0, hu)
+                with kb.loop(0, R, name="rrow") as r:    # passes 2 and 3 per row, their code once
+                    tr = b.add(t0, r)
+                    with kb.if_then(b.icmp_signed("<", tr, nrows)):
+                        unit(tr, hu, [kb.gep(scratch, b.mul(b.add(b.mul(r, i64(hg)), i64(i)), i64(positions)))
+                                      for i in heads], True)
+            together = addr.together(t0, R, nrows)
+            if together is None:
+                rows_at_once()
+            else:   # paged: rows of one run together, else (decode rows, two sequences) one by one
+                with b.if_else(together) as (yes, no):
+                    with yes:
+                        rows_at_once()
+                    with no, kb.loop(0, R, name="row1") as r:
+                        tr = b.add(t0, r)
+                        with kb.if_then(b.icmp_signed("<", tr, nrows)):
+                            unit(tr, hu, [kb.gep(scratch, i * positions) for i in heads], False)
 
 
 def _transpose(kb: KernelBuilder, rows: list[ir.Value]) -> list[ir.Value]:
