@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from compiler.codegen.probe import measure_read_bandwidth, probe_sum
+from compiler.codegen.target import host_target
 from runtime.cli.bench import add_parser, format_table, run
 from runtime.tools.bench import clip_lengths, run_bench
 
@@ -63,8 +64,11 @@ def check_report(r: dict, compiled: bool) -> None:
     assert r["weight_bytes_per_token"] == header_weight_bytes(MODEL)
     assert r["model"] == "stories260K.bin"
     assert r["prompt_tokens"] == 12 and r["gen_tokens"] == 6 and r["threads"] == 2
+    # which CPU the figures came from: /proc/cpuinfo's name, and LLVM's
+    names = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.lower().startswith("model name")]
+    assert r["cpu_model"] == names[0] and r["cpu"] == host_target().cpu
     json.dumps(r)
-    assert "decode" in format_table(r)
+    assert "decode" in format_table(r) and names[0] in format_table(r)
 
 
 def test_probe_sums_right():

@@ -16,6 +16,7 @@ import random
 import httpx
 import pytest
 
+from compiler.codegen.target import cpu_model
 from runtime.cli import DEFAULT_MODEL, DEFAULT_TOKENIZER, main
 from runtime.cli.bench import stream_counts
 from runtime.tools.bench_servers import llamacpp_server, llamacpp_version, lmc_server
@@ -57,6 +58,7 @@ def test_serve_bench_json_on_the_bundled_model(capsys):
     r, rest = _bench(capsys, str(DEFAULT_MODEL), "-z", str(DEFAULT_TOKENIZER), *SMALL, "--json")
     assert rest == []                                                # --json: the JSON object alone
     assert (r["model"], r["threads"], r["parallel"]) == ("stories260K.bin", 2, 2)   # parallel: the most streams
+    assert r["cpu_model"] == cpu_model() and r["cpu_model"]
     assert (r["gen_tokens"], r["prompt_tokens"], r["ignore_eos"], r["endpoint"]) == (8, 8, True, "chat")
     assert r["ctx_per_request"] % 16 == 0 and 8 + 8 < r["ctx_per_request"] <= 512
     _check_rows(r, "lmc", [1, 2], gen=8, words=8)

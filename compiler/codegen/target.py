@@ -132,6 +132,20 @@ def _cpu_identity() -> str | None:
     return "\n".join([platform.machine(), f"llvmlite {llvmlite.__version__}", *lines])
 
 
+def cpu_model() -> str:
+    """The CPU's name as /proc/cpuinfo gives it (``AMD EPYC ...``), else the
+    platform's: benchmark figures say which CPU they came from (machines
+    differ from run to run)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _cache_file(identity: str) -> str:
     from ..cache import cache_dir
 

@@ -22,6 +22,8 @@ _TABLE = [
     ("model", "model", "{}"),
     ("backend", "backend", "{}"),
     ("threads", "threads", "{}"),
+    ("cpu_model", "CPU", "{}"),
+    ("cpu", "CPU to LLVM", "{}"),
     ("kv_type", "KV cache", "{}"),
     ("kv_bytes", "KV cache bytes", "{:,} B"),
     ("prompt_tokens", "prompt tokens", "{}"),

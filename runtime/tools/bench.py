@@ -156,15 +156,18 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
         raise RunError(f"--runs {runs}: must be >= 1")
     if prompt_tokens < 1 or gen_tokens < 1:
         raise RunError("the prompt and the generation need at least one token each")
+    from compiler.codegen.target import cpu_model, host_target
+
     loaded = load_model(model_path, tokenizer)
     out: dict[str, Any] = {"model": os.path.basename(os.fspath(model_path)), "backend": backend,
-                           "threads": threads}
+                           "threads": threads, "cpu_model": cpu_model()}
 
     old_cache = os.environ.get("LMC_CACHE_DIR")
     cache = tempfile.mkdtemp(prefix="lmc-bench-cache-")
     os.environ["LMC_CACHE_DIR"] = cache
     model = None
     try:
+        out["cpu"] = host_target().cpu     # (detected once into the bench's own cache, not the user's)
         if backend == "llvm":
             from compiler.native import NativeOptions, compile_native
 
@@ -188,7 +191,6 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
 
         out["kv_type"], out["kv_bytes"] = model.kv_type, model.kv_bytes
         if backend == "llvm":   # a prompt row's attention: per row, or AMX bf16 tiles from a position on
-            from compiler.codegen.target import host_target
             from compiler.driver import FROM_POSITION, attention_tiles
             t = host_target()
             tiles = attention_tiles() and t.amx and t.has("amx-bf16") and model.kv_type == "f16"

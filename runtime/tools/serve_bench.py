@@ -131,9 +131,11 @@ def run_serve_bench(model: str, tokenizer: str | None, threads: int, streams: li
         raise RunError("--compare-llamacpp needs the xllamacpp package (pip install xllamacpp)")
     parallel = parallel or max(streams)
     ctx = request_context(loaded.tokenizer, loaded.config.seq_len, prompt_tokens, gen_tokens)
+    from compiler.codegen.target import cpu_model
+
     out: dict[str, Any] = {"model": os.path.basename(os.fspath(model)), "threads": threads, "parallel": parallel,
-                           "gen_tokens": gen_tokens, "prompt_tokens": prompt_tokens, "ctx_per_request": ctx,
-                           "ignore_eos": True, "endpoint": "chat"}
+                           "cpu_model": cpu_model(), "gen_tokens": gen_tokens, "prompt_tokens": prompt_tokens,
+                           "ctx_per_request": ctx, "ignore_eos": True, "endpoint": "chat"}
 
     say(f"starting lmc serve (--parallel {parallel}, -c {ctx}, -t {threads}; the first run compiles)")
     with lmc_server(model, tokenizer, threads, parallel, ctx, serve_args) as url:
