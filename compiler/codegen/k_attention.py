@@ -424,7 +424,9 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
         raise NotImplementedError(f"attention: {hg} heads per unit do not divide the group of {group}")
     per_unit = H // hg
     nrows = kb.rows_of(qt.shape)
-    nblk = b.sdiv(b.add(nrows, i64(R - 1)), i64(R)) if R > 1 else nrows   # units of rows
+    # units of rows: R rows each, but paged one row each (a run's first row takes its R rows, the others
+    # of the run nothing), so that a step of decode rows keeps a unit per row and head group
+    nblk = b.sdiv(b.add(nrows, i64(R - 1)), i64(R)) if R > 1 and not addr.strided else nrows
     units = b.mul(nblk, i64(per_unit))
     if addr.strided:
         lo, hi, step = kb.tid, units, kb.nthreads
@@ -795,7 +797,7 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
         if R == 1:
             unit(t, hu, [kb.gep(scratch, i * positions) for i in heads], False)
         else:
-            t0 = b.mul(t, i64(R))
+            t0 = b.mul(t, i64(R)) if not addr.strided else b.sub(t, b.urem(t, i64(R)))
 
             def rows_at_once() -> None:
                 scores_rows(t0, hu)
@@ -807,14 +809,12 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
             together = addr.together(t0, R, nrows)
             if together is None:
                 rows_at_once()
-            else:   # paged: rows of one run together, else (decode rows, two sequences) one by one
+            else:   # paged: a run's R rows by its first row's unit, any other row (decode rows, two sequences) alone
                 with b.if_else(together) as (yes, no):
-                    with yes:
+                    with yes, kb.if_then(b.icmp_signed("==", t, t0)):
                         rows_at_once()
-                    with no, kb.loop(0, R, name="row1") as r:
-                        tr = b.add(t0, r)
-                        with kb.if_then(b.icmp_signed("<", tr, nrows)):
-                            unit(tr, hu, [kb.gep(scratch, i * positions) for i in heads], False)
+                    with no:
+                        unit(t, hu, [kb.gep(scratch, i * positions) for i in heads], False)
 
 
 def _transpose(kb: KernelBuilder, rows: list[ir.Value]) -> list[ir.Value]:
