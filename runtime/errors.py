@@ -6,3 +6,9 @@ from __future__ import annotations
 
 class RunError(ValueError):
     """A request the model cannot serve (prompt too long, bad token id ...)."""
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be enforced as given (the message says why).
+    Here rather than in ``runtime.grammar`` so that code catching it need not
+    import llguidance (a run without a grammar never does)."""

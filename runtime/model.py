@@ -13,7 +13,7 @@ from compiler.artifact import Artifact
 from compiler.driver import LoadedModel
 
 from .context_shift import chat_keep, check_keep, shift_tokens
-from .errors import RunError
+from .errors import ConstraintError, RunError
 from .loading import DEFAULT_CTX, BuildOptions, build_executor, check_run_options, return_freed_memory
 from .prefix import common_prefix
 from .sampling import Sampler, SamplerConfig
@@ -473,6 +473,9 @@ class Model:
             if out:
                 comp.text += out
                 yield out
+        except ConstraintError:   # the grammar could not go on: the text so far stays, the error goes up
+            comp.stop_reason = "grammar"
+            raise
         finally:
             tokens.close()
 
@@ -485,7 +488,8 @@ class Completion:
     generated_ids: list[int] = field(default_factory=list)
     text: str = ""
     #: eos (an end-of-generation token), stop (a stop string), length
-    #: (max_new_tokens or the context); None while running
+    #: (max_new_tokens or the context), grammar (one its parser could not follow
+    #: further: the stream raised ConstraintError); None while running
     stop_reason: str | None = None
     stop_string: str | None = None
     cached_tokens: int = 0     # prompt tokens whose KV rows came from the last call

@@ -291,6 +291,22 @@ def test_a_grammar_failing_mid_generation_is_an_error_not_a_stop(smollm2):
         assert metric(s.url, 'lmc_http_errors_total{status="400"}') >= 1
 
 
+def test_a_chat_turn_a_grammar_ended_says_so(smol):
+    """Python API: the stream raises ConstraintError, the reply stays as far
+    as it got and the turn's stop reason is ``grammar``; the next turn runs."""
+    from runtime.chat import ChatSession, ChatSettings
+
+    s = ChatSession(smol, None, ChatSettings(max_new_tokens=200, sampling={"temperature": 0.0}, grammar=lark(AMBIGUOUS)))
+    got = ""
+    with pytest.raises(ConstraintError, match="does not fit the grammar"):
+        for piece in s.send("Write many a letters."):
+            got += piece
+    assert re.fullmatch("a+", got) and s.messages[-1]["content"] == got
+    assert s.turns[-1].stop_reason == "grammar"
+    s.settings.grammar = regex("a{3}")
+    assert "".join(s.send("Again.")) == "aaa" and s.turns[-1].stop_reason in ("eos", "stop")
+
+
 def test_lmc_run_and_chat_say_which_flag_failed_mid_generation(smollm2, tmp_path):
     """``lmc run`` and ``lmc chat`` (piped, and answering --messages): the
     text so far on its line, then one line naming --grammar, exit 2."""

@@ -15,6 +15,8 @@ from typing import Any
 
 import llguidance
 
+from ..errors import ConstraintError
+
 #: how JSON is spelled: one space after a comma and a colon, no other whitespace
 #: (as ``json.dumps`` and OpenAI's strict outputs): a model cannot pad its JSON with
 #: endless newlines (a schema's own ``x-guidance`` options may say otherwise)
@@ -27,9 +29,6 @@ LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fu
               step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000)
 KINDS = ("json_schema", "json_object", "lark", "regex")
 
-
-class ConstraintError(ValueError):
-    """A constraint that cannot be enforced as given (the message says why)."""
 
 
 @dataclass(frozen=True)
