@@ -113,18 +113,9 @@ def _cpu_identity() -> str | None:
     model, stepping, model name and the flags the kernel enabled (first
     processor of /proc/cpuinfo), plus the machine and llvmlite's version.
     None where there is no /proc/cpuinfo."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            text = f.read(1 << 20)
-    except OSError:
-        return None
     keys = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags", "features",
             "cpu implementer", "cpu architecture", "cpu variant", "cpu part", "cpu revision", "isa")
-    lines = []
-    for line in text.split("\n\n", 1)[0].splitlines():
-        k = line.split(":", 1)[0].strip().lower()
-        if k in keys:
-            lines.append(line.strip())
+    lines = [line.strip() for line in _first_processor() if line.split(":", 1)[0].strip().lower() in keys]
     if not lines:
         return None
     import llvmlite   # the package's version only (importlib.metadata costs a warm start ~7 ms)
@@ -132,17 +123,23 @@ def _cpu_identity() -> str | None:
     return "\n".join([platform.machine(), f"llvmlite {llvmlite.__version__}", *lines])
 
 
+def _first_processor() -> list[str]:
+    """The lines of /proc/cpuinfo's first processor (none without the file)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            text = f.read(1 << 20)
+    except OSError:
+        return []
+    return text.split("\n\n", 1)[0].splitlines()
+
+
 def cpu_model() -> str:
     """The CPU's name as /proc/cpuinfo gives it (``AMD EPYC ...``), else the
     platform's: benchmark figures say which CPU they came from (machines
     differ from run to run)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    for line in _first_processor():
+        if line.split(":", 1)[0].strip().lower() == "model name":
+            return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
 
 

@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json and args.messages is None:
         raise CliError("--json goes with --messages (one answer as one object)")
     code = (_answer_once(session, args) if args.messages is not None
-            else _interactive(session, args) if sys.stdin.isatty() and sys.stdout.isatty() else _piped(session, constraint_flag(args)))
+            else _interactive(session, args) if sys.stdin.isatty() and sys.stdout.isatty()
+            else _piped(session, constraint_flag(args)))
     finish_compiling(session.model, StatusLine())
     return code
 
@@ -111,10 +112,12 @@ def _session(args: argparse.Namespace, status: StatusLine) -> ChatSession:
 
 def _answer_once(session: ChatSession, args: argparse.Namespace) -> int:
     stream = session.reply()
-    kept = lambda before=lambda: None: grammar_kept(constraint_flag(args),  # noqa: E731
-                                                    lambda: len(stream.completion.generated_ids), before)
+    flag = constraint_flag(args)
+
+    def generated() -> int:
+        return len(stream.completion.generated_ids)
     if args.json:
-        with kept():
+        with grammar_kept(flag, generated):
             text = "".join(stream)
         comp = stream.completion
         turn = session.turns[-1]
@@ -127,7 +130,7 @@ def _answer_once(session: ChatSession, args: argparse.Namespace) -> int:
                                     "chat_template": session.model.tokenizer.chat_template.name}},
                          ensure_ascii=False))
         return 0
-    with kept(lambda: sys.stdout.write("\n")):
+    with grammar_kept(flag, generated, lambda: sys.stdout.write("\n")):
         for piece in stream:
             sys.stdout.write(piece)
             sys.stdout.flush()

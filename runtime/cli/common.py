@@ -11,6 +11,8 @@ from typing import Callable, Iterator
 from ir.types import DEFAULT_KV_TYPE, KV_TYPES
 from passes.memory_budget import BudgetError, parse_size
 
+from ..errors import ConstraintError
+
 
 class CliError(Exception):
     pass
@@ -207,7 +209,7 @@ def constraint_of(args: argparse.Namespace):
     or regex is one line and exit 2), or None."""
     if args.json_schema is None and args.grammar is None and args.regex is None:
         return None   # without importing llguidance: 25 ms of every start
-    from ..grammar import ConstraintError, json_schema, lark, regex
+    from ..grammar import json_schema, lark, regex
 
     try:
         if args.json_schema is not None:
@@ -220,9 +222,7 @@ def constraint_of(args: argparse.Namespace):
             return None
         c.grammar()
     except ConstraintError as e:
-        flag = "--json-schema" if args.json_schema is not None else "--grammar" if args.grammar is not None \
-            else "--regex"
-        raise CliError(f"{flag}: {e}") from None
+        raise CliError(f"{constraint_flag(args)}: {e}") from None
     return c
 
 
@@ -234,14 +234,11 @@ def grammar_kept(flag: str | None, generated: Callable[[], int],
     (the one that asked for it; None: no grammar, nothing caught) and
     the ``generated()`` tokens it let through, after ``before`` (the text
     so far ends its line)."""
-    if flag is None:     # (llguidance, imported below, costs a run without a grammar ~50 ms)
-        yield
-        return
-    from ..grammar import ConstraintError
-
     try:
         yield
     except ConstraintError as e:
+        if flag is None:
+            raise
         before()
         raise CliError(f"{flag}: cannot be enforced past {generated()} generated tokens ({e})") from None
 

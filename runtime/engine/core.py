@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
 from ..context_shift import shift_tokens
-from ..grammar import ConstraintError
+from ..errors import ConstraintError
 from ..sampling import Sampler
 from ..speculative import (MAX_DRAFT_MAX, Draft, Drafter, DraftLength, LookupDrafter, accept, draft_sampler,
                            grammar_checked)

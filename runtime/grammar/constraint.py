@@ -30,7 +30,6 @@ LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fu
 KINDS = ("json_schema", "json_object", "lark", "regex")
 
 
-
 @dataclass(frozen=True)
 class Constraint:
     """``kind`` (one of ``KINDS``) and its text: the schema as JSON, the Lark
