@@ -111,9 +111,28 @@ from .kernels import KernelSig, kernel
 from .paging import PagedRows
 from .simd import shuffle
 
-#: positions per block in the score / weighted-sum passes (the kernel
-#: attribute ``unroll`` replaces it: ``lmc kernel`` tries other blocks)
-BLOCK = 8
+#: vectors of key rows a block of the scores pass holds (the kernel attribute ``unroll``
+#: replaces the block it gives: ``lmc kernel`` tries others). Positions per block: the largest
+#: power of two, at most 8, whose rows take at most this many vectors (``block_positions``).
+#: Blocks of 8 spilled the widened keys of AVX-512's 4-vector rows (Qwen2.5's and SmolLM2's
+#: head_dim 64). Zen 4, 2 threads, 3,500 positions, kernel lab medians (µs) of alternated runs:
+#: Qwen2.5 (7 heads a unit) 8 positions 93.7-96.0, 4 86.3-88.6, 2 99.9-113, 16 104-117;
+#: SmolLM2 (3 heads) 8: 103-105, 4: 83-85, 2: 95-99; Gemma 3 (head_dim 256, 16 vectors a row)
+#: 8: 133-160, 2: 128-144, 1: 110-112; head_dim 128, 4 heads a unit, 2,000 positions 8:
+#: 303-308, 4: 299-341, 2: 239-279. AVX2 code (x86-64-v3, 8 lanes) on the same CPU, Qwen2.5's
+#: shape: 8 positions 160-173, 4: 166-176, 2: 160-163.
+KEY_VECTORS = 16
+BLOCK_MAX = 8
+
+
+def block_positions(nvec: int) -> int:
+    """Positions per block of the scores pass for rows of ``nvec`` vectors (KEY_VECTORS)."""
+    B = 1
+    while B * 2 <= BLOCK_MAX and B * 2 * nvec <= KEY_VECTORS:
+        B *= 2
+    return B
+
+
 HALF = ir.HalfType()
 #: a q8 cache block: 32 values, float16 scale + 32 int8
 QK, Q8_BYTES = 32, 34
@@ -414,7 +433,9 @@ def _emit_attention(kb: KernelBuilder, sig: KernelSig, addr: _Rows, R: int = 1) 
     slice_bytes = head_step * (4 if kind == "f32" else 2 if kind == "f16" else 1)   # a row's part of one kv head
     wd = pow2_divisor(hd, kb.vw)  # vector width over head_dim
     nvec = hd // wd
-    B = int(a.get("unroll", BLOCK))  # positions per block; an override from ``lmc kernel``
+    # positions per block (``lmc kernel`` may override): f32 / f16 rows are widened into registers
+    # for the block; q8 and low-bit rows are decoded per head (not measured: 8, as before)
+    B = int(a.get("unroll", block_positions(nvec) if kind in ("f32", "f16") else BLOCK_MAX))
     if B < 1 or B & (B - 1) or B > 64:
         raise NotImplementedError(f"attention: positions per block must be a power of two <= 64, got {B}")
     kb.tuning["unroll"] = B
