@@ -155,3 +155,65 @@ def test_cold_start_is_not_a_serve_flag(capsys):
 
     with pytest.raises(CliError, match="--cold-start"):
         run(args)
+
+
+
+def test_long_prompt_is_measured_in_turns_with_the_prompt(capsys, tmp_path, monkeypatch):
+    """``--long-prompt N``: generations after the prompt and after N random
+    ids take turns; each pair gives the long prompt's rates over the short
+    one's, and the report holds their medians and spreads."""
+    monkeypatch.setenv("LMC_CACHE_DIR", str(tmp_path / "user-cache"))
+    p = argparse.ArgumentParser()
+    add_parser(p.add_subparsers(dest="cmd"))
+    args = p.parse_args(["bench", MODEL, "-z", TOKENIZER, "-t", "2", "--prompt-tokens", "12", "--gen-tokens", "6",
+                         "--runs", "3", "--probe-mb", "64", "--long-prompt", "200", "--json"])
+    assert run(args) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["prompt_tokens"] == 12 and r["long_prompt_tokens"] == 200
+    for key in ("prefill", "decode"):
+        assert r[f"long_{key}_tok_s"] > 0
+        lo, hi = r[f"long_{key}_fraction_spread"]
+        assert 0 < lo <= r[f"long_{key}_fraction"] <= hi, (key, lo, r[f"long_{key}_fraction"], hi)
+    table = format_table(r)
+    assert "long prompt" in table and "decode after it" in table
+
+
+def test_long_prompt_past_the_context_is_one_line(tmp_path, monkeypatch):
+    from runtime.errors import RunError
+
+    monkeypatch.setenv("LMC_CACHE_DIR", str(tmp_path / "user-cache"))
+    with pytest.raises(RunError, match=r"--long-prompt 5000: with 6 generated tokens it exceeds the context"):
+        run_bench(MODEL, TOKENIZER, threads=2, prompt_tokens=12, gen_tokens=6, runs=1, probe_bytes=PROBE,
+                  probe_repeats=1, long_prompt=5000)
+
+
+def test_long_prompt_is_not_a_serve_flag():
+    p = argparse.ArgumentParser()
+    add_parser(p.add_subparsers(dest="cmd"))
+    args = p.parse_args(["bench", MODEL, "-z", TOKENIZER, "--serve", "--long-prompt", "100"])
+    from runtime.cli.common import CliError
+
+    with pytest.raises(CliError, match="--long-prompt"):
+        run(args)
+
+
+def test_long_prompt_beside_llamacpps(tmp_path):
+    """``--long-prompt --compare-llamacpp`` on a real model: llama.cpp runs
+    the long prompt too, and its fractions are its own figures' ratios."""
+    pytest.importorskip("xllamacpp", reason="llama.cpp's server is the xllamacpp package (the test extra)")
+    import subprocess
+    import sys
+
+    from shared_data import SMOLLM2, instruct_models
+
+    env = {**os.environ, "PYTHONPATH": os.path.join(HERE, ".."), "LMC_CACHE_DIR": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-m", "runtime.cli", "bench", instruct_models()[SMOLLM2], "--runs", "2",
+                        "--prompt-tokens", "32", "--long-prompt", "300", "--gen-tokens", "8", "--probe-mb", "64",
+                        "--compare-llamacpp", "--json"], env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["long_prompt_tokens"] == 300 and got["long_prefill_fraction"] > 0 and got["long_decode_fraction"] > 0
+    ll = got["llamacpp"]
+    assert "error" not in ll and "long_error" not in ll, ll
+    assert ll["long_prefill_fraction"] == pytest.approx(ll["long_prefill_tok_s"] / ll["prefill_tok_s"])
+    assert ll["long_decode_fraction"] == pytest.approx(ll["long_decode_tok_s"] / ll["decode_tok_s"])

@@ -38,6 +38,11 @@ _TABLE = [
     ("prefill_int8_gops", "prefill matmuls", "{:.0f} GOPS"),
     ("prefill_int8_fraction", "prefill / int8 peak", "{:.1%}"),
     ("decode_tok_s", "decode", "{:.1f} tok/s"),
+    ("long_prompt_tokens", "long prompt", "{} tokens"),
+    ("long_prefill_tok_s", "  prefill", "{:.1f} tok/s"),
+    ("long_prefill_fraction", "  against the prompt's, in turns", "{:.1%}"),
+    ("long_decode_tok_s", "  decode after it", "{:.1f} tok/s"),
+    ("long_decode_fraction", "  against the decode after the prompt", "{:.1%}"),
     ("speculative", "speculative decoding", "{}"),
     ("plain_loop_tok_s", "plain, decode + sampling", "{:.1f} tok/s"),
     ("speculative_loop_tok_s", "speculative, same", "{:.1f} tok/s"),
@@ -70,6 +75,8 @@ def format_table(r: dict[str, Any]) -> str:
             continue
         if key.startswith("constrained") and r.get("constraint") is None:
             continue
+        if key.startswith("long_") and r.get("long_prompt_tokens") is None:
+            continue
         rows.append((label, "-" if v is None else fmt.format(v)))
         if key == "speculative_identical" and r.get("verify_cost_steps"):
             rows.append(("a decode step, beside the checks", f"{r['decode_step_ms']:.2f} ms"))
@@ -89,6 +96,11 @@ def format_table(r: dict[str, Any]) -> str:
             continue
         rows.append((f"{name} prefill / decode", f"{peer['prefill_tok_s']:.1f} / {peer['decode_tok_s']:.1f} tok/s"))
         rows.append((f"  lmc / {name}", f"prefill {r['prefill_vs_' + key]:.2f}x, decode {r['decode_vs_' + key]:.2f}x"))
+        if "long_prefill_tok_s" in peer:
+            rows.append((f"  {name}, long prompt", f"{peer['long_prefill_tok_s']:.1f} / {peer['long_decode_tok_s']:.1f} "
+                         f"tok/s ({peer['long_prefill_fraction']:.1%} / {peer['long_decode_fraction']:.1%})"))
+        elif "long_error" in peer:
+            rows.append((f"  {name}, long prompt", peer["long_error"]))
         if "constrained_decode_tok_s" in peer:
             rows.append((f"  {name} under the JSON schema", f"{peer['constrained_decode_tok_s']:.1f} tok/s, "
                          f"{peer['constrained_vs_plain']:.2f}x its plain loop"))
@@ -126,6 +138,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "words of each synthetic prompt (default 64)")
     b.add_argument("--gen-tokens", type=whole_number("--gen-tokens", 1), default=None,
                    help="greedy decode steps timed (default 128); with --serve, tokens of each reply (default 64)")
+    b.add_argument("--long-prompt", type=whole_number("--long-prompt", 1), default=None, metavar="N",
+                   help="also generate after N random prompt tokens, in turns with the prompt: prefill and the "
+                        "decode after it, each against the prompt's (medians of the pairs), peers too")
     b.add_argument("--runs", type=whole_number("--runs", 1), default=5,
                    help="repetitions; medians are reported (default 5)")
     b.add_argument("--backend", choices=["llvm", "interp"], default="llvm")
@@ -205,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
                   gen_tokens=args.gen_tokens or 128, runs=args.runs, backend=args.backend,
                   probe_bytes=args.probe_mb << 20, kv_type=args.kv_type, mem_budget=args.mem_budget,
                   stream=args.stream, stream_io=args.stream_io, speculation=spec, prompt_text=prompt_text,
-                  constraint=constraint)
+                  constraint=constraint, long_prompt=args.long_prompt)
     if args.compare_llamacpp:
         compare_with(r, "llamacpp", args.model, args.threads, args.runs, prompt_text=prompt_text, json_schema=schema)
     if args.compare_openvino:
@@ -227,6 +242,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise CliError("--compare-openvino measures one stream; not with --serve")
     if args.cold_start:
         raise CliError("--cold-start times lmc run; not with --serve")
+    if args.long_prompt is not None:
+        raise CliError("--long-prompt measures one stream; not with --serve")
     extra = ["--backend", args.backend]
     if args.kv_type:
         extra += ["--kv-type", args.kv_type]

@@ -129,12 +129,38 @@ def verify_cost(ex: Any, ids: list[int], draft_max: int, rounds: int = VERIFY_RO
             "verify_cost_steps": {str(r): statistics.median(v) / step for r, v in calls.items()}}
 
 
+def long_context(model: Model, short_ids: list[int], long_ids: list[int], gen: int, runs: int) -> dict[str, Any]:
+    """What a long prompt costs prefill and the decode after it: greedy
+    generations after the short prompt and after the long one, in turns
+    (the order swapped every run, so that neighbours on the machine weigh
+    on both alike); per pair the long prompt's rates over the short one's,
+    medians and spreads of those ratios (``long_*_fraction``)."""
+    model.speculation = None
+    rates: dict[str, list[float]] = {k: [] for k in ("sp", "sd", "lp", "ld")}
+    for i in range(runs):
+        pair = [("s", short_ids), ("l", long_ids)]
+        for tag, ids in pair if i % 2 == 0 else pair[::-1]:
+            got = list(model.generate(ids, gen + 1, temperature=0.0, stop=False))
+            st = model.last_stats
+            if len(got) != gen + 1 or st.decode_s <= 0 or st.prefill_s <= 0:
+                raise RuntimeError(f"generation stopped after {len(got)} of {gen + 1} tokens")
+            rates[tag + "p"].append(len(ids) / st.prefill_s)
+            rates[tag + "d"].append(gen / st.decode_s)
+    pre = [lg / sh for lg, sh in zip(rates["lp"], rates["sp"])]
+    dec = [lg / sh for lg, sh in zip(rates["ld"], rates["sd"])]
+    return {"long_prompt_tokens": len(long_ids),
+            "long_prefill_tok_s": statistics.median(rates["lp"]),
+            "long_decode_tok_s": statistics.median(rates["ld"]),
+            "long_prefill_fraction": statistics.median(pre), "long_prefill_fraction_spread": spread(pre),
+            "long_decode_fraction": statistics.median(dec), "long_decode_fraction_spread": spread(dec)}
+
+
 def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_tokens: int = 128,
               gen_tokens: int = 128, runs: int = 5, backend: str = "llvm", probe_bytes: int = 1 << 30,
               probe_repeats: int = 5, seed: int = 0, kv_type: str | None = None,
               mem_budget: int | None = None, stream: str | None = None,
               stream_io: str = "pread", speculation=None, prompt_text: str | None = None,
-              constraint=None) -> dict[str, Any]:
+              constraint=None, long_prompt: int | None = None) -> dict[str, Any]:
     """Measure one model; see the module docstring. Compilation uses a fresh
     temporary cache (the user's cache is neither read nor written). With
     ``backend="interp"`` there is nothing to compile and the compile fields
@@ -146,7 +172,9 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
     instead of random ids; prompt lookup needs a real one. ``constraint``
     (``runtime.grammar``): also decode under it, each run right after a
     plain one, and report both loops' tokens per second (decode and
-    sampling: the mask is computed and applied in sampling) and their ratio."""
+    sampling: the mask is computed and applied in sampling) and their ratio.
+    ``long_prompt``: also generate after that many random prompt ids, in
+    turns with the prompt (``long_context``)."""
     from compiler.codegen.probe import ReadProbe, int8_unit, measure_int8_peak
     from compiler.codegen.target import amx_status
 
@@ -154,7 +182,7 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
         raise RunError(f"--threads {threads}: must be >= 1")
     if runs < 1:
         raise RunError(f"--runs {runs}: must be >= 1")
-    if prompt_tokens < 1 or gen_tokens < 1:
+    if prompt_tokens < 1 or gen_tokens < 1 or (long_prompt is not None and long_prompt < 1):
         raise RunError("the prompt and the generation need at least one token each")
     from compiler.codegen.target import cpu_model, host_target
 
@@ -206,6 +234,9 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
             rng = np.random.default_rng(seed)
             ids = [int(i) for i in rng.integers(3, loaded.config.vocab_size, prompt)]
         out["prompt_tokens"], out["gen_tokens"], out["runs"] = prompt, gen, runs
+        if long_prompt is not None and long_prompt + gen > model.ctx:
+            raise RunError(f"--long-prompt {long_prompt}: with {gen} generated tokens it exceeds the context "
+                           f"({model.ctx})")
         ex = model.executor
 
         def prefill() -> None:
@@ -278,6 +309,10 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
                 spec_loop.append(st.decode_s + st.sample_s)
                 spec_stats.append(st.extra)
         out["decode_tok_s"] = gen / statistics.median(decode_s)
+        if long_prompt is not None:
+            rng = np.random.default_rng(seed + 1)
+            long_ids = [int(i) for i in rng.integers(3, loaded.config.vocab_size, long_prompt)]
+            out.update(long_context(model, ids, long_ids, gen, runs))
         if constraint is not None:
             if not constrained:
                 raise RunError("the constrained generation ended after its first token: give a prompt "
@@ -337,19 +372,29 @@ def compare_with(r: dict[str, Any], peer: str, model_path: str, threads: int, ru
     ``run_bench`` result. ``peer``: ``llamacpp`` (the xllamacpp package) or
     ``openvino`` (OpenVINO GenAI), each run in a child process. llama.cpp
     also takes our prompt text and JSON schema (``constrained_vs_llamacpp``:
-    our decode loop under the schema against its own)."""
+    our decode loop under the schema against its own). With a long prompt
+    (``long_context``), the peer also runs on random ids of its length, in
+    a second child after the first (its ``long_*`` figures)."""
+    vocab = int(r.get("vocab_size") or 32000)
     if peer == "llamacpp":
-        from .llamacpp_bench import bench_llamacpp
+        from .llamacpp_bench import bench_llamacpp as bench
 
-        got = bench_llamacpp(model_path, threads, r["prompt_tokens"], r["gen_tokens"], runs,
-                             int(r.get("vocab_size") or 32000), prompt_text=prompt_text, json_schema=json_schema)
+        got = bench(model_path, threads, r["prompt_tokens"], r["gen_tokens"], runs, vocab, prompt_text=prompt_text,
+                    json_schema=json_schema)
     elif peer == "openvino":
-        from .openvino_bench import bench_openvino
+        from .openvino_bench import bench_openvino as bench
 
-        got = bench_openvino(model_path, threads, r["prompt_tokens"], r["gen_tokens"], runs,
-                             int(r.get("vocab_size") or 32000))
+        got = bench(model_path, threads, r["prompt_tokens"], r["gen_tokens"], runs, vocab)
     else:
         raise ValueError(f"unknown peer {peer!r}")
+    if "error" not in got and r.get("long_prompt_tokens"):   # random ids of the long prompt's length, after
+        long = bench(model_path, threads, r["long_prompt_tokens"], r["gen_tokens"], runs, vocab)
+        if "error" in long:
+            got["long_error"] = long["error"]
+        else:
+            got["long_prefill_tok_s"], got["long_decode_tok_s"] = long["prefill_tok_s"], long["decode_tok_s"]
+            got["long_prefill_fraction"] = long["prefill_tok_s"] / got["prefill_tok_s"]
+            got["long_decode_fraction"] = long["decode_tok_s"] / got["decode_tok_s"]
     r[peer] = got
     if "error" not in got:
         r[f"decode_vs_{peer}"] = r["decode_tok_s"] / got["decode_tok_s"]
