@@ -129,6 +129,21 @@ def verify_cost(ex: Any, ids: list[int], draft_max: int, rounds: int = VERIFY_RO
             "verify_cost_steps": {str(r): statistics.median(v) / step for r, v in calls.items()}}
 
 
+def random_ids(vocab: int, n: int, seed: int) -> list[int]:
+    """n random prompt ids past the first three (the control tokens of llama2.c vocabularies)."""
+    return [int(i) for i in np.random.default_rng(seed).integers(3, vocab, n)]
+
+
+def greedy_run(model: Model, ids: list[int], gen: int) -> tuple[list[int], Any]:
+    """The prompt ``ids``, then ``gen`` greedy decode steps past the first
+    token (no stop): the tokens and the run's ``GenerationStats``."""
+    got = list(model.generate(ids, gen + 1, temperature=0.0, stop=False))
+    st = model.last_stats
+    if len(got) != gen + 1 or st.decode_s <= 0 or st.prefill_s <= 0:
+        raise RuntimeError(f"generation stopped after {len(got)} of {gen + 1} tokens")
+    return got, st
+
+
 def long_context(model: Model, short_ids: list[int], long_ids: list[int], gen: int, runs: int) -> dict[str, Any]:
     """What a long prompt costs prefill and the decode after it: greedy
     generations after the short prompt and after the long one, in turns
@@ -136,21 +151,17 @@ def long_context(model: Model, short_ids: list[int], long_ids: list[int], gen: i
     on both alike); per pair the long prompt's rates over the short one's,
     medians and spreads of those ratios (``long_*_fraction``)."""
     model.speculation = None
-    rates: dict[str, list[float]] = {k: [] for k in ("sp", "sd", "lp", "ld")}
+    rates: dict[int, list[tuple[float, float]]] = {0: [], 1: []}   # (prefill, decode) tok/s: short, long
     for i in range(runs):
-        pair = [("s", short_ids), ("l", long_ids)]
-        for tag, ids in pair if i % 2 == 0 else pair[::-1]:
-            got = list(model.generate(ids, gen + 1, temperature=0.0, stop=False))
-            st = model.last_stats
-            if len(got) != gen + 1 or st.decode_s <= 0 or st.prefill_s <= 0:
-                raise RuntimeError(f"generation stopped after {len(got)} of {gen + 1} tokens")
-            rates[tag + "p"].append(len(ids) / st.prefill_s)
-            rates[tag + "d"].append(gen / st.decode_s)
-    pre = [lg / sh for lg, sh in zip(rates["lp"], rates["sp"])]
-    dec = [lg / sh for lg, sh in zip(rates["ld"], rates["sd"])]
+        for which in (0, 1) if i % 2 == 0 else (1, 0):
+            ids = (short_ids, long_ids)[which]
+            _, st = greedy_run(model, ids, gen)
+            rates[which].append((len(ids) / st.prefill_s, gen / st.decode_s))
+    pre = [lg[0] / sh[0] for lg, sh in zip(rates[1], rates[0])]
+    dec = [lg[1] / sh[1] for lg, sh in zip(rates[1], rates[0])]
     return {"long_prompt_tokens": len(long_ids),
-            "long_prefill_tok_s": statistics.median(rates["lp"]),
-            "long_decode_tok_s": statistics.median(rates["ld"]),
+            "long_prefill_tok_s": statistics.median(r[0] for r in rates[1]),
+            "long_decode_tok_s": statistics.median(r[1] for r in rates[1]),
             "long_prefill_fraction": statistics.median(pre), "long_prefill_fraction_spread": spread(pre),
             "long_decode_fraction": statistics.median(dec), "long_decode_fraction_spread": spread(dec)}
 
@@ -231,8 +242,7 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
             prompt, gen = len(ids), gen_tokens
         else:
             prompt, gen = clip_lengths(model.ctx, prompt_tokens, gen_tokens)
-            rng = np.random.default_rng(seed)
-            ids = [int(i) for i in rng.integers(3, loaded.config.vocab_size, prompt)]
+            ids = random_ids(loaded.config.vocab_size, prompt, seed)
         out["prompt_tokens"], out["gen_tokens"], out["runs"] = prompt, gen, runs
         if long_prompt is not None and long_prompt + gen > model.ctx:
             raise RunError(f"--long-prompt {long_prompt}: with {gen} generated tokens it exceeds the context "
@@ -289,10 +299,7 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
             # the probe has just pushed the weights out of the caches: the plain
             # and the constrained runs take turns at being first after it
             rate = constrained_run() if constraint is not None and i % 2 else None
-            got = list(model.generate(ids, gen + 1, temperature=0.0, stop=False))
-            st = model.last_stats
-            if len(got) != gen + 1 or st.decode_s <= 0:
-                raise RuntimeError(f"generation stopped after {len(got)} of {gen + 1} tokens")
+            got, st = greedy_run(model, ids, gen)
             decode_s.append(st.decode_s)  # exactly `gen` decode steps, sampling excluded
             plain_loop.append(st.decode_s + st.sample_s)
             if "decode_io_wait_s" in st.extra:
@@ -310,9 +317,7 @@ def run_bench(model_path: str, tokenizer: str | None, threads: int, prompt_token
                 spec_stats.append(st.extra)
         out["decode_tok_s"] = gen / statistics.median(decode_s)
         if long_prompt is not None:
-            rng = np.random.default_rng(seed + 1)
-            long_ids = [int(i) for i in rng.integers(3, loaded.config.vocab_size, long_prompt)]
-            out.update(long_context(model, ids, long_ids, gen, runs))
+            out.update(long_context(model, ids, random_ids(loaded.config.vocab_size, long_prompt, seed + 1), gen, runs))
         if constraint is not None:
             if not constrained:
                 raise RunError("the constrained generation ended after its first token: give a prompt "
